@@ -1,0 +1,23 @@
+"""The plugin's callbacks, one per module; each works alone and only acts on rank 0."""
+
+from .input_density import InputDensityCallback
+from .memory_phases import MemoryPhaseCallback
+from .plan_stats import PlanStatsCallback
+
+__all__ = ["InputDensityCallback", "MemoryPhaseCallback", "PlanStatsCallback", "default_callbacks"]
+
+
+def default_callbacks(args):
+    """The callbacks `MemoptTrainingArguments` asks for."""
+    from .base import ensure_visible_logging
+
+    callbacks = []
+    if getattr(args, "use_ort", False) and getattr(args, "log_memory_plans", False):
+        callbacks.append(PlanStatsCallback())
+    if getattr(args, "print_input_density", False):
+        callbacks.append(InputDensityCallback(args.input_density_table_steps))
+    if getattr(args, "print_memory_stats", False):
+        callbacks.append(MemoryPhaseCallback())
+    if callbacks and args.process_index == 0:
+        ensure_visible_logging()
+    return callbacks
