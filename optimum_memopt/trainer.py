@@ -25,6 +25,24 @@ from .trainer_args import MemoptTrainingArguments
 logger = logging.getLogger(__name__)
 
 
+def smoothed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, epsilon: float, ignore_index: int = -100):
+    """Cross-entropy with label smoothing, averaged over labels that are not ignored.
+
+    Written out with log_softmax and gather because ORT 1.19's exporter refuses
+    `cross_entropy(label_smoothing=...)` ("ONNX does not support label_smoothing"). Same value as
+    the Trainer's LabelSmoother: (1 - eps) * NLL + eps * mean over classes of -log p.
+    """
+    log_probs = torch.log_softmax(logits.reshape(-1, logits.shape[-1]).float(), dim=-1)
+    labels = labels.reshape(-1)
+    valid = labels != ignore_index
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    nll = -log_probs.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    smooth = -log_probs.mean(dim=-1)
+    per_label = (1.0 - epsilon) * nll + epsilon * smooth
+    weights = valid.to(per_label.dtype)
+    return (per_label * weights).sum() / weights.sum().clamp(min=1.0)
+
+
 class LossInGraph(nn.Module):
     """Runs the model and returns only its loss, so the loss is computed inside ORT's graph and the
     logits never leave it (ORT can then drop ignored labels before the loss: label sparsity).
@@ -43,12 +61,7 @@ class LossInGraph(nn.Module):
         if self.label_smoothing > 0 and labels is not None:
             kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
             logits = self.model(*args, **kwargs)["logits"]
-            loss = nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(),
-                labels.reshape(-1),
-                ignore_index=-100,
-                label_smoothing=self.label_smoothing,
-            )
+            loss = smoothed_cross_entropy(logits, labels, self.label_smoothing)
         else:
             outputs = self.model(*args, **kwargs)
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs[0]

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from transformers import TrainingArguments
+from transformers.training_args import OptimizerNames
 
 from . import memory_config
 from .memory_config import FLAG as CONFIG_FLAG
@@ -79,6 +80,15 @@ class MemoptTrainingArguments(TrainingArguments):
             computed inside), which lets ORT's label-sparsity optimization apply.
     """
 
+    # Redeclared so argparse accepts `adamw_ort_fused`, which transformers 4.46 no longer lists.
+    optim: str = field(
+        default="adamw_torch",
+        metadata={
+            "help": "The optimizer to use; `adamw_ort_fused` is ONNX Runtime's FusedAdam (CUDA; on CPU the fused "
+            "torch AdamW is used instead).",
+            "choices": [o.value for o in OptimizerNames] + [ORT_FUSED],
+        },
+    )
     use_ort: bool = field(
         default=True,
         metadata={"help": "Train through ORTModule. `--use_ort false` trains the same script in plain PyTorch, to compare."},

@@ -1,0 +1,118 @@
+"""Tiny models built from configs in code, generated data, and a trainer that records exact losses."""
+
+import torch
+from transformers import (
+    DebertaV2Config,
+    DebertaV2ForMaskedLM,
+    DebertaV2ForSequenceClassification,
+    HfArgumentParser,
+    RobertaConfig,
+    RobertaForMaskedLM,
+    RobertaForSequenceClassification,
+    TrainerCallback,
+)
+
+from optimum_memopt import MemoptTrainingArguments
+from optimum_memopt.trainer import MemoptTrainer
+
+VOCAB = 128
+SEQ = 32
+
+
+def tiny_model(arch="deberta", task="cls", seed=0, attn=None):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2)
+    if arch == "deberta":
+        cfg = DebertaV2Config(max_position_embeddings=64, pad_token_id=0, **common)
+        cls = DebertaV2ForSequenceClassification if task == "cls" else DebertaV2ForMaskedLM
+    else:
+        cfg = RobertaConfig(max_position_embeddings=SEQ + 4, pad_token_id=1, **common)
+        cls = RobertaForSequenceClassification if task == "cls" else RobertaForMaskedLM
+    if attn:
+        cfg._attn_implementation = attn
+    return cls(cfg)
+
+
+class ClsData(torch.utils.data.Dataset):
+    """Variable-length sequences padded to SEQ; the label is learnable from the tokens."""
+
+    def __init__(self, n=64, pad_id=0):
+        self.n, self.pad_id = n, pad_id
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(1000 + i)
+        length = 6 + (i * 7) % (SEQ - 6)
+        ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
+        label = int(ids[:length].float().mean() > VOCAB / 2)
+        ids[length:] = self.pad_id
+        return {"input_ids": ids, "attention_mask": (torch.arange(SEQ) < length).long(), "labels": torch.tensor(label)}
+
+
+class MlmData(torch.utils.data.Dataset):
+    """Packed sequences with 15% of positions labelled."""
+
+    def __init__(self, n=64):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(2000 + i)
+        ids = torch.randint(3, VOCAB, (SEQ,), generator=g)
+        mask = torch.rand(SEQ, generator=g) < 0.15
+        labels = torch.where(mask, ids, torch.full_like(ids, -100))
+        ids = torch.where(mask, torch.full_like(ids, 2), ids)
+        return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": labels}
+
+
+def make_args(output_dir, *flags):
+    base = ["--output_dir", str(output_dir), "--per_device_train_batch_size", "8", "--report_to", "none",
+            "--use_cpu", "--seed", "42", "--learning_rate", "1e-3", "--save_strategy", "no",
+            "--disable_tqdm", "true", "--dataloader_num_workers", "0"]
+    (args,) = HfArgumentParser(MemoptTrainingArguments).parse_args_into_dataclasses(base + list(flags))
+    return args
+
+
+class LossRecordingTrainer(MemoptTrainer):
+    """Keeps every step's loss unrounded (the log history rounds to 4 digits)."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.losses = []
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+class EventRecorder(TrainerCallback):
+    """Records which callback events fired, in order."""
+
+    def __init__(self):
+        self.events = []
+
+    def __getattribute__(self, name):
+        if name.startswith("on_"):
+            events = object.__getattribute__(self, "events")
+
+            def record(args, state, control, **kwargs):
+                events.append((name, state.global_step))
+
+            return record
+        return object.__getattribute__(self, name)
+
+
+def train(arch="deberta", task="cls", flags=(), out=None, steps=20, recorder=None, model=None):
+    model = model or tiny_model(arch, task)
+    data = ClsData(pad_id=model.config.pad_token_id) if task == "cls" else MlmData()
+    args = make_args(out, "--max_steps", str(steps), "--logging_steps", "1", *flags)
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=data,
+                                   callbacks=[recorder] if recorder else None)
+    trainer.train()
+    return trainer
