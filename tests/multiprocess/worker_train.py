@@ -1,0 +1,75 @@
+"""Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
+
+MODE: ddp | zero1 | zero2 | single (world of 1, same global batch) | fail_rank1.
+Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
+"""
+
+import json
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import optimum_memopt  # noqa: E402,F401  (imports DeepSpeed early)
+import torch  # noqa: E402
+
+from helpers import ClsData, LossRecordingTrainer, make_args, tiny_model  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class CountingHandler(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+class SequentialTrainer(LossRecordingTrainer):
+    # Same sample order in every mode, so the 2-rank global batch equals the single-process batch.
+    def _get_train_sampler(self):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    rank = int(os.environ.get("RANK", "0"))
+    if mode == "fail_rank1" and rank == 1:
+        raise RuntimeError("rank 1 failed on purpose")
+    handler = CountingHandler()
+    logging.getLogger("optimum_memopt").addHandler(handler)
+    per_device = "8" if mode == "single" else "4"
+    flags = ["--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", per_device,
+             "--memory_opt_config", "Gelu+:1:-1", "--print_memory_stats", "--print_input_density",
+             "--input_density_table_steps", "3", "--ddp_backend", "gloo", "--optim", "adamw_ort_fused"]
+    if mode.startswith("zero"):
+        flags += ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{mode}.json")]
+    args = make_args(out, *flags)
+    trainer = SequentialTrainer(model=tiny_model("deberta"), args=args, train_dataset=ClsData(n=64))
+    trainer.train()
+    params = torch.cat([p.detach().float().flatten() for p in trainer.plain_model.parameters()])
+    callbacks = {type(cb).__name__: cb for cb in trainer.callback_handler.callbacks}
+    report = {
+        "rank": rank,
+        "world": int(os.environ.get("WORLD_SIZE", "1")),
+        "losses": trainer.losses,
+        "param_sum": float(params.sum()),
+        "param_abs_sum": float(params.abs().sum()),
+        "params": params.tolist(),
+        "wrapped": f"{type(trainer.model_wrapped).__name__}({type(trainer.model).__name__})",
+        "plan_tables": sum("recompute plan(s) found" in m for m in handler.messages),
+        "density_tables": sum(m.startswith("Input density") for m in handler.messages),
+        "phase_rows": len(callbacks["MemoryPhaseCallback"].rows),
+        "density_rows": len(callbacks["InputDensityCallback"].rows),
+        "plan_stats": callbacks["PlanStatsCallback"].stats is not None,
+        "logged_memopt_keys": sorted({k for h in trainer.state.log_history for k in h if k.startswith("memopt/")}),
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()
