@@ -13,11 +13,12 @@ ORTModule's parameters, so no second (inference) graph is exported. Checkpoints 
 
 import contextlib
 import logging
+import os
 from typing import Optional
 
 import torch
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from . import ort
 from .trainer_args import MemoptTrainingArguments
@@ -93,6 +94,46 @@ def use_eager_attention(model: nn.Module) -> bool:
     return switched
 
 
+def fp16_optimizer_decision(args, deepspeed_enabled: bool, cuda: bool):
+    """Whether ORT's FP16_Optimizer applies, and why (logged either way).
+
+    It replaces the overflow check and gradient-norm code of DeepSpeed's ZeRO stage 1/2 fp16
+    optimizer with fused versions; it has nothing to improve elsewhere.
+    """
+    if not args.use_ort:
+        return False, "ORT's FP16_Optimizer skipped: --use_ort false"
+    if not args.fp16:
+        return False, "ORT's FP16_Optimizer skipped: it only changes fp16 training (--fp16 is off)"
+    if not cuda:
+        return False, "ORT's FP16_Optimizer skipped: fp16 training needs CUDA"
+    if not deepspeed_enabled:
+        return False, ("ORT's FP16_Optimizer skipped: it complements DeepSpeed's (or Apex's) fp16 optimizer; "
+                       "with torch AMP the GradScaler already does that work")
+    return True, "ORT's FP16_Optimizer applied to DeepSpeed's ZeRO fp16 optimizer"
+
+
+class _Fp16OptimizerHook(TrainerCallback):
+    """Applies ORT's FP16_Optimizer once DeepSpeed built its optimizer (inside accelerator.prepare,
+    so after `_wrap_model`); `on_train_begin` is the first point where it exists."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.decision = None
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        if self.decision is not None:
+            return
+        apply, reason = fp16_optimizer_decision(args, self.trainer.is_deepspeed_enabled, torch.cuda.is_available())
+        self.decision = (apply, reason)
+        if apply:
+            from onnxruntime.training.optim.fp16_optimizer import FP16_Optimizer
+
+            inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper holds DeepSpeed's optimizer
+            FP16_Optimizer(inner)  # modifies the instance in place
+        if state.is_world_process_zero and (apply or args.fp16):
+            logger.info("%s", reason)
+
+
 class MemoptTrainerMixin:
     """Trains through ORTModule with the settings of `MemoptTrainingArguments`.
 
@@ -126,6 +167,16 @@ class MemoptTrainerMixin:
         for callback in default_callbacks(self.args):
             if type(callback) not in present:
                 self.add_callback(callback)
+        from .advisor.measure import ENV_OUT, MeasureCallback
+
+        if os.environ.get(ENV_OUT):  # a probe child: report peak memory and step times
+            self.add_callback(MeasureCallback(os.environ[ENV_OUT]))
+        if self.args.use_ort and self.args.memory_opt_auto:
+            from .advisor.auto import resolve_auto
+
+            resolve_auto(self.args)
+        self.fp16_optimizer_hook = _Fp16OptimizerHook(self)
+        self.add_callback(self.fp16_optimizer_hook)
         if self.args.optimizer_note and self.is_world_process_zero():
             logger.info("optimizer: %s", self.args.optimizer_note)
 

@@ -57,6 +57,8 @@ class MemoptTrainingArguments(TrainingArguments):
         memory_budget_mb (`float`, *optional*):
             With `--memory_opt_config auto`: the peak memory (MiB; CUDA max allocated, or CPU resident above
             the pre-training level) the chosen plans must fit under.
+        memory_probe_max_plans (`int`, defaults to 6), memory_probe_steps (`int`, defaults to 6):
+            With `--memory_opt_config auto`: how many of ORT's plans to measure, and for how many steps each.
         ort_log_level (`str`, defaults to `"WARNING"`):
             ORTModule's log level: WARNING, INFO, DEVINFO or VERBOSE. Our own plan table is printed on rank 0
             at every level; INFO and below add ORT's own tables and export logs.
@@ -114,6 +116,12 @@ class MemoptTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "With --memory_opt_config auto: peak memory in MiB the chosen plans must fit under."},
     )
+    memory_probe_max_plans: int = field(
+        default=6, metadata={"help": "With --memory_opt_config auto: how many of ORT's plans to measure, largest first."}
+    )
+    memory_probe_steps: int = field(
+        default=6, metadata={"help": "With --memory_opt_config auto: training steps per measured configuration."}
+    )
     ort_log_level: str = field(
         default="WARNING",
         metadata={
@@ -163,9 +171,45 @@ class MemoptTrainingArguments(TrainingArguments):
         self.optimizer_note: Optional[str] = None
         if self.ort_fused_adam:
             self.optim = "adamw_torch"
+        requested = self.memory_opt_config if self.memory_opt_config is not None else os.environ.get(ENV_CONFIG, "")
+        if str(requested).strip().lower() == memory_config.AUTO and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # Checked before the parent's __post_init__, which would start the distributed setup.
+            raise ValueError(
+                f"`{CONFIG_FLAG} auto` probes the script in single-process runs and cannot run under a multi-process "
+                f"launch; run `memopt-probe --budget_mb MIB -- SCRIPT ...` once and pass the plans it chooses, as in "
+                f"`{CONFIG_FLAG} BiasGelu+:1:-1`"
+            )
+        if self.use_ort and self._requested_zero_stage() == 3:
+            # Checked before the parent's __post_init__, which would start DeepSpeed's distributed setup.
+            raise ValueError(
+                "`--deepspeed` selects ZeRO stage 3, which ORTModule cannot run with the pinned stack: ORT 1.19's "
+                "stage-3 support imports `_apply_to_tensors_only` from deepspeed.runtime.zero.parameter_offload, "
+                "which DeepSpeed 0.15 renamed (ImportError). Use ZeRO stage 1 or 2 (examples/configs/ds_zero2.json), "
+                "or `--use_ort false`"
+            )
         super().__post_init__()
         self._resolve_memory_settings()
         self._check_conflicts()
+
+    def _requested_zero_stage(self) -> Optional[int]:
+        import json
+
+        config = self.deepspeed
+        if isinstance(config, str):
+            if not os.path.isfile(config):
+                return None  # the parent reports the missing file
+            try:
+                with open(config, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, ValueError):
+                return None
+        if isinstance(config, dict):
+            stage = config.get("zero_optimization", {}).get("stage")
+            return int(stage) if isinstance(stage, (int, str)) and str(stage).isdigit() else None
+        if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes"):
+            stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+            return int(stage) if stage.isdigit() else None
+        return None
 
     # -- parsing ---------------------------------------------------------------------------
     def _resolve_memory_settings(self):

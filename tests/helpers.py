@@ -72,7 +72,7 @@ class MlmData(torch.utils.data.Dataset):
 
 def make_args(output_dir, *flags):
     base = ["--output_dir", str(output_dir), "--per_device_train_batch_size", "8", "--report_to", "none",
-            "--use_cpu", "--seed", "42", "--learning_rate", "1e-3", "--save_strategy", "no",
+            *(() if torch.cuda.is_available() else ("--use_cpu",)), "--seed", "42", "--learning_rate", "1e-3", "--save_strategy", "no",
             "--disable_tqdm", "true", "--dataloader_num_workers", "0"]
     (args,) = HfArgumentParser(MemoptTrainingArguments).parse_args_into_dataclasses(base + list(flags))
     return args

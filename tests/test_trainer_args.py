@@ -116,3 +116,17 @@ def test_real_install_is_detected():
     assert ort.is_ort_training_installed()
     assert ort.ort_extensions_built()
     assert ort.ort_problem() is None
+
+
+def test_zero3_is_refused_with_the_reason(tmp_path):
+    cfg = tmp_path / "ds_zero3.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": "auto"}))
+    with pytest.raises(ValueError, match=r"^`--deepspeed` selects ZeRO stage 3, which ORTModule cannot run with the pinned stack: .*_apply_to_tensors_only.*Use ZeRO stage 1 or 2"):
+        parse("--deepspeed", str(cfg))
+
+
+def test_zero3_import_really_fails_with_the_pinned_deepspeed():
+    # The reason given above, checked against the installed DeepSpeed.
+    code = "from deepspeed.runtime.zero.parameter_offload import _apply_to_tensors_only"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0 and "ImportError" in res.stderr

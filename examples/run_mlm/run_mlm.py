@@ -147,7 +147,8 @@ def main(argv: Optional[List[str]] = None):
     results = {}
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        trainer.save_model()
+        if not os.environ.get("MEMOPT_PROBE_CHILD"):  # a probe's short measuring run keeps nothing
+            trainer.save_model()
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)
         results.update(train_result.metrics)
