@@ -9,7 +9,6 @@ the peak within a phase; where that file cannot be written, the peak is the proc
 since start (`peak_resets` says which).
 """
 
-import os
 import resource
 from dataclasses import dataclass
 from typing import Optional
@@ -83,11 +82,3 @@ class MemoryMeter:
             return MemoryReading("cpu", peak, peak)
         return MemoryReading("cpu", rss / 1024.0, (hwm if hwm is not None else rss) / 1024.0)
 
-
-def process_peak_mb() -> float:
-    """The process's peak resident memory since start (or since the last reset), in MiB."""
-    return MemoryMeter("cpu").read().peak_mb if not torch.cuda.is_available() else torch.cuda.max_memory_allocated() / MIB
-
-
-def cpu_count_in_use() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

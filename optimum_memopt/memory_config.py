@@ -48,6 +48,17 @@ def _types_text() -> str:
     return "0 (none), 1 (recompute) or 2 (recompute with compromise)"
 
 
+def _parse_int(text: str, what: str, expected: str) -> int:
+    """An integer written as one ('1', '-1'); '1.0', 'x' or '' are refused with ``what`` and ``expected``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or str(value) != text.lstrip("+"):
+        raise ValueError(f"{what} {text!r}, not an integer; {expected}")
+    return value
+
+
 def parse_entry(text: str, source: str = "") -> MemoryOptEntry:
     """Parse and validate one ``Subgraph+:type:count`` string.
 
@@ -74,33 +85,14 @@ def parse_entry(text: str, source: str = "") -> MemoryOptEntry:
             f"{prefix} has subgraph {subgraph!r} that {detail}; expected a sequence of 'OpName+' parts "
             f"such as 'BiasGelu+' or 'Reshape+Where+BiasSoftmax+', as in {EXAMPLE!r}"
         )
-    try:
-        opt_type = int(type_text)
-        if str(opt_type) != type_text.lstrip("+"):
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"{prefix} has optimization type {type_text!r}, not an integer; expected {_types_text()}, "
-            f"as in {EXAMPLE!r}"
-        ) from None
+    types_expected = f"expected {_types_text()}, as in {EXAMPLE!r}"
+    counts_expected = f"expected -1 (all occurrences) or a positive integer, as in {EXAMPLE!r} or 'BiasGelu+:1:2'"
+    opt_type = _parse_int(type_text, f"{prefix} has optimization type", types_expected)
     if opt_type not in OPTIMIZATION_TYPES:
-        raise ValueError(
-            f"{prefix} has optimization type {opt_type}; expected {_types_text()}, as in {EXAMPLE!r}"
-        )
-    try:
-        count = int(count_text)
-        if str(count) != count_text.lstrip("+"):
-            raise ValueError
-    except ValueError:
-        raise ValueError(
-            f"{prefix} has apply count {count_text!r}, not an integer; expected -1 (all occurrences) "
-            f"or a positive integer, as in {EXAMPLE!r} or 'BiasGelu+:1:2'"
-        ) from None
+        raise ValueError(f"{prefix} has optimization type {opt_type}; {types_expected}")
+    count = _parse_int(count_text, f"{prefix} has apply count", counts_expected)
     if count == 0 or count < -1:
-        raise ValueError(
-            f"{prefix} has apply count {count}; expected -1 (all occurrences) or a positive integer, "
-            f"as in {EXAMPLE!r} or 'BiasGelu+:1:2'"
-        )
+        raise ValueError(f"{prefix} has apply count {count}; {counts_expected}")
     return MemoryOptEntry(subgraph, opt_type, count)
 
 

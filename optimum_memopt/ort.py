@@ -195,10 +195,6 @@ def find_ort_module(model) -> Optional[torch.nn.Module]:
     return None
 
 
-def original_module(ort_model) -> torch.nn.Module:
-    return ort_model.module
-
-
 def _training_manager(ort_model):
     return ort_model._torch_module._execution_manager(True)
 
@@ -274,16 +270,3 @@ def read_plan_stats(ort_model) -> Optional[dict]:
         "plans": [p.as_dict() for p in plans],
     }
 
-
-def ort_version() -> Optional[str]:
-    try:
-        from importlib.metadata import version
-
-        for dist in ("onnxruntime-training", "onnxruntime-training-cpu"):
-            try:
-                return f"{dist} {version(dist)}"
-            except Exception:
-                continue
-    except Exception:
-        pass
-    return None

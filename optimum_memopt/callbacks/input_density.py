@@ -17,6 +17,7 @@ DENSITY, VALID TOKENS, TOTAL TOKENS, VALID TOKENS/BATCH) goes to the log; every 
 """
 
 import csv
+from collections import deque
 
 import torch
 
@@ -29,7 +30,8 @@ class InputDensityCallback(MetricsCallback):
     def __init__(self, table_steps: int = 10):
         super().__init__()
         self.table_steps = table_steps
-        self.rows = []  # (step, type, name, pad, valid, total, per_row)
+        # (step, type, name, pad, valid, total, per_row): only what the next table needs; every row is in the CSV
+        self.rows = deque(maxlen=4 * table_steps)
         self._handle = None
         self._state = None
         self._pad_id = None
