@@ -156,7 +156,7 @@ def main(argv=None):
              "rows": {k: {"base": v["base"].as_dict(), "max_batch": v.get("max_batch"),
                           "at_max": v["at_max"].as_dict() if v.get("at_max") else None} for k, v in r["rows"].items()}}
             for r in results]
-    with open(os.path.splitext(a.out)[0].lower() + ".json", "w") as f:
+    with open(os.path.splitext(a.out)[0] + ".json", "w") as f:
         json.dump(data, f, indent=2)
     print(text)
 

@@ -85,6 +85,10 @@ def verify(report: ProbeReport, choice: Choice, budget_mb: float, steps: int,
         progress(f"[auto] verifying {config} at batch {report.batch_size} ...")
         m = run_child(report.script_argv, config, memory_flags(True, config=config), report.batch_size, steps, timeout)
         if m.ok and m.peak_mb <= budget_mb:
+            if config != choice.config:
+                added = config[len(choice.config) + 1:]
+                choice.reason += (f"; measured together they missed the budget, so the next ranked plan(s) {added} "
+                                  f"were added")
             choice.config, choice.verified = config, m
             choice.reason += f"; verified together: peak {m.peak_mb:,.1f} MiB <= {budget_mb:,.1f} MiB"
             return choice
