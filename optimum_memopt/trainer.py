@@ -158,8 +158,7 @@ class MemoptTrainerMixin:
                 type(self.model).__name__,
             )
         if self.args.use_ort and self.args.ort_loss_in_graph:
-            # The label smoother would pop the labels before the forward; the wrapper applies it inside.
-            self._memopt_label_smoothing = self.args.label_smoothing_factor
+            # The label smoother would pop the labels before the forward; LossInGraph applies the smoothing inside.
             self.label_smoother = None
         from .callbacks import default_callbacks
 
@@ -210,7 +209,7 @@ class MemoptTrainerMixin:
         if self.args.use_ort and not ort.is_ort_module(self.model) and model is self.model:
             inner = self.model
             if self.args.ort_loss_in_graph:
-                self._memopt_loss_wrapper = LossInGraph(inner, getattr(self, "_memopt_label_smoothing", 0.0))
+                self._memopt_loss_wrapper = LossInGraph(inner, self.args.label_smoothing_factor)
                 inner = self._memopt_loss_wrapper
             wrapped = ort.wrap_model(inner, self._memopt_settings())
             if self.is_world_process_zero():
