@@ -176,8 +176,10 @@ class MemoptTrainerMixin:
             resolve_auto(self.args)
         self.fp16_optimizer_hook = _Fp16OptimizerHook(self)
         self.add_callback(self.fp16_optimizer_hook)
+        # Said here, once and on rank 0; the arguments are built on every rank.
         if self.args.optimizer_note and self.is_world_process_zero():
-            logger.info("optimizer: %s", self.args.optimizer_note)
+            level = logging.INFO if torch.cuda.is_available() else logging.WARNING  # a replacement is worth a warning
+            logger.log(level, "optimizer: %s", self.args.optimizer_note)
 
     # -- wrapping ------------------------------------------------------------------------------
     @property

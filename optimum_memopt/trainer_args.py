@@ -3,7 +3,6 @@
 Parsing and validation only; nothing here touches the model.
 """
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -16,7 +15,6 @@ from .memory_config import FLAG as CONFIG_FLAG
 from .memory_config import MemoryOptEntry, parse_memory_opt_config
 from .ort import FALLBACK_POLICIES, LOG_LEVELS, cuda_available, ort_problem
 
-logger = logging.getLogger(__name__)
 
 ORT_FUSED = "adamw_ort_fused"
 ENV_CONFIG = "ORTMODULE_MEMORY_OPT_CONFIG"
@@ -306,8 +304,6 @@ class MemoptTrainingArguments(TrainingArguments):
                 self.optimizer_note = (
                     "`--optim adamw_ort_fused` needs CUDA, which is not available; using torch.optim.AdamW instead"
                 )
-            if self.optimizer_note and not cuda_available():
-                logger.warning(self.optimizer_note)
         if self.use_ort and self.n_gpu > 1:
             raise ValueError(
                 "ORTModule cannot run under torch.nn.DataParallel (several GPUs in one process); launch one "
