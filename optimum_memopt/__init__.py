@@ -1,25 +1,35 @@
-"""optimum-memopt: bigger batches in the same memory for Hugging Face Trainer runs, through ONNX
-Runtime Training's memory optimizer, with per-step memory visibility on rank 0."""
+"""optimum-memopt: bigger batches in the same memory for Hugging Face Trainer runs, by recomputing chosen
+activations instead of keeping them, with per-step memory visibility on rank 0.
 
-from . import _early_imports  # noqa: F401  (must run before transformers' model classes load)
-from .memory_config import MemoryOptEntry, parse_memory_opt_config
-from .trainer_args import MemoptTrainingArguments
+Importing the package is light: transformers' Trainer, onnxruntime and DeepSpeed load on first use.
+"""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "MemoptTrainingArguments",
     "MemoptTrainer",
     "MemoptTrainerMixin",
-    "MemoryOptEntry",
-    "parse_memory_opt_config",
+    "MemoryOptConfig",
+    "PlanEntry",
+    "PlanReport",
+    "parse_plans",
 ]
+
+_LAZY = {
+    "MemoptTrainingArguments": "trainer_args",
+    "MemoptTrainer": "trainer",
+    "MemoptTrainerMixin": "trainer",
+    "MemoryOptConfig": "config",
+    "PlanEntry": "plans",
+    "PlanReport": "plans",
+    "parse_plans": "plans",
+}
 
 
 def __getattr__(name):
-    # The trainer pulls in transformers' Trainer; load it on first use.
-    if name in ("MemoptTrainer", "MemoptTrainerMixin"):
-        from . import trainer
+    if name in _LAZY:
+        import importlib
 
-        return getattr(trainer, name)
-    raise AttributeError(name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

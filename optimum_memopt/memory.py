@@ -1,29 +1,85 @@
-"""Memory readings on CUDA and on CPU, with a resettable peak.
+"""Memory readings on CUDA and on CPU, each with a peak that can be reset between phases.
 
-CUDA: `torch.cuda.memory_allocated` / `max_memory_allocated` / `memory_reserved`, and
-`reset_peak_memory_stats` to start a new peak.
+CUDA: `torch.cuda.memory_allocated` (bytes held by live tensors), `max_memory_allocated` (its peak
+since the last `reset_peak_memory_stats`) and `memory_reserved` (what the caching allocator holds).
 
-CPU: the process's resident set (VmRSS) and its high-water mark (VmHWM) from
-`/proc/self/status`. Writing `5` to `/proc/self/clear_refs` resets VmHWM on Linux, which gives
-the peak within a phase; where that file cannot be written, the peak is the process's peak
-since start (`peak_resets` says which).
+CPU: bytes in use at the allocator level, from glibc's `mallinfo2()` (`uordblks + hblkhd`: small
+blocks handed out plus large blocks served by mmap). Unlike resident memory, this figure drops when
+tensors are freed, so it shows activations being held after forward and released after backward.
+Its peak within a phase is not kept by glibc: it is sampled at every phase boundary and, while a
+phase runs, by a light sampler thread (every `SAMPLE_INTERVAL_S`), so a short spike between two
+samples can be missed; the resident high-water mark (VmHWM, reset through `/proc/self/clear_refs`)
+is reported beside it as the second, conservative column.
+
+For ORTModule on CPU this is exact only when ORT allocates through glibc: its CPU arena keeps freed
+blocks, so the ORT backend turns the arena off whenever memory is measured (see
+`optimum_memopt.backends.ort`).
+
+Where `mallinfo2` is missing (glibc < 2.33, macOS), the allocator columns are empty and only the
+resident figures are given; `MemoryMeter.allocator` says which.
 """
 
+import ctypes
+import ctypes.util
 import resource
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 MIB = float(1024 * 1024)
+SAMPLE_INTERVAL_S = 0.002
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _load_mallinfo2():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _MallInfo2
+    fn.argtypes = []
+    return fn
+
+
+_MALLINFO2 = _load_mallinfo2()
+
+
+def allocator_bytes_in_use() -> Optional[int]:
+    """Bytes the C allocator has handed out and not taken back (None where mallinfo2 is missing)."""
+    if _MALLINFO2 is None:
+        return None
+    info = _MALLINFO2()
+    return int(info.uordblks + info.hblkhd)
 
 
 @dataclass
 class MemoryReading:
     device: str
-    current_mb: float  # CUDA: allocated; CPU: resident set
-    peak_mb: float  # CUDA: max allocated; CPU: high-water mark since the last reset
-    reserved_mb: Optional[float] = None  # CUDA only: held by the caching allocator
+    current_mb: Optional[float]  # CUDA: allocated; CPU: allocator bytes in use (None without mallinfo2)
+    peak_mb: Optional[float]  # the peak of current_mb since the last reset
+    resident_mb: Optional[float] = None  # CPU: resident set (VmRSS)
+    resident_peak_mb: Optional[float] = None  # CPU: resident high-water mark since the last reset
+    reserved_mb: Optional[float] = None  # CUDA: held by the caching allocator
 
 
 def _proc_status_kb(key: str) -> Optional[int]:
@@ -37,18 +93,59 @@ def _proc_status_kb(key: str) -> Optional[int]:
     return None
 
 
-class MemoryMeter:
-    """Reads memory for one device kind; `reset_peak()` starts a new phase."""
+class _PeakSampler:
+    """Keeps the highest allocator reading seen since the last reset, sampled by a daemon thread."""
 
-    def __init__(self, device: Optional[str] = None):
+    def __init__(self, interval: float = SAMPLE_INTERVAL_S):
+        self.interval = interval
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def start(self):
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="memopt-peak-sampler", daemon=True)
+            self._thread.start()
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            self.observe()
+
+    def observe(self) -> int:
+        now = allocator_bytes_in_use() or 0
+        if now > self.peak:
+            self.peak = now
+        return now
+
+    def reset(self) -> int:
+        self.peak = 0
+        return self.observe()
+
+    def stop(self):
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join(timeout=1.0)
+            self._thread = None
+
+
+class MemoryMeter:
+    """Reads memory for one device kind; `reset_peak()` starts a new phase; `close()` stops the sampler."""
+
+    def __init__(self, device: Optional[str] = None, sample: bool = True):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.device = device
-        self.peak_resets = self._probe_reset()
+        self.resident_peak_resets = device == "cpu" and self._clear_refs()
+        self.allocator = "cuda" if device == "cuda" else ("mallinfo2" if _MALLINFO2 is not None else None)
+        self._sampler = _PeakSampler() if device == "cpu" and self.allocator else None
+        if self._sampler is not None:
+            self._sampler.reset()
+            if sample:
+                self._sampler.start()
 
-    def _probe_reset(self) -> bool:
-        if self.device == "cuda":
-            return True
+    @staticmethod
+    def _clear_refs() -> bool:
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")
@@ -59,12 +156,11 @@ class MemoryMeter:
     def reset_peak(self) -> None:
         if self.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        elif self.peak_resets:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                self.peak_resets = False
+            return
+        if self._sampler is not None:
+            self._sampler.reset()
+        if self.resident_peak_resets:
+            self.resident_peak_resets = self._clear_refs()
 
     def read(self) -> MemoryReading:
         if self.device == "cuda":
@@ -72,13 +168,20 @@ class MemoryMeter:
                 "cuda",
                 torch.cuda.memory_allocated() / MIB,
                 torch.cuda.max_memory_allocated() / MIB,
-                torch.cuda.memory_reserved() / MIB,
+                reserved_mb=torch.cuda.memory_reserved() / MIB,
             )
+        current = peak = None
+        if self._sampler is not None:
+            current = self._sampler.observe() / MIB
+            peak = self._sampler.peak / MIB
         rss = _proc_status_kb("VmRSS")
         hwm = _proc_status_kb("VmHWM")
         if rss is None:
-            # Not Linux: ru_maxrss is the only portable figure (KiB on Linux, bytes on macOS).
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
-            return MemoryReading("cpu", peak, peak)
-        return MemoryReading("cpu", rss / 1024.0, (hwm if hwm is not None else rss) / 1024.0)
+            # Not Linux: ru_maxrss is the only portable resident figure (KiB on Linux, bytes on macOS).
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+            return MemoryReading("cpu", current, peak, maxrss, maxrss)
+        return MemoryReading("cpu", current, peak, rss / 1024.0, (hwm if hwm is not None else rss) / 1024.0)
 
+    def close(self) -> None:
+        if self._sampler is not None:
+            self._sampler.stop()

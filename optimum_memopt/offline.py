@@ -67,11 +67,18 @@ def train_tokenizer(corpus: List[str], vocab_size: int = 512) -> PreTrainedToken
     tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIALS))
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)],
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]",
-        mask_token="[MASK]", model_max_length=512,
+        tokenizer_object=tok,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
     )
 
 
@@ -80,13 +87,28 @@ def model_config(model_type: str, size: str, vocab_size: int, pad_token_id: int,
     if size not in SIZES:
         raise ValueError(f"`--model_size` is {size!r}; expected one of {', '.join(SIZES)}")
     layers, hidden, heads, inter = SIZES[size]
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                  intermediate_size=inter, pad_token_id=pad_token_id, **extra)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=inter,
+        pad_token_id=pad_token_id,
+        **extra,
+    )
     if model_type == "deberta-v2":
         # DeBERTa-v2/v3 base: relative attention with c2p|p2c, no absolute positions.
-        return DebertaV2Config(max_position_embeddings=max_positions, relative_attention=True, pos_att_type=["p2c", "c2p"],
-                               position_biased_input=False, max_relative_positions=-1, position_buckets=256,
-                               norm_rel_ebd="layer_norm", share_att_key=True, **common)
+        return DebertaV2Config(
+            max_position_embeddings=max_positions,
+            relative_attention=True,
+            pos_att_type=["p2c", "c2p"],
+            position_biased_input=False,
+            max_relative_positions=-1,
+            position_buckets=256,
+            norm_rel_ebd="layer_norm",
+            share_att_key=True,
+            **common,
+        )
     if model_type == "roberta":
         return RobertaConfig(max_position_embeddings=max_positions + 2, attn_implementation="eager", **common)
     raise ValueError(f"`--model_type` is {model_type!r}; expected 'deberta-v2' or 'roberta'")

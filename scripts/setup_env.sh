@@ -37,7 +37,7 @@ if [ -z "$ext_dir" ]; then
   echo "[setup] onnxruntime-training is not importable from $VENV" >&2
   exit 1
 fi
-if ! "$PY" -c 'import sys; from optimum_memopt.ort import ort_extensions_built; sys.exit(0 if ort_extensions_built() else 1)'; then
+if ! "$PY" -c 'import sys; from optimum_memopt.backends.ort import extensions_built; sys.exit(0 if extensions_built() else 1)'; then
   echo "[setup] building ORTModule's C++ extensions (first time: ~4 minutes on 2 cores)"
   (cd "$VENV" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" -m onnxruntime.training.ortmodule.torch_cpp_extensions.install)
 fi

@@ -21,8 +21,16 @@ SEQ = 32
 
 def tiny_model(arch="deberta", task="cls", seed=0, attn=None):
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=2)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=2,
+    )
     if arch == "deberta":
         cfg = DebertaV2Config(max_position_embeddings=64, pad_token_id=0, **common)
         cls = DebertaV2ForSequenceClassification if task == "cls" else DebertaV2ForMaskedLM
@@ -71,9 +79,25 @@ class MlmData(torch.utils.data.Dataset):
 
 
 def make_args(output_dir, *flags):
-    base = ["--output_dir", str(output_dir), "--per_device_train_batch_size", "8", "--report_to", "none",
-            *(() if torch.cuda.is_available() else ("--use_cpu",)), "--seed", "42", "--learning_rate", "1e-3", "--save_strategy", "no",
-            "--disable_tqdm", "true", "--dataloader_num_workers", "0"]
+    base = [
+        "--output_dir",
+        str(output_dir),
+        "--per_device_train_batch_size",
+        "8",
+        "--report_to",
+        "none",
+        *(() if torch.cuda.is_available() else ("--use_cpu",)),
+        "--seed",
+        "42",
+        "--learning_rate",
+        "1e-3",
+        "--save_strategy",
+        "no",
+        "--disable_tqdm",
+        "true",
+        "--dataloader_num_workers",
+        "0",
+    ]
     (args,) = HfArgumentParser(MemoptTrainingArguments).parse_args_into_dataclasses(base + list(flags))
     return args
 
@@ -112,7 +136,8 @@ def train(arch="deberta", task="cls", flags=(), out=None, steps=20, recorder=Non
     model = model or tiny_model(arch, task)
     data = ClsData(pad_id=model.config.pad_token_id) if task == "cls" else MlmData()
     args = make_args(out, "--max_steps", str(steps), "--logging_steps", "1", *flags)
-    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=data,
-                                   callbacks=[recorder] if recorder else None)
+    trainer = LossRecordingTrainer(
+        model=model, args=args, train_dataset=data, callbacks=[recorder] if recorder else None
+    )
     trainer.train()
     return trainer

@@ -7,13 +7,36 @@ import sys
 
 import pytest
 
-from optimum_memopt.advisor import Measurement, NoFit, ProbeReport, choose, max_batch_size, memory_flags, probe, verify
-from optimum_memopt.advisor.probe import ProbeRow, write_reports
+from optimum_memopt.advisor import (
+    Advice,
+    Measurement,
+    NoFit,
+    ProbeReport,
+    ProbeRow,
+    choose,
+    cli,
+    max_batch_size,
+    memory_flags,
+    probe,
+    verify,
+    write_reports,
+)
+from optimum_memopt.advisor.measure import child_command, strip_flags
+from optimum_memopt.plans import FoundPlan, PlanReport
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "examples", "run_glue", "run_glue.py")
-SMALL = [GLUE, "--model_size", "small", "--offline_train_samples", "300", "--use_cpu", "--max_seq_length", "128",
-         "--pad_to_max_length"]
+SMALL = [
+    GLUE,
+    "--model_size",
+    "small",
+    "--offline_train_samples",
+    "300",
+    "--use_cpu",
+    "--max_seq_length",
+    "128",
+    "--pad_to_max_length",
+]
 TINY = [GLUE, "--model_size", "tiny", "--offline_train_samples", "200", "--use_cpu"]
 
 
@@ -38,9 +61,9 @@ def test_no_plans_when_baseline_fits():
 
 def test_cheapest_plans_first_until_the_budget_is_met():
     report = _report(
-        _row("Gelu+:1:-1", "plan", 460, 1.02),          # 40 MiB for 0.02 s: 2000 MiB/s
-        _row("Cast+:1:-1", "plan", 480, 1.20),          # 20 MiB for 0.20 s: 100 MiB/s
-        _row("FusedMatMul+:1:-1", "plan", 430, 1.05),   # 70 MiB for 0.05 s: 1400 MiB/s
+        _row("Gelu+:1:-1", "plan", 460, 1.02),  # 40 MiB for 0.02 s: 2000 MiB/s
+        _row("Cast+:1:-1", "plan", 480, 1.20),  # 20 MiB for 0.20 s: 100 MiB/s
+        _row("FusedMatMul+:1:-1", "plan", 430, 1.05),  # 70 MiB for 0.05 s: 1400 MiB/s
         _row("level 1", "level", 350, 1.6, level=1),
     )
     assert [r.config for r in report.ranked_plans()] == ["Gelu+:1:-1", "FusedMatMul+:1:-1", "Cast+:1:-1"]
@@ -56,8 +79,11 @@ def test_cheapest_plans_first_until_the_budget_is_met():
 
 
 def test_plans_sharing_a_subgraph_are_not_combined():
-    report = _report(_row("Cast+:1:-1", "plan", 460, 1.01), _row("Cast+:2:-1", "plan", 470, 1.02),
-                     _row("Gelu+:1:-1", "plan", 450, 1.05))
+    report = _report(
+        _row("Cast+:1:-1", "plan", 460, 1.01),
+        _row("Cast+:2:-1", "plan", 470, 1.02),
+        _row("Gelu+:1:-1", "plan", 450, 1.05),
+    )
     # needs 90: Cast+:1 (40, cheapest), not Cast+:2 (same subgraph), then Gelu+ (50)
     assert choose(report, 410).config == "Cast+:1:-1,Gelu+:1:-1"
 
@@ -65,9 +91,9 @@ def test_plans_sharing_a_subgraph_are_not_combined():
 def test_noise_level_extra_time_counts_as_no_cost(tmp_path):
     report = _report(_row("Gelu+:1:-1", "plan", 460, 0.97), _row("Cast+:1:-1", "plan", 440, 1.10))
     assert report.ranked_plans()[0].config == "Gelu+:1:-1"
-    paths = write_reports(report, str(tmp_path))
+    paths = write_reports(Advice(report), str(tmp_path))
     assert "no cost measured" in (tmp_path / "probe.md").read_text()
-    assert json.loads((tmp_path / "probe.json").read_text())["ranking"] == ["Gelu+:1:-1", "Cast+:1:-1"]
+    assert json.loads((tmp_path / "probe.json").read_text())["probe"]["ranking"] == ["Gelu+:1:-1", "Cast+:1:-1"]
     assert os.path.getsize(paths[2]) > 1000
 
 
@@ -76,17 +102,20 @@ def test_noise_level_extra_time_counts_as_no_cost(tmp_path):
 def test_probe_choose_verify_and_batch_search_for_real(tmp_path):
     lines = []
     report = probe(SMALL, batch_size=16, steps=5, max_plans=2, levels=(1,), progress=lines.append)
-    assert any("[probe 1/" in l for l in lines)
+    assert any("[probe 1/" in line for line in lines)
     base = report.baseline.measurement
     assert base.ok and base.peak_mb > 0 and base.step_time_s > 0 and base.device == "cpu"
     plans = [r for r in report.rows if r.kind == "plan"]
     assert len(plans) == 2 and all(r.measurement.ok for r in plans)
-    assert all(r.predicted_saving_mb > 0 for r in plans)  # ORT's figure, from memory_plans.json
+    assert all(r.predicted_saving_mb > 0 for r in plans)  # ORT's figure, from the child's plan report
     level1 = next(r for r in report.rows if r.kind == "level")
     # layer-wise recompute keeps fewer activations than no recompute, measured
     assert level1.measurement.peak_mb < base.peak_mb
-    write_reports(report, str(tmp_path / "report"))
-    assert json.loads((tmp_path / "report" / "probe.json").read_text())["rows"][0]["label"] == "ORT, no recompute"
+    write_reports(Advice(report), str(tmp_path / "report"))
+    assert (
+        json.loads((tmp_path / "report" / "probe.json").read_text())["probe"]["rows"][0]["label"]
+        == "ORT, no recompute"
+    )
 
     best = max(report.ranked_plans(), key=lambda r: r.measured_saving_mb, default=None)
     if best is not None and best.measured_saving_mb > 20:
@@ -95,24 +124,44 @@ def test_probe_choose_verify_and_batch_search_for_real(tmp_path):
         assert choice.verified is None or choice.verified.peak_mb <= budget
         assert choice.config or choice.level
 
-    found, tried = max_batch_size(TINY, memory_flags(True), budget_mb=1e6, start=4, steps=3, limit=8, progress=lines.append)
+    found, tried = max_batch_size(
+        TINY, memory_flags(True), budget_mb=1e6, start=4, steps=3, limit=8, progress=lines.append
+    )
     assert found == 8 and sorted(tried) == [4, 8]
 
 
 @pytest.mark.slow
 def test_memory_opt_config_auto_trains_with_what_it_chose(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, *TINY, "--output_dir", str(out), "--do_train", "--max_steps", "3", "--report_to", "none",
-           "--save_strategy", "no", "--memory_opt_config", "auto", "--memory_budget_mb", "100000",
-           "--memory_probe_max_plans", "1", "--memory_probe_steps", "3"]
+    cmd = [
+        sys.executable,
+        *TINY,
+        "--output_dir",
+        str(out),
+        "--do_train",
+        "--max_steps",
+        "3",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--memory_opt_config",
+        "auto",
+        "--memory_budget_mb",
+        "100000",
+        "--memory_probe_max_plans",
+        "1",
+        "--memory_probe_steps",
+        "3",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
-    choice = json.loads((out / "memory_auto" / "choice.json").read_text())
+    choice = json.loads((out / "memory_auto" / "probe.json").read_text())["choice"]
     assert choice["config"] == "" and choice["level"] == 0 and "already fits" in choice["reason"]
-    assert "memory_opt_config auto chose no recompute" in res.stderr
+    assert "memory_opt_config auto chose no recompute" in res.stdout + res.stderr
     assert (out / "memory_auto" / "probe.md").exists()
     plans = json.loads((out / "memory_plans.json").read_text())
-    assert plans["memory_optimizer_enabled"] is False
+    assert plans["optimizer_enabled"] is False
 
 
 def test_auto_is_refused_under_a_multiprocess_launch(monkeypatch):
@@ -123,10 +172,184 @@ def test_auto_is_refused_under_a_multiprocess_launch(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(ValueError, match=r"^`--memory_opt_config auto` probes the script in single-process runs"):
         HfArgumentParser(MemoptTrainingArguments).parse_args_into_dataclasses(
-            ["--output_dir", "x", "--use_cpu", "--memory_opt_config", "auto", "--memory_budget_mb", "100"])
+            ["--output_dir", "x", "--use_cpu", "--memory_opt_config", "auto", "--memory_budget_mb", "100"]
+        )
 
 
-def test_cli_refuses_a_missing_script(tmp_path):
-    from optimum_memopt.advisor.cli import main
+# -- the CLI end to end, with a stubbed runner (no training) -------------------------------------------
+class FakeRunner:
+    """Stands in for `run_child`: a fixed peak and step time per configuration, and ORT's plan report."""
 
-    assert main(["--", str(tmp_path / "nope.py")]) == 2
+    PEAKS = {
+        "": (500.0, 1.00),
+        "Gelu+:1:-1": (460.0, 1.02),
+        "FusedMatMul+Add+:1:-1": (430.0, 1.05),
+        "Gelu+:1:-1,FusedMatMul+Add+:1:-1": (395.0, 1.07),
+        "level 1": (300.0, 1.4),
+        "level 2": (290.0, 1.5),
+    }
+
+    def __init__(self, fail_baseline=False):
+        self.calls = []
+        self.fail_baseline = fail_baseline
+
+    def __call__(self, script_argv, label, flags, batch_size, steps=6, timeout=1800):
+        self.calls.append((label, list(flags), batch_size))
+        f = dict(zip(flags[::2], flags[1::2]))
+        key = (
+            f"level {f['--memory_opt_level']}"
+            if f.get("--memory_opt_level", "0") != "0"
+            else f.get("--memory_opt_config", "")
+        )
+        if self.fail_baseline and key == "":
+            return Measurement(label, list(flags), batch_size, False, error="RuntimeError: boom")
+        peak, step = self.PEAKS[key]
+        peak *= batch_size / 16  # activations grow with the batch
+        report = PlanReport(
+            "ort",
+            bool(key),
+            0,
+            [],
+            [],
+            [FoundPlan("Gelu+:1:-1", False, 3, 40 * 2**20), FoundPlan("FusedMatMul+Add+:1:-1", False, 3, 70 * 2**20)],
+        )
+        return Measurement(
+            label,
+            list(flags),
+            batch_size,
+            True,
+            peak_mb=peak,
+            step_time_s=step,
+            samples_per_s=batch_size / step,
+            device="cpu",
+            plans=report,
+        )
+
+
+def test_cli_end_to_end_with_a_stubbed_runner(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("# stands in for a training script\n")
+    runner = FakeRunner()
+    status = cli.main(
+        [
+            "--budget_mb",
+            "400",
+            "--search_batch_size",
+            "--report_dir",
+            str(tmp_path / "rep"),
+            "--steps",
+            "4",
+            "--",
+            str(script),
+            "--per_device_train_batch_size",
+            "16",
+        ],
+        runner=runner,
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    labels = [c[0] for c in runner.calls]
+    assert labels[:5] == ["ORT, no recompute", "FusedMatMul+Add+:1:-1", "Gelu+:1:-1", "level 1", "level 2"]
+    assert "Under 400.0 MiB: plans Gelu+:1:-1,FusedMatMul+Add+:1:-1" in out
+    advice = json.loads((tmp_path / "rep" / "probe.json").read_text())
+    assert advice["schema"] == "optimum-memopt/advice/1"
+    assert advice["choice"]["config"] == "Gelu+:1:-1,FusedMatMul+Add+:1:-1"
+    assert advice["choice"]["verified_peak_mb"] == 395.0
+    searched = {b["label"]: b["batch_size"] for b in advice["max_batch_size"]}
+    # no recompute: 500 * b / 16 <= 400 -> 12 (to within 1/8); the chosen plans: 395 * b / 16 <= 400 -> 16
+    assert (
+        searched["ORT, no recompute"] in (8, 9, 10, 11, 12) and searched["ORT, Gelu+:1:-1,FusedMatMul+Add+:1:-1"] == 16
+    )
+
+
+def test_cli_exits_non_zero_when_nothing_fits_or_the_script_fails(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert (
+        cli.main(["--budget_mb", "100", "--report_dir", str(tmp_path / "a"), "--", str(script)], runner=FakeRunner())
+        == 1
+    )
+    assert "no probed configuration fits 100.0 MiB" in capsys.readouterr().err
+    assert (
+        cli.main(["--report_dir", str(tmp_path / "b"), "--", str(script)], runner=FakeRunner(fail_baseline=True)) == 1
+    )
+    assert "the script's run without recompute failed: RuntimeError: boom" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--", "nope.py"], "the training script 'nope.py' is not a file"),
+        ([], "give the training script after '--'"),
+        (["--levels", "1,3", "--", "SCRIPT"], "--levels '1,3' has '3'; expected levels 1 and/or 2"),
+        (["--levels", "one", "--", "SCRIPT"], "--levels 'one' has 'one'"),
+        (["--steps", "0", "--", "SCRIPT"], "--steps is 0; expected a positive integer"),
+        (["--budget_mb", "nan", "--", "SCRIPT"], "--budget_mb is nan; expected a positive, finite number"),
+        (["--budget_mb", "-1", "--", "SCRIPT"], "--budget_mb is -1.0; expected a positive, finite number"),
+        (["--search_batch_size", "--", "SCRIPT"], "--search_batch_size needs --budget_mb"),
+        (["--batch_size", "0", "--", "SCRIPT"], "--batch_size is 0; expected a positive integer"),
+        (["--report_dir", "FILE", "--", "SCRIPT"], "is a file; expected a directory"),
+        (["--", "SCRIPT", "--per_device_train_batch_size", "x"], "the script's --per_device_train_batch_size is 'x'"),
+    ],
+)
+def test_cli_checks_its_options_before_running_anything(tmp_path, capsys, argv, message):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    (tmp_path / "FILE").write_text("")
+    argv = [a.replace("SCRIPT", str(script)).replace("FILE", str(tmp_path / "FILE")) for a in argv]
+    runner = FakeRunner()
+    assert cli.main(argv, runner=runner) == 2
+    assert message in capsys.readouterr().err
+    assert runner.calls == []
+
+
+def test_cli_stops_its_child_and_cleans_up_on_sigterm(tmp_path):
+    script = tmp_path / "slow_train.py"
+    marker = tmp_path / "child_started"
+    script.write_text(f"import time, pathlib; pathlib.Path({str(marker)!r}).write_text('x'); time.sleep(120)\n")
+    env = {**os.environ, "TMPDIR": str(tmp_path / "tmp")}
+    os.makedirs(env["TMPDIR"])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optimum_memopt.advisor.cli", "--report_dir", str(tmp_path / "r"), "--", str(script)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    import time
+
+    deadline = time.time() + 60
+    while not marker.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert marker.exists()
+    proc.terminate()
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + 15
+    assert os.listdir(env["TMPDIR"]) == []  # the child's work directory is gone
+    import psutil
+
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(script) in " ".join(p.info["cmdline"] or [])]
+
+
+def test_measuring_children_do_not_inherit_the_advisors_flags():
+    argv = [
+        "train.py",
+        "--memory_opt_config",
+        "auto",
+        "--memory_budget_mb=4000",
+        "--ort_loss_in_graph",
+        "--ort_log_level",
+        "INFO",
+        "--seed",
+        "3",
+        "--ort_loss_in_graph",
+        "true",
+        "--x",
+    ]
+    assert strip_flags(argv[1:], {"--memory_opt_config": True, "--memory_budget_mb": True}) == argv[4:]
+    cmd = child_command(argv, memory_flags(False), 8, 3, "/w", "/w/m.json", python="py")
+    assert cmd[:4] == ["py", "train.py", "--seed", "3"] and cmd[4] == "--x"
+    assert "auto" not in cmd and "--ort_log_level" not in cmd and "--ort_loss_in_graph" not in cmd
+    assert cmd[cmd.index("--memory_measure_out") + 1] == "/w/m.json"
+    cmd = child_command(argv, memory_flags(True, config="Gelu+:1:-1"), 8, 3, "/w", "/w/m.json", python="py")
+    assert "--ort_log_level" in cmd and cmd[-1] == "Gelu+:1:-1"

@@ -14,14 +14,34 @@ pytestmark = pytest.mark.slow
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "examples", "run_glue", "run_glue.py")
 MLM = os.path.join(ROOT, "examples", "run_mlm", "run_mlm.py")
-TINY = ["--model_size", "tiny", "--max_steps", "4", "--logging_steps", "2", "--report_to", "none", "--do_train",
-        "--do_eval", "--save_strategy", "no", "--disable_tqdm", "true", "--use_cpu"]
+TINY = [
+    "--model_size",
+    "tiny",
+    "--max_steps",
+    "4",
+    "--logging_steps",
+    "2",
+    "--report_to",
+    "none",
+    "--do_train",
+    "--do_eval",
+    "--save_strategy",
+    "no",
+    "--disable_tqdm",
+    "true",
+    "--use_cpu",
+]
 
 
 def run(script, out, *extra, timeout=600):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    res = subprocess.run([sys.executable, script, "--output_dir", str(out), *TINY, *extra],
-                         capture_output=True, text=True, timeout=timeout, env=env)
+    res = subprocess.run(
+        [sys.executable, script, "--output_dir", str(out), *TINY, *extra],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-5000:]
     return res
 
@@ -30,11 +50,15 @@ def results(out, split):
     return json.loads((out / f"{split}_results.json").read_text())
 
 
-@pytest.mark.parametrize("extra,ort_on", [
-    (["--memory_opt_config", "Gelu+:1:-1", "--print_input_density", "--print_memory_stats"], True),
-    (["--memory_opt_level", "1", "--model_type", "roberta", "--offline_pairs"], True),
-    (["--use_ort", "false", "--print_memory_stats"], False),
-], ids=["deberta-config", "roberta-level1-pairs", "pytorch"])
+@pytest.mark.parametrize(
+    "extra,ort_on",
+    [
+        (["--memory_opt_config", "Gelu+:1:-1", "--print_input_density", "--print_memory_stats"], True),
+        (["--memory_opt_level", "1", "--model_type", "roberta", "--offline_pairs"], True),
+        (["--use_ort", "false", "--print_memory_stats"], False),
+    ],
+    ids=["deberta-config", "roberta-level1-pairs", "pytorch"],
+)
 def test_glue_offline(tmp_path, extra, ort_on):
     res = run(GLUE, tmp_path, "--offline_train_samples", "200", *extra)
     assert results(tmp_path, "eval")["eval_loss"] > 0
@@ -61,14 +85,28 @@ def test_glue_from_local_csv_and_local_model(tmp_path):
     run(GLUE, first, "--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "dev.csv"))
     # the saved directory is a model a new user can start from, with its tokenizer
     second = tmp_path / "second"
-    run(GLUE, second, "--model_name_or_path", str(first), "--train_file", str(tmp_path / "train.csv"),
-        "--validation_file", str(tmp_path / "dev.csv"), "--memory_opt_config", "Gelu+:1:-1")
+    run(
+        GLUE,
+        second,
+        "--model_name_or_path",
+        str(first),
+        "--train_file",
+        str(tmp_path / "train.csv"),
+        "--validation_file",
+        str(tmp_path / "dev.csv"),
+        "--memory_opt_config",
+        "Gelu+:1:-1",
+    )
     assert results(second, "eval")["eval_accuracy"] >= 0
 
 
 def test_glue_missing_file_is_named(tmp_path):
-    res = subprocess.run([sys.executable, GLUE, "--output_dir", str(tmp_path), *TINY, "--train_file", str(tmp_path / "no.csv")],
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, GLUE, "--output_dir", str(tmp_path), *TINY, "--train_file", str(tmp_path / "no.csv")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode != 0
     assert "`--train_file`" in res.stderr and "no.csv' does not exist" in res.stderr
 
@@ -78,8 +116,19 @@ def test_mlm_from_local_text_file(tmp_path):
 
     (tmp_path / "train.txt").write_text("\n".join(text_lines(200, seed=0)))
     (tmp_path / "valid.txt").write_text("\n".join(text_lines(40, seed=1)))
-    run(MLM, tmp_path / "out", "--train_file", str(tmp_path / "train.txt"), "--validation_file", str(tmp_path / "valid.txt"),
-        "--max_seq_length", "64", "--print_input_density", "--memory_opt_config", "Gelu+:1:-1")
+    run(
+        MLM,
+        tmp_path / "out",
+        "--train_file",
+        str(tmp_path / "train.txt"),
+        "--validation_file",
+        str(tmp_path / "valid.txt"),
+        "--max_seq_length",
+        "64",
+        "--print_input_density",
+        "--memory_opt_config",
+        "Gelu+:1:-1",
+    )
     with open(tmp_path / "out" / "input_density.csv") as f:
         rows = list(csv.DictReader(f))
     embed = [float(r["density_pct"]) for r in rows if r["input_type"] == "EMBED"]
@@ -95,11 +144,28 @@ def test_glue_accelerate_launch_two_processes_zero2(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           os.path.join(ROOT, "examples", "configs", "accelerate_cpu_2proc.yaml"), "--main_process_port", str(port),
-           GLUE, "--output_dir", str(tmp_path), *TINY, "--offline_train_samples", "200",
-           "--deepspeed", os.path.join(ROOT, "examples", "configs", "ds_zero2.json"),
-           "--memory_opt_config", "Gelu+:1:-1", "--print_memory_stats", "--ddp_backend", "gloo"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        os.path.join(ROOT, "examples", "configs", "accelerate_cpu_2proc.yaml"),
+        "--main_process_port",
+        str(port),
+        GLUE,
+        "--output_dir",
+        str(tmp_path),
+        *TINY,
+        "--offline_train_samples",
+        "200",
+        "--deepspeed",
+        os.path.join(ROOT, "examples", "configs", "ds_zero2.json"),
+        "--memory_opt_config",
+        "Gelu+:1:-1",
+        "--print_memory_stats",
+        "--ddp_backend",
+        "gloo",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
     assert res.returncode == 0, res.stderr[-6000:]
     assert (res.stdout + res.stderr).count("recompute plan(s) found") == 1

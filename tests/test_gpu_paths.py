@@ -5,26 +5,46 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from helpers import train
-from optimum_memopt.trainer import fp16_optimizer_decision
+
+from optimum_memopt.backends.ort import OrtBackend
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-DECISIONS = [
-    (dict(use_ort=False, fp16=True), True, True, False, "--use_ort false"),
-    (dict(use_ort=True, fp16=False), True, True, False, "--fp16 is off"),
-    (dict(use_ort=True, fp16=True), True, False, False, "fp16 training needs CUDA"),
-    (dict(use_ort=True, fp16=True), False, True, False, "with torch AMP the GradScaler already does that work"),
-    (dict(use_ort=True, fp16=True), True, True, True, "applied to DeepSpeed's ZeRO fp16 optimizer"),
-]
+
+def _args(**kw):
+    base = dict(fp16=False, bf16=False, device=torch.device("cpu"), n_gpu=0)
+    return SimpleNamespace(**{**base, **kw})
 
 
-@pytest.mark.parametrize("args,ds,cuda,apply,reason", DECISIONS)
-def test_fp16_optimizer_decision(args, ds, cuda, apply, reason):
-    got_apply, got_reason = fp16_optimizer_decision(SimpleNamespace(**args), ds, cuda)
-    assert got_apply is apply
-    assert reason in got_reason
+def test_fp16_optimizer_is_only_reported_applied_when_ort_changed_the_optimizer(monkeypatch):
+    backend = OrtBackend()
+    assert backend.on_optimizer_ready(object(), _args(fp16=False), deepspeed=True) is None
+    if not torch.cuda.is_available():
+        assert backend.on_optimizer_ready(object(), _args(fp16=True), deepspeed=True) == (
+            "ORT's FP16_Optimizer not applied: fp16 training needs CUDA"
+        )
+    # DeepSpeed's real ZeRO stage 1/2 optimizer class (not initialised: no GPU here); imported before CUDA is
+    # pretended below, so DeepSpeed picks the accelerator this machine has.
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert "not applied: it complements DeepSpeed's fp16 optimizer" in backend.on_optimizer_ready(
+        object(), _args(fp16=True), deepspeed=False
+    )
+    # ORT 1.19 compares the optimizer's methods with the DeepSpeed release it knows and leaves this one alone.
+    zero = object.__new__(DeepSpeedZeroOptimizer)
+    with pytest.warns(UserWarning):
+        line = backend.on_optimizer_ready(zero, _args(fp16=True), deepspeed=True)
+    assert line.startswith("ORT's FP16_Optimizer did not change DeepSpeedZeroOptimizer: ORT 1.19 only modifies")
+    assert "applied" not in line
+
+
+def test_fp16_and_bf16_with_ort_on_cpu_are_refused():
+    for flag in ("fp16", "bf16"):
+        with pytest.raises(ValueError, match=rf"^`--{flag}` with ORTModule on CPU: "):
+            OrtBackend().check(_args(**{flag: True}))
+    OrtBackend().check(_args())  # fp32 on CPU is fine
 
 
 @pytest.mark.slow
@@ -43,15 +63,19 @@ def test_adamw_ort_fused_on_this_machine(tmp_path):
 @pytest.mark.gpu
 @needs_cuda
 def test_cuda_fp16_fused_adam_and_memory_phases(tmp_path):
-    trainer = train("deberta", out=tmp_path, steps=12,
-                    flags=["--optim", "adamw_ort_fused", "--fp16", "--print_memory_stats", "--memory_opt_level", "1"])
+    trainer = train(
+        "deberta",
+        out=tmp_path,
+        steps=12,
+        flags=["--optim", "adamw_ort_fused", "--fp16", "--print_memory_stats", "--memory_opt_level", "1"],
+    )
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     assert type(opt).__name__ == "FusedAdam"
     with open(tmp_path / "memory_phases.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["device"] == "cuda" and r["reserved_mb"] != "" for r in rows)
-    post_fwd = [float(r["current_mb"]) for r in rows if r["phase"] == "post_forward"]
-    pre_fwd = [float(r["current_mb"]) for r in rows if r["phase"] == "pre_forward"]
+    post_fwd = [float(r["in_use_mb"]) for r in rows if r["phase"] == "post_forward"]
+    pre_fwd = [float(r["in_use_mb"]) for r in rows if r["phase"] == "pre_forward"]
     # activations are held between forward and backward
     assert all(b >= a for a, b in zip(pre_fwd, post_fwd))
     assert trainer.losses[-1] < trainer.losses[0]

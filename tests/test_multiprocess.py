@@ -24,10 +24,28 @@ def free_port():
 
 
 def launch(mode, out, nproc=2, timeout=600):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), WORKER, mode, str(out)]
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        WORKER,
+        mode,
+        str(out),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return res
 
@@ -44,7 +62,9 @@ def single(tmp_path_factory):
     return reports(out, 1)[0]
 
 
-@pytest.mark.parametrize("mode,wrapper", [("ddp", "DistributedDataParallel"), ("zero1", "DeepSpeedEngine"), ("zero2", "DeepSpeedEngine")])
+@pytest.mark.parametrize(
+    "mode,wrapper", [("ddp", "DistributedDataParallel"), ("zero1", "DeepSpeedEngine"), ("zero2", "DeepSpeedEngine")]
+)
 def test_two_processes(tmp_path, single, mode, wrapper):
     res = launch(mode, tmp_path)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"

@@ -1,12 +1,20 @@
+"""Arguments: every bad value stops when the arguments are built, naming its flag or variable; what runs is recorded."""
+
 import json
+import math
 import os
+import pickle
 import subprocess
 import sys
+from dataclasses import fields
 
 import pytest
 from transformers import HfArgumentParser
 
-from optimum_memopt import MemoptTrainingArguments, ort
+from optimum_memopt import MemoptTrainingArguments
+from optimum_memopt.backends import ort
+from optimum_memopt.config import MemoryOptConfig
+from optimum_memopt.trainer_args import _zero_stage
 
 BASE = ["--output_dir", "unused_out", "--report_to", "none", "--use_cpu"]
 
@@ -16,53 +24,217 @@ def parse(*flags):
     return args
 
 
+def build(**kwargs):
+    return MemoptTrainingArguments(output_dir="unused_out", report_to="none", use_cpu=True, **kwargs)
+
+
+@pytest.fixture(autouse=True)
+def _no_ort_env(monkeypatch):
+    for var in (
+        "ORTMODULE_MEMORY_OPT_CONFIG",
+        "ORTMODULE_MEMORY_OPT_LEVEL",
+        "ACCELERATE_USE_DEEPSPEED",
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE",
+    ):
+        monkeypatch.delenv(var, raising=False)
+
+
 def test_help_exits_zero():
     code = "from transformers import HfArgumentParser; from optimum_memopt import MemoptTrainingArguments; HfArgumentParser(MemoptTrainingArguments).parse_args(['--help'])"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    for flag in ("--memory_opt_config", "--memory_opt_level", "--ort_log_level", "--print_memory_stats",
-                 "--print_input_density", "--ort_fallback_policy", "--ort_save_onnx_dir", "--ort_cache_dir",
-                 "--use_ort", "--ort_loss_in_graph", "--memory_budget_mb"):
+    for flag in (
+        "--memory_opt_config",
+        "--memory_opt_level",
+        "--ort_log_level",
+        "--print_memory_stats",
+        "--print_input_density",
+        "--ort_fallback_policy",
+        "--ort_save_onnx_dir",
+        "--ort_cache_dir",
+        "--use_ort",
+        "--ort_loss_in_graph",
+        "--memory_budget_mb",
+        "--memory_measure_out",
+    ):
         assert flag in res.stdout
+    assert "--memory_opt " not in res.stdout  # the derived config is no flag
 
 
 def test_good_config_is_parsed():
-    args = parse("--memory_opt_config", "BiasGelu+:1:-1,Cast+:2:-1")
-    assert [str(e) for e in args.memory_opt_entries] == ["BiasGelu+:1:-1", "Cast+:2:-1"]
-    assert args.memory_opt_level == 0
-    assert args.memory_opt_summary == "BiasGelu+:1:-1,Cast+:2:-1"
+    args = parse("--memory_opt_config", "Gelu+:1:-1,Cast+:2:-1")
+    assert [str(e) for e in args.memory_opt.entries] == ["Gelu+:1:-1", "Cast+:2:-1"]
+    assert args.memory_opt.level == 0
+    assert args.memory_opt_summary == "Gelu+:1:-1,Cast+:2:-1"
 
 
 def test_json_file_config(tmp_path):
     path = tmp_path / "plans.json"
     path.write_text(json.dumps(["Gelu+:1:-1"]))
-    assert [str(e) for e in parse("--memory_opt_config", str(path)).memory_opt_entries] == ["Gelu+:1:-1"]
+    assert [str(e) for e in parse("--memory_opt_config", str(path)).memory_opt.entries] == ["Gelu+:1:-1"]
 
 
-BAD_FLAGS = [
-    (["--memory_opt_config", "BiasGelu+:3:-1"], r"^`--memory_opt_config` entry 'BiasGelu\+:3:-1' has optimization type 3; expected 0 \(none\), 1 \(recompute\) or 2 \(recompute with compromise\), as in 'BiasGelu\+:1:-1'$"),
-    (["--memory_opt_config", "Gelu+:1:-1", "--memory_opt_level", "1"], r"^`--memory_opt_level 1` and `--memory_opt_config Gelu\+:1:-1` were both given, but at level 1 or 2 ONNX Runtime ignores the config"),
-    (["--memory_opt_config", "auto"], r"^`--memory_opt_config auto` needs a budget: add `--memory_budget_mb`"),
-    (["--memory_opt_config", "auto", "--memory_budget_mb", "-5"], r"^`--memory_budget_mb` is -5.0; expected a positive number of MiB$"),
-    (["--use_ort", "false", "--memory_opt_config", "Gelu+:1:-1"], r"^`--memory_opt_config` configure ONNX Runtime's memory optimizer, but `--use_ort false` trains in plain PyTorch"),
-    (["--use_ort", "false", "--memory_opt_level", "2", "--ort_loss_in_graph"], r"^`--memory_opt_level`, `--ort_loss_in_graph` configure ONNX Runtime's memory optimizer"),
-    (["--gradient_checkpointing"], r"^`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, as in `--memory_opt_level 1`"),
-    (["--input_density_table_steps", "0"], r"^`--input_density_table_steps` is 0; expected a positive integer$"),
+def _file(tmp_path, name="a_file"):
+    p = tmp_path / name
+    p.write_text("x")
+    return str(p)
+
+
+# (how the value is given, a pattern the whole message must match). `cli` lists flags; `kw` calls the constructor.
+BAD = [
+    (
+        "cli",
+        ["--memory_opt_config", "BiasGelu+:3:-1"],
+        r"^`--memory_opt_config` entry 'BiasGelu\+:3:-1' has optimization type 3; expected 0 \(none\), 1 \(recompute\) or 2 \(recompute with compromise\), as in 'Gelu\+:1:-1'$",
+    ),
+    (
+        "cli",
+        ["--memory_opt_config", "Gelu+:1:-1", "--memory_opt_level", "1"],
+        r"^`--memory_opt_level` is 1 and `--memory_opt_config` is 'Gelu\+:1:-1', but at level 1 or 2 ONNX Runtime ignores the plans",
+    ),
+    ("cli", ["--memory_opt_config", "auto"], r"^`--memory_opt_config auto` needs a budget: add `--memory_budget_mb`"),
+    (
+        "cli",
+        ["--memory_opt_config", "auto", "--memory_budget_mb", "-5"],
+        r"^`--memory_budget_mb` is -5.0; expected a positive, finite number of MiB, as in `--memory_opt_config auto --memory_budget_mb 4000`$",
+    ),
+    (
+        "cli",
+        ["--memory_opt_config", "auto", "--memory_budget_mb", "0"],
+        r"^`--memory_budget_mb` is 0.0; expected a positive, finite number",
+    ),
+    (
+        "cli",
+        ["--memory_opt_config", "auto", "--memory_budget_mb", "nan"],
+        r"^`--memory_budget_mb` is nan; expected a positive, finite number",
+    ),
+    (
+        "cli",
+        ["--memory_opt_config", "auto", "--memory_budget_mb", "inf"],
+        r"^`--memory_budget_mb` is inf; expected a positive, finite number",
+    ),
+    (
+        "cli",
+        ["--memory_budget_mb", "4000"],
+        r"^`--memory_budget_mb 4000` is only used by `--memory_opt_config auto`, but `--memory_opt_config` is None; add `--memory_opt_config auto`, or drop `--memory_budget_mb`$",
+    ),
+    (
+        "cli",
+        ["--memory_opt_config", "Gelu+:1:-1", "--memory_budget_mb", "4000"],
+        r"^`--memory_budget_mb 4000` is only used by `--memory_opt_config auto`, but `--memory_opt_config` is 'Gelu\+:1:-1'",
+    ),
+    (
+        "cli",
+        ["--memory_probe_steps", "0"],
+        r"^`--memory_probe_steps` is 0; expected a positive integer, as in `--memory_probe_steps 6`$",
+    ),
+    ("cli", ["--input_density_table_steps", "0"], r"^`--input_density_table_steps` is 0; expected a positive integer"),
+    (
+        "cli",
+        ["--gradient_checkpointing"],
+        r"^`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, as in `--memory_opt_level 1`",
+    ),
+    (
+        "cli",
+        ["--torch_compile"],
+        r"^`--torch_compile` with ORTModule: dynamo traces ORT's own export .* drop `--torch_compile`, or pass `--use_ort false`$",
+    ),
+    # the constructor checks what the command line's choices check
+    (
+        "kw",
+        dict(ort_log_level="info"),
+        r"^`--ort_log_level` is 'info'; expected one of 'WARNING', 'INFO', 'DEVINFO', 'VERBOSE', as in `--ort_log_level WARNING`; did you mean 'INFO'\?$",
+    ),
+    (
+        "kw",
+        dict(ort_fallback_policy="disabled"),
+        r"^`--ort_fallback_policy` is 'disabled'; expected one of 'disable', 'default', as in `--ort_fallback_policy disable`$",
+    ),
+    (
+        "kw",
+        dict(memory_opt_level=True),
+        r"^`--memory_opt_level` is True; expected the integer 0 \(the plans of --memory_opt_config\), 1 \(layer-wise recompute\) or 2",
+    ),
+    ("kw", dict(memory_opt_level=1.0), r"^`--memory_opt_level` is 1.0; expected the integer 0"),
+    ("kw", dict(memory_opt_level=3), r"^`--memory_opt_level` is 3; expected the integer 0"),
+    (
+        "kw",
+        dict(memory_opt_config="auto", memory_budget_mb=True),
+        r"^`--memory_budget_mb` is True; expected a positive, finite number",
+    ),
+    (
+        "kw",
+        dict(memory_opt_config="auto", memory_budget_mb="4000"),
+        r"^`--memory_budget_mb` is '4000'; expected a positive, finite number",
+    ),
+    ("kw", dict(input_density_table_steps=2.5), r"^`--input_density_table_steps` is 2.5; expected a positive integer"),
+    (
+        "kw",
+        dict(memory_opt_config=["Gelu+:1:-1", "Gelu+:2:-1"]),
+        r"^`--memory_opt_config` names subgraph 'Gelu\+' twice",
+    ),
+    # directories that cannot be directories
+    (
+        "file",
+        "--ort_save_onnx_dir",
+        r"^`--ort_save_onnx_dir` is '.*a_file', which is a file; expected a directory \(created when missing\), as in `--ort_save_onnx_dir outputs/ort`$",
+    ),
+    ("file", "--ort_cache_dir", r"^`--ort_cache_dir` is '.*a_file', which is a file; expected a directory"),
+    (
+        "under_file",
+        "--ort_save_onnx_dir",
+        r"^`--ort_save_onnx_dir` is '.*a_file/sub', but '.*a_file' cannot be written; give a writable directory",
+    ),
+    ("under_file", "--ort_cache_dir", r"^`--ort_cache_dir` is '.*a_file/sub', but '.*a_file' cannot be written"),
+]
+# every flag that only means something with ORT is refused with `--use_ort false`, by name
+ORT_ONLY = [
+    (["--memory_opt_config", "Gelu+:1:-1"], "--memory_opt_config"),
+    (["--memory_opt_level", "1"], "--memory_opt_level"),
+    (["--memory_opt_config", "auto", "--memory_budget_mb", "100"], "--memory_opt_config`, `--memory_budget_mb"),
+    (["--ort_loss_in_graph"], "--ort_loss_in_graph"),
+    (["--ort_save_onnx_dir", "some_dir"], "--ort_save_onnx_dir"),
+    (["--ort_cache_dir", "some_dir"], "--ort_cache_dir"),
+    (["--ort_log_level", "INFO"], "--ort_log_level"),
+    (["--ort_fallback_policy", "default"], "--ort_fallback_policy"),
 ]
 
 
-@pytest.mark.parametrize("flags,pattern", BAD_FLAGS, ids=[" ".join(f) for f, _ in BAD_FLAGS])
-def test_bad_flags(flags, pattern):
-    with pytest.raises(ValueError, match=pattern):
-        parse(*flags)
+@pytest.mark.parametrize("how,value,pattern", BAD, ids=[f"{h}:{v}" for h, v, _ in BAD])
+def test_bad_values_stop_with_their_message(tmp_path, how, value, pattern):
+    with pytest.raises(ValueError) as info:
+        if how == "cli":
+            parse(*value)
+        elif how == "kw":
+            build(**value)
+        elif how == "file":
+            parse(value, _file(tmp_path))
+        else:
+            parse(value, os.path.join(_file(tmp_path), "sub"))
+    assert __import__("re").match(pattern, str(info.value)), str(info.value)
+
+
+@pytest.mark.parametrize("flags,named", ORT_ONLY, ids=[n for _, n in ORT_ONLY])
+def test_ort_only_flags_are_refused_in_plain_pytorch(flags, named):
+    with pytest.raises(
+        ValueError,
+        match=rf"^`{named}` configure ONNX Runtime's memory optimizer, but `--use_ort false` trains in plain PyTorch; drop `--use_ort false`, or drop those flags$",
+    ):
+        parse("--use_ort", "false", *flags)
 
 
 def test_bad_level_is_refused_by_the_parser():
     res = subprocess.run(
-        [sys.executable, "-c",
-         "from transformers import HfArgumentParser; from optimum_memopt import MemoptTrainingArguments;"
-         "HfArgumentParser(MemoptTrainingArguments).parse_args_into_dataclasses(['--output_dir','x','--memory_opt_level','3'])"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "from transformers import HfArgumentParser; from optimum_memopt import MemoptTrainingArguments;"
+            "HfArgumentParser(MemoptTrainingArguments).parse_args_into_dataclasses(['--output_dir','x','--memory_opt_level','3'])",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert res.returncode == 2
     assert "invalid choice: 3 (choose from 0, 1, 2)" in res.stderr
@@ -70,59 +242,149 @@ def test_bad_level_is_refused_by_the_parser():
 
 def test_environment_is_a_fallback(monkeypatch):
     monkeypatch.setenv("ORTMODULE_MEMORY_OPT_CONFIG", "Gelu+:1:-1")
-    assert [str(e) for e in parse().memory_opt_entries] == ["Gelu+:1:-1"]
+    args = parse()
+    assert [str(e) for e in args.memory_opt.entries] == ["Gelu+:1:-1"]
+    assert args.memory_opt.sources == {"plans": "$ORTMODULE_MEMORY_OPT_CONFIG"}
     # the flag wins over the environment
-    assert [str(e) for e in parse("--memory_opt_config", "Cast+:2:-1").memory_opt_entries] == ["Cast+:2:-1"]
+    assert [str(e) for e in parse("--memory_opt_config", "Cast+:2:-1").memory_opt.entries] == ["Cast+:2:-1"]
+    # and plain PyTorch ignores ORT's variables
+    assert parse("--use_ort", "false").memory_opt.entries == []
 
 
-def test_bad_environment_value_names_its_source(monkeypatch):
-    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_CONFIG", "Gelu+:9:-1")
-    with pytest.raises(ValueError, match=r"has optimization type 9.*\(value read from \$ORTMODULE_MEMORY_OPT_CONFIG\)$"):
+@pytest.mark.parametrize(
+    "var,value,pattern",
+    [
+        (
+            "ORTMODULE_MEMORY_OPT_CONFIG",
+            "Gelu+:9:-1",
+            r"^`--memory_opt_config` \(read from \$ORTMODULE_MEMORY_OPT_CONFIG\) entry 'Gelu\+:9:-1' has optimization type 9",
+        ),
+        (
+            "ORTMODULE_MEMORY_OPT_CONFIG",
+            "missing_plans.json",
+            r"^`--memory_opt_config` \(read from \$ORTMODULE_MEMORY_OPT_CONFIG\) file 'missing_plans.json' does not exist",
+        ),
+        (
+            "ORTMODULE_MEMORY_OPT_LEVEL",
+            "high",
+            r"^`--memory_opt_level` \(read from \$ORTMODULE_MEMORY_OPT_LEVEL\) is 'high'; expected the integer 0",
+        ),
+        (
+            "ORTMODULE_MEMORY_OPT_LEVEL",
+            "1.0",
+            r"^`--memory_opt_level` \(read from \$ORTMODULE_MEMORY_OPT_LEVEL\) is '1.0'; expected the integer 0",
+        ),
+    ],
+)
+def test_a_bad_environment_value_is_blamed_on_its_variable(monkeypatch, var, value, pattern):
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ValueError, match=pattern):
         parse()
-    monkeypatch.delenv("ORTMODULE_MEMORY_OPT_CONFIG")
-    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "high")
-    with pytest.raises(ValueError, match=r"^`--memory_opt_level` read from \$ORTMODULE_MEMORY_OPT_LEVEL='high'; expected 0, 1 or 2"):
-        parse()
+
+
+def test_level_conflict_blames_the_variable(monkeypatch):
     monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "2")
-    assert parse().memory_opt_level == 2
+    assert parse().memory_opt.level == 2
+    with pytest.raises(
+        ValueError,
+        match=r"^`--memory_opt_level` \(read from \$ORTMODULE_MEMORY_OPT_LEVEL\) is 2 and `--memory_opt_config` is 'Gelu\+:1:-1'",
+    ):
+        parse("--memory_opt_config", "Gelu+:1:-1")
 
 
-def test_adamw_ort_fused_is_accepted_and_replaced_on_cpu():
-    args = parse("--optim", "adamw_ort_fused")
-    assert args.ort_fused_adam
-    if ort.cuda_available():
-        assert args.optimizer_note.startswith("FusedAdam")
-    else:
-        assert args.optim == "adamw_torch_fused"
-        assert "needs CUDA, which is not available; using torch.optim.AdamW (fused=True" in args.optimizer_note
+# -- what is recorded ----------------------------------------------------------------------------------
+def test_to_dict_records_what_was_asked_and_resolved():
+    args = parse("--optim", "adamw_ort_fused", "--memory_opt_config", "Gelu+:1:-1,Cast+:2:3")
+    assert args.optim == "adamw_ort_fused"  # stays as written; decided when the optimizer is built
+    d = args.to_dict()
+    assert d["optim"] == "adamw_ort_fused"
+    assert d["memory_opt"]["entries"] == ["Gelu+:1:-1", "Cast+:2:3"]
+    assert d["memory_opt"]["level"] == 0 and d["memory_opt"]["backend"] == "ort"
+    json.dumps(d)  # what W&B / TensorBoard store must serialize
 
 
-def test_ort_not_installed(monkeypatch):
+def test_to_dict_records_the_environment_fallback(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
+    d = parse().to_dict()
+    assert d["memory_opt"]["level"] == 1
+    assert d["memory_opt"]["sources"] == {"level": "$ORTMODULE_MEMORY_OPT_LEVEL"}
+
+
+def test_round_trips():
+    args = parse(
+        "--optim",
+        "adamw_ort_fused",
+        "--memory_opt_config",
+        "auto",
+        "--memory_budget_mb",
+        "1234.5",
+        "--memory_probe_steps",
+        "4",
+        "--print_memory_stats",
+    )
+    # pickle (what multiprocessing and accelerate do)
+    again = pickle.loads(pickle.dumps(args))
+    assert again.memory_opt == args.memory_opt and again.optim == "adamw_ort_fused"
+    # to_dict -> constructor
+    init = {f.name for f in fields(MemoptTrainingArguments) if f.init}
+    d = args.to_dict()
+    rebuilt = MemoptTrainingArguments(**{k: v for k, v in d.items() if k in init and not k.endswith("_token")})
+    assert rebuilt.to_dict() == d
+    # the memory config alone
+    cfg = MemoryOptConfig(**{k: v for k, v in args.memory_opt.to_dict().items() if k not in ("entries", "auto")})
+    assert cfg == args.memory_opt and cfg.auto and cfg.budget_mb == 1234.5
+
+
+def test_memory_config_alone():
+    assert MemoryOptConfig(plans="Gelu+:1:-1").summary() == "Gelu+:1:-1"
+    assert MemoryOptConfig(level=2).summary() == "level 2 (layer-wise recompute with compromise)"
+    assert not MemoryOptConfig().active
+    with pytest.raises(ValueError, match=r"^`--memory_opt_backend` is 'tvm'; expected one of 'ort'"):
+        MemoryOptConfig(backend="tvm")
+    assert math.isfinite(MemoryOptConfig(plans="auto", budget_mb=10).budget_mb)
+
+
+def test_parsing_probes_nothing(monkeypatch):
+    # installation, CUDA and kernel checks run when the trainer is built, not while parsing
     monkeypatch.setattr(ort, "_onnxruntime_dir", lambda: None)
-    with pytest.raises(ValueError, match=r"^`--use_ort` \(on by default\) needs ONNX Runtime Training: onnxruntime-training is not installed; install it with: pip install 'optimum-memopt\[cpu\]'.*Or pass `--use_ort false`"):
-        parse()
-    # plain PyTorch needs no ORT
-    assert parse("--use_ort", "false").use_ort is False
+    assert parse("--memory_opt_config", "Gelu+:1:-1").use_ort
 
 
-def test_ort_extensions_not_built(monkeypatch, tmp_path):
-    (tmp_path / "training" / "ortmodule" / "torch_cpp_extensions").mkdir(parents=True)
-    monkeypatch.setattr(ort, "_onnxruntime_dir", lambda: str(tmp_path))
-    with pytest.raises(ValueError, match=r"ORTModule's C\+\+ extensions are not built; build them once with: .* -m onnxruntime\.training\.ortmodule\.torch_cpp_extensions\.install"):
-        parse()
-
-
-def test_real_install_is_detected():
-    assert ort.is_ort_training_installed()
-    assert ort.ort_extensions_built()
-    assert ort.ort_problem() is None
-
-
-def test_zero3_is_refused_with_the_reason(tmp_path):
+# -- ZeRO-3 -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", [3, 3.0, "3"])
+def test_zero3_is_refused_with_the_reason(tmp_path, stage):
     cfg = tmp_path / "ds_zero3.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": "auto"}))
-    with pytest.raises(ValueError, match=r"^`--deepspeed` selects ZeRO stage 3, which ORTModule cannot run with the pinned stack: .*_apply_to_tensors_only.*Use ZeRO stage 1 or 2"):
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": stage}, "train_batch_size": "auto"}))
+    with pytest.raises(
+        ValueError,
+        match=r"^`--deepspeed` selects ZeRO stage 3, which ORTModule cannot run with the pinned stack: .*_apply_to_tensors_only.*Use ZeRO stage 1 or 2",
+    ):
         parse("--deepspeed", str(cfg))
+
+
+def test_zero3_through_accelerates_config_file(tmp_path, monkeypatch):
+    cfg = tmp_path / "ds_zero3.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(cfg))
+    with pytest.raises(
+        ValueError, match=r"^accelerate's deepspeed_config_file '.*ds_zero3.json' selects ZeRO stage 3"
+    ):
+        parse()
+
+
+@pytest.mark.parametrize(
+    "config,stage",
+    [
+        ({"zero_optimization": None}, None),
+        ({"zero_optimization": {}}, None),
+        ({"zero_optimization": {"stage": "auto"}}, None),
+        ({}, None),
+        ({"zero_optimization": {"stage": 2}}, 2.0),
+    ],
+)
+def test_zero_stage_reading_survives_odd_configs(config, stage):
+    assert _zero_stage(config) == stage
 
 
 def test_zero3_import_really_fails_with_the_pinned_deepspeed():
@@ -130,3 +392,7 @@ def test_zero3_import_really_fails_with_the_pinned_deepspeed():
     code = "from deepspeed.runtime.zero.parameter_offload import _apply_to_tensors_only"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode != 0 and "ImportError" in res.stderr
+
+
+def test_real_install_is_detected():
+    assert ort.is_installed() and ort.extensions_built() and ort.problem() is None

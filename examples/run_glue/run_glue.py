@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-import optimum_memopt  # noqa: F401  (imports DeepSpeed early when installed; see _early_imports)
 import numpy as np
+import transformers
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -33,41 +33,93 @@ from optimum_memopt.trainer import MemoptTrainer
 logger = logging.getLogger("run_glue")
 
 TASK_KEYS = {
-    "cola": ("sentence", None), "mnli": ("premise", "hypothesis"), "mrpc": ("sentence1", "sentence2"),
-    "qnli": ("question", "sentence"), "qqp": ("question1", "question2"), "rte": ("sentence1", "sentence2"),
-    "sst2": ("sentence", None), "stsb": ("sentence1", "sentence2"), "wnli": ("sentence1", "sentence2"),
+    "cola": ("sentence", None),
+    "mnli": ("premise", "hypothesis"),
+    "mrpc": ("sentence1", "sentence2"),
+    "qnli": ("question", "sentence"),
+    "qqp": ("question1", "question2"),
+    "rte": ("sentence1", "sentence2"),
+    "sst2": ("sentence", None),
+    "stsb": ("sentence1", "sentence2"),
+    "wnli": ("sentence1", "sentence2"),
 }
 OFFLINE_DEFAULT_ARGS = [
-    "--output_dir", "outputs/run_glue", "--overwrite_output_dir", "--do_train", "--do_eval",
-    "--max_steps", "30", "--per_device_train_batch_size", "16", "--learning_rate", "3e-4",
-    "--logging_steps", "5", "--report_to", "none", "--save_strategy", "no",
-    "--memory_opt_config", "Gelu+:1:-1", "--print_memory_stats", "--print_input_density",
-    "--input_density_table_steps", "10", "--disable_tqdm", "true",
+    "--output_dir",
+    "outputs/run_glue",
+    "--overwrite_output_dir",
+    "--do_train",
+    "--do_eval",
+    "--max_steps",
+    "30",
+    "--per_device_train_batch_size",
+    "16",
+    "--learning_rate",
+    "3e-4",
+    "--logging_steps",
+    "5",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+    "--memory_opt_config",
+    "Gelu+:1:-1",
+    "--print_memory_stats",
+    "--print_input_density",
+    "--input_density_table_steps",
+    "10",
+    "--disable_tqdm",
+    "true",
 ]
 
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: Optional[str] = field(default=None, metadata={"help": "Hub name or local directory of a pretrained model. Omit for a model built from a config in code."})
+    model_name_or_path: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "Hub name or local directory of a pretrained model. Omit for a model built from a config in code."
+        },
+    )
     config_name: Optional[str] = field(default=None, metadata={"help": "Config name or path, if not the model's."})
-    tokenizer_name: Optional[str] = field(default=None, metadata={"help": "Tokenizer name or path, if not the model's."})
+    tokenizer_name: Optional[str] = field(
+        default=None, metadata={"help": "Tokenizer name or path, if not the model's."}
+    )
     cache_dir: Optional[str] = field(default=None, metadata={"help": "Where to store downloads from the hub."})
-    model_type: str = field(default="deberta-v2", metadata={"help": "Offline default family.", "choices": ["deberta-v2", "roberta"]})
-    model_size: str = field(default="small", metadata={"help": "Offline default size.", "choices": ["tiny", "small", "deberta-base-shape", "large"]})
-    attn_implementation: str = field(default="eager", metadata={"help": "Attention path; ORT 1.19 cannot differentiate BERT/RoBERTa's SDPA path.", "choices": ["eager", "sdpa"]})
+    model_type: str = field(
+        default="deberta-v2", metadata={"help": "Offline default family.", "choices": ["deberta-v2", "roberta"]}
+    )
+    model_size: str = field(
+        default="small",
+        metadata={"help": "Offline default size.", "choices": ["tiny", "small", "deberta-base-shape", "large"]},
+    )
+    attn_implementation: str = field(
+        default="eager",
+        metadata={
+            "help": "Attention path; ORT 1.19 cannot differentiate BERT/RoBERTa's SDPA path.",
+            "choices": ["eager", "sdpa"],
+        },
+    )
 
 
 @dataclass
 class DataTrainingArguments:
-    task_name: Optional[str] = field(default=None, metadata={"help": "GLUE task, loaded from the hub.", "choices": sorted(TASK_KEYS)})
+    task_name: Optional[str] = field(
+        default=None, metadata={"help": "GLUE task, loaded from the hub.", "choices": sorted(TASK_KEYS)}
+    )
     train_file: Optional[str] = field(default=None, metadata={"help": "CSV or JSON training file."})
     validation_file: Optional[str] = field(default=None, metadata={"help": "CSV or JSON validation file."})
     max_seq_length: int = field(default=128, metadata={"help": "Longer inputs are truncated."})
-    pad_to_max_length: bool = field(default=False, metadata={"help": "Pad every batch to max_seq_length instead of its longest row."})
+    pad_to_max_length: bool = field(
+        default=False, metadata={"help": "Pad every batch to max_seq_length instead of its longest row."}
+    )
     max_train_samples: Optional[int] = field(default=None, metadata={"help": "Keep only this many training rows."})
     max_eval_samples: Optional[int] = field(default=None, metadata={"help": "Keep only this many evaluation rows."})
-    offline_train_samples: int = field(default=2000, metadata={"help": "Generated training rows when no data is given."})
-    offline_pairs: bool = field(default=False, metadata={"help": "Generate sentence pairs instead of single sentences."})
+    offline_train_samples: int = field(
+        default=2000, metadata={"help": "Generated training rows when no data is given."}
+    )
+    offline_pairs: bool = field(
+        default=False, metadata={"help": "Generate sentence pairs instead of single sentences."}
+    )
 
 
 def parse(argv: Optional[List[str]] = None):
@@ -97,10 +149,14 @@ def load_raw(data_args, model_args):
     from optimum_memopt.offline import classification_rows
 
     n = data_args.offline_train_samples
-    return datasets.DatasetDict({
-        "train": datasets.Dataset.from_list(classification_rows(n, seed=0, pairs=data_args.offline_pairs)),
-        "validation": datasets.Dataset.from_list(classification_rows(max(64, n // 10), seed=1, pairs=data_args.offline_pairs)),
-    })
+    return datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(classification_rows(n, seed=0, pairs=data_args.offline_pairs)),
+            "validation": datasets.Dataset.from_list(
+                classification_rows(max(64, n // 10), seed=1, pairs=data_args.offline_pairs)
+            ),
+        }
+    )
 
 
 def text_keys(raw, data_args):
@@ -118,12 +174,18 @@ def text_keys(raw, data_args):
 
 def build_model(model_args, data_args, raw, num_labels):
     if model_args.model_name_or_path:
-        config = AutoConfig.from_pretrained(model_args.config_name or model_args.model_name_or_path,
-                                            num_labels=num_labels, cache_dir=model_args.cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path,
-                                                  cache_dir=model_args.cache_dir)
+        config = AutoConfig.from_pretrained(
+            model_args.config_name or model_args.model_name_or_path,
+            num_labels=num_labels,
+            cache_dir=model_args.cache_dir,
+        )
+        tokenizer = AutoTokenizer.from_pretrained(
+            model_args.tokenizer_name or model_args.model_name_or_path, cache_dir=model_args.cache_dir
+        )
         model = AutoModelForSequenceClassification.from_pretrained(
-            model_args.model_name_or_path, config=config, cache_dir=model_args.cache_dir,
+            model_args.model_name_or_path,
+            config=config,
+            cache_dir=model_args.cache_dir,
             attn_implementation=model_args.attn_implementation,
         )
         return tokenizer, model
@@ -131,17 +193,29 @@ def build_model(model_args, data_args, raw, num_labels):
 
     s1, s2 = text_keys(raw, data_args)
     corpus = list(raw["train"][s1]) + (list(raw["train"][s2]) if s2 else [])
-    tokenizer = (AutoTokenizer.from_pretrained(model_args.tokenizer_name) if model_args.tokenizer_name
-                 else train_tokenizer(corpus))
-    config = model_config(model_args.model_type, model_args.model_size, len(tokenizer), tokenizer.pad_token_id,
-                          num_labels=num_labels)
+    tokenizer = (
+        AutoTokenizer.from_pretrained(model_args.tokenizer_name)
+        if model_args.tokenizer_name
+        else train_tokenizer(corpus)
+    )
+    config = model_config(
+        model_args.model_type, model_args.model_size, len(tokenizer), tokenizer.pad_token_id, num_labels=num_labels
+    )
     return tokenizer, AutoModelForSequenceClassification.from_config(config)
 
 
 def main(argv: Optional[List[str]] = None):
     model_args, data_args, training_args = parse(argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s - %(message)s",
-                        level=logging.INFO if training_args.process_index == 0 else logging.WARNING)
+    # As transformers' example scripts do: INFO on the main process, the replicas' level elsewhere. The
+    # plugin's lines (logger "optimum_memopt") follow the same process log level.
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s - %(message)s", handlers=[logging.StreamHandler(sys.stdout)]
+    )
+    if training_args.should_log:
+        transformers.utils.logging.set_verbosity_info()
+    log_level = training_args.get_process_log_level()
+    logger.setLevel(log_level)
+    transformers.utils.logging.set_verbosity(log_level)
     set_seed(training_args.seed)
     raw = load_raw(data_args, model_args)
     label_list = sorted(set(raw["train"]["label"])) if "train" in raw else [0, 1]
@@ -169,15 +243,18 @@ def main(argv: Optional[List[str]] = None):
         return {"accuracy": float((np.argmax(preds, axis=-1) == p.label_ids).mean())}
 
     trainer = MemoptTrainer(
-        model=model, args=training_args, train_dataset=train_ds if training_args.do_train else None,
-        eval_dataset=eval_ds if training_args.do_eval else None, processing_class=tokenizer,
-        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=None), compute_metrics=accuracy,
+        model=model,
+        args=training_args,
+        train_dataset=train_ds if training_args.do_train else None,
+        eval_dataset=eval_ds if training_args.do_eval else None,
+        processing_class=tokenizer,
+        data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=None),
+        compute_metrics=accuracy,
     )
     results = {}
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        if not os.environ.get("MEMOPT_PROBE_CHILD"):  # a probe's short measuring run keeps nothing
-            trainer.save_model()
+        trainer.save_model()
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)
         results.update(train_result.metrics)
@@ -187,8 +264,11 @@ def main(argv: Optional[List[str]] = None):
         trainer.save_metrics("eval", metrics)
         results.update(metrics)
     if trainer.is_world_process_zero():
-        files = [f for f in ("memory_plans.json", "memory_phases.csv", "memory_phases.png", "input_density.csv")
-                 if os.path.exists(os.path.join(training_args.output_dir, f))]
+        files = [
+            f
+            for f in ("memory_plans.json", "memory_phases.csv", "memory_phases.png", "input_density.csv")
+            if os.path.exists(os.path.join(training_args.output_dir, f))
+        ]
         logger.info("memory reports in %s: %s", training_args.output_dir, ", ".join(files) or "none")
     return results
 

@@ -1,38 +1,43 @@
-"""`--memory_opt_config auto`: probe the running script, choose plans under the budget, train with them."""
+"""`--memory_opt_config auto`: probe the running script, choose plans under the budget, train with them.
 
-import json
-import logging
+Called from `MemoptTrainerMixin.resolve_memory_plan`, at `train()`; it changes no argument: the trainer
+keeps the choice (`trainer.memory_plan`) and the reports go to `<output_dir>/memory_auto/`.
+"""
+
 import os
-import sys
-from typing import List, Optional
+from typing import Callable, List, Tuple
 
-from ..memory_config import parse_entries
-from .measure import ENV_CHILD
-from .probe import format_table, probe, write_reports
-from .select import choose, verify
-
-logger = logging.getLogger("optimum_memopt")
+from ..plans import PlanEntry, parse_inline
+from .measure import Runner, run_child
+from .pipeline import advise, write_reports
+from .probe import format_table
 
 
-def resolve_auto(args, script_argv: Optional[List[str]] = None) -> str:
-    """Fill ``args.memory_opt_entries`` / ``args.memory_opt_level`` from measurements; return the explanation."""
-    if os.environ.get(ENV_CHILD):
-        raise RuntimeError("`--memory_opt_config auto` reached a probe child; the probe must override it")
-    script_argv = list(script_argv if script_argv is not None else sys.argv)
-    budget = float(args.memory_budget_mb)
-    logger.info("memory_opt_config auto: probing %s under %.1f MiB (a few short runs of this script)", script_argv[0], budget)
-    steps = args.memory_probe_steps
-    report = probe(script_argv, args.per_device_train_batch_size, steps=steps, max_plans=args.memory_probe_max_plans,
-                   progress=logger.info)
-    choice = verify(report, choose(report, budget), budget, steps, progress=logger.info)
+def choose_for_script(
+    args, script_argv: List[str], progress: Callable[[str], None] = print, runner: Runner = run_child
+) -> Tuple[List[PlanEntry], int, str]:
+    config = args.memory_opt
+    budget = float(config.budget_mb)
+    progress(
+        f"memory_opt_config auto: probing {script_argv[0]} under {budget:,.1f} MiB (a few short runs of this script)"
+    )
+    advice = advise(
+        script_argv,
+        args.per_device_train_batch_size,
+        budget_mb=budget,
+        steps=config.probe_steps,
+        max_plans=config.probe_max_plans,
+        progress=progress,
+        runner=runner,
+    )
     out = os.path.join(args.output_dir, "memory_auto")
-    write_reports(report, out, extra_markdown=f"## Chosen under {budget:,.1f} MiB\n\n{choice.describe()}")
-    with open(os.path.join(out, "choice.json"), "w") as f:
-        json.dump({"budget_mb": budget, "config": choice.config, "level": choice.level, "reason": choice.reason,
-                   "estimated_peak_mb": choice.estimated_peak_mb,
-                   "verified_peak_mb": choice.verified.peak_mb if choice.verified else None}, f, indent=2)
-    args.memory_opt_entries = parse_entries(choice.config) if choice.config else []
-    args.memory_opt_level = choice.level
-    logger.info("%s", format_table(report))
-    logger.info("memory_opt_config auto chose %s (reports in %s)", choice.describe(), out)
-    return choice.describe()
+    write_reports(advice, out)
+    progress(format_table(advice.probe))
+    if advice.choice is None:
+        raise RuntimeError(
+            f"`--memory_opt_config auto` found nothing that fits `--memory_budget_mb {budget:g}`: "
+            f"{advice.no_fit} (reports in {out})"
+        )
+    c = advice.choice
+    progress(f"memory_opt_config auto chose {c.describe()} (reports in {out})")
+    return (parse_inline(c.config) if c.config else []), c.level, c.reason

@@ -1,12 +1,15 @@
-"""Measuring one configuration: the user's own training script, run in a fresh process with a
-few flags overridden, reports its peak memory and step time.
+"""Measuring one configuration: the user's own training script, run in a fresh process with a few flags
+overridden, reports its peak memory, its step times and the backend's plan report.
 
-A fresh process per configuration is what makes the CPU figure honest (memory a previous run
-freed stays resident in the same process) and what isolates an out-of-memory trial.
+A fresh process per configuration is what makes the CPU figure honest (memory a previous run freed
+stays with the process) and what isolates an out-of-memory trial.
 
-In the child, `MeasureCallback` (added by `MemoptTrainerMixin` when `MEMOPT_MEASURE_OUT` is set)
-records, on rank 0: the memory level when training begins (model built, data ready), the peak
-during training (CUDA: max allocated; CPU: resident high-water mark) and each step's duration.
+The child is told what to do by a flag, `--memory_measure_out PATH` (a `MemoptTrainingArguments`
+field): the trainer hook then adds `MeasureCallback`, which records on rank 0 the memory in use when
+training begins (model built, data ready), the peak during training and each step's duration, and
+writes them with the plan report to PATH as JSON. The peak is the one the memory phases use: CUDA's
+max allocated, or on CPU the allocator's bytes in use (mallinfo2; ORT's CPU arena off), with the
+resident peak beside it.
 """
 
 import json
@@ -18,22 +21,22 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from transformers import TrainerCallback
 
 from ..memory import MemoryMeter
+from ..plans import PlanReport
 
-ENV_OUT = "MEMOPT_MEASURE_OUT"
-ENV_CHILD = "MEMOPT_PROBE_CHILD"
 WARMUP_STEPS = 2  # the first step includes ORT's export and session build
 
 
 class MeasureCallback(TrainerCallback):
-    def __init__(self, path: str):
+    def __init__(self, path: str, trainer=None):
         self.path = path
+        self.trainer = trainer
         self.meter = None
-        self.baseline_mb = None
+        self.baseline = None
         self.times: List[float] = []
         self._t0 = None
 
@@ -41,8 +44,8 @@ class MeasureCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         self.meter = MemoryMeter()
-        self.baseline_mb = self.meter.read().current_mb
         self.meter.reset_peak()
+        self.baseline = self.meter.read()
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.meter is not None:
@@ -52,23 +55,43 @@ class MeasureCallback(TrainerCallback):
         if self.meter is not None and self._t0 is not None:
             self.times.append(time.perf_counter() - self._t0)
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def _plan_report(self, model) -> Optional[dict]:
+        trainer = self.trainer
+        backend = getattr(trainer, "memopt_backend", None)
+        wrapped = backend.find(model) if backend is not None and model is not None else None
+        if wrapped is None:
+            return None
+        report = backend.plan_report(wrapped, trainer.memopt_wrap_settings())
+        return None if report is None else report.to_dict()
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.meter is None:
             return
-        reading = self.meter.read()
-        plans_file = os.path.join(args.output_dir, "memory_plans.json")
+        r = self.meter.read()
+        self.meter.close()
+        b = self.baseline
+        cuda = r.device == "cuda"
         result = {
-            "device": reading.device,
-            "baseline_mb": self.baseline_mb,
-            "peak_mb": reading.peak_mb,
-            "peak_above_baseline_mb": reading.peak_mb - (self.baseline_mb if reading.device == "cpu" else 0.0),
+            "device": r.device,
+            "allocator": self.meter.allocator,
+            "baseline_mb": b.current_mb,
+            "peak_mb": r.peak_mb,
+            # CUDA's allocated figure starts from the model and optimizer state, as users read it; on CPU the
+            # process's level before training (libraries, data) is taken off.
+            "peak_above_baseline_mb": None
+            if r.peak_mb is None
+            else r.peak_mb - (0.0 if cuda else b.current_mb or 0.0),
+            "resident_peak_above_baseline_mb": (
+                None if cuda or r.resident_peak_mb is None else r.resident_peak_mb - (b.resident_mb or 0.0)
+            ),
             "step_times": self.times,
             "batch_size": args.per_device_train_batch_size,
-            "peak_resets": self.meter.peak_resets,
-            "plans": json.load(open(plans_file)) if os.path.exists(plans_file) else None,
+            "plans": self._plan_report(model),
         }
-        with open(self.path, "w") as f:
+        tmp = f"{self.path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(result, f)
+        os.replace(tmp, self.path)
 
 
 @dataclass
@@ -79,14 +102,15 @@ class Measurement:
     flags: List[str]
     batch_size: int
     ok: bool
-    peak_mb: Optional[float] = None  # CUDA: max allocated; CPU: resident peak above the level before training
+    peak_mb: Optional[float] = None  # CUDA: max allocated; CPU: allocator in use, peak above the pre-training level
+    resident_peak_mb: Optional[float] = None  # CPU: resident peak above the pre-training level
     step_time_s: Optional[float] = None  # median over the steps after the warm-up
     samples_per_s: Optional[float] = None
     oom: bool = False
     error: Optional[str] = None
     wall_s: float = 0.0
     device: Optional[str] = None
-    plans: Optional[dict] = field(default=None, repr=False)
+    plans: Optional[PlanReport] = field(default=None, repr=False)
 
     def as_dict(self) -> Dict:
         d = asdict(self)
@@ -94,46 +118,170 @@ class Measurement:
         return d
 
 
+Runner = Callable[..., Measurement]
+
+
 def memory_flags(use_ort: bool = True, config: str = "", level: int = 0, extra: Sequence[str] = ()) -> List[str]:
     """Flags that pin one memory configuration, whatever the user's command line said."""
     if not use_ort:
-        return ["--use_ort", "false", "--memory_opt_level", "0", "--memory_opt_config", "", *extra]
+        return ["--use_ort", "false", *extra]
     return ["--use_ort", "true", "--memory_opt_level", str(level), "--memory_opt_config", config, *extra]
 
 
-def run_child(script_argv: Sequence[str], label: str, flags: Sequence[str], batch_size: int, steps: int = 6,
-              timeout: float = 1800, python: str = sys.executable) -> Measurement:
-    """Run ``python script_argv... <overrides>`` and read what it measured.
+# Flags of the user's command line that a measuring run must not inherit: the advisor's own, and, for a
+# run without ORT, every flag that only means something with ORT. Value: whether the flag takes a value
+# (None: a boolean flag, whose value is optional).
+ADVISOR_FLAGS = {
+    "--memory_opt_config": True,
+    "--memory_budget_mb": True,
+    "--memory_probe_max_plans": True,
+    "--memory_probe_steps": True,
+}
+ORT_ONLY_FLAGS = {
+    "--memory_opt_level": True,
+    "--ort_log_level": True,
+    "--ort_fallback_policy": True,
+    "--ort_save_onnx_dir": True,
+    "--ort_cache_dir": True,
+    "--ort_loss_in_graph": None,
+}
+_BOOL_WORDS = {"true", "false", "yes", "no", "y", "n", "t", "f", "1", "0"}
 
-    argparse keeps the last occurrence of a flag, so the overrides appended here win over the
-    user's own values.
-    """
+
+def strip_flags(argv: Sequence[str], flags: Dict[str, Optional[bool]]) -> List[str]:
+    """``argv`` without ``flags`` (``--flag value``, ``--flag=value`` and, for booleans, a bare ``--flag``)."""
+    out, i = [], 0
+    argv = list(argv)
+    while i < len(argv):
+        a = argv[i]
+        name = a.split("=", 1)[0]
+        if name in flags:
+            if "=" not in a:
+                takes = flags[name]
+                if takes or (takes is None and i + 1 < len(argv) and argv[i + 1].lower() in _BOOL_WORDS):
+                    i += 1
+            i += 1
+            continue
+        out.append(a)
+        i += 1
+    return out
+
+
+def child_command(
+    script_argv: Sequence[str],
+    flags: Sequence[str],
+    batch_size: int,
+    steps: int,
+    work: str,
+    out_json: str,
+    python: str = sys.executable,
+) -> List[str]:
+    """The child's command line. argparse keeps the last occurrence of a flag, so the overrides appended
+    here win over the user's own values."""
+    overrides = [
+        "--output_dir",
+        os.path.join(work, "run"),
+        "--overwrite_output_dir",
+        "--do_train",
+        "--do_eval",
+        "false",
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        str(batch_size),
+        "--save_strategy",
+        "no",
+        "--report_to",
+        "none",
+        "--logging_steps",
+        "100000",
+        "--disable_tqdm",
+        "true",
+        "--log_memory_plans",
+        "true",
+        "--print_memory_stats",
+        "false",
+        "--print_input_density",
+        "false",
+        "--memory_measure_out",
+        out_json,
+        *flags,
+    ]
+    drop = dict(ADVISOR_FLAGS)
+    if "--use_ort" in flags and flags[list(flags).index("--use_ort") + 1] == "false":
+        drop.update(ORT_ONLY_FLAGS)
+    script_argv = [script_argv[0], *strip_flags(script_argv[1:], drop)]
+    return [python, *script_argv, *overrides]
+
+
+def _run(cmd: List[str], env: dict, timeout: float):
+    """Run ``cmd``; on a timeout or any exception here (SIGTERM turned into SystemExit by the CLI), the child
+    is asked to stop (SIGTERM, so it can clean up), then killed after 10 s."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    except BaseException:
+        proc.terminate()
+        try:
+            proc.communicate(timeout=10)
+        except BaseException:
+            proc.kill()
+            proc.communicate()
+        raise
+
+
+def run_child(
+    script_argv: Sequence[str],
+    label: str,
+    flags: Sequence[str],
+    batch_size: int,
+    steps: int = 6,
+    timeout: float = 1800,
+    python: str = sys.executable,
+) -> Measurement:
+    """Run the script once with ``flags`` at ``batch_size`` for ``steps`` steps and read what it measured."""
     work = tempfile.mkdtemp(prefix="memopt-probe-")
     out_json = os.path.join(work, "measure.json")
-    overrides = [
-        "--output_dir", os.path.join(work, "run"), "--overwrite_output_dir", "--do_train", "--do_eval", "false",
-        "--max_steps", str(steps), "--per_device_train_batch_size", str(batch_size), "--save_strategy", "no",
-        "--report_to", "none", "--logging_steps", "100000", "--disable_tqdm", "true", "--log_memory_plans", "true",
-        "--print_memory_stats", "false", "--print_input_density", "false", *flags,
-    ]
-    env = {**os.environ, ENV_OUT: out_json, ENV_CHILD: "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     t0 = time.perf_counter()
     try:
-        res = subprocess.run([python, *script_argv, *overrides], capture_output=True, text=True, timeout=timeout, env=env)
+        returncode, stdout, stderr = _run(
+            child_command(script_argv, flags, batch_size, steps, work, out_json, python), env, timeout
+        )
         wall = time.perf_counter() - t0
-        if res.returncode != 0 or not os.path.exists(out_json):
-            tail = (res.stderr or res.stdout)[-2000:]
-            oom = "out of memory" in tail.lower() or res.returncode in (-9, 137)
-            return Measurement(label, list(flags), batch_size, False, oom=oom, error=tail.strip().splitlines()[-1] if tail.strip() else f"exit {res.returncode}", wall_s=wall)
+        if returncode != 0 or not os.path.exists(out_json):
+            tail = (stderr or stdout or "")[-4000:]
+            oom = "out of memory" in tail.lower() or returncode in (-9, 137)
+            last = tail.strip().splitlines()[-1] if tail.strip() else f"exit {returncode}"
+            if returncode == 0:
+                last = f"the script exited 0 without training through MemoptTrainer (no measurement written); {last}"
+            return Measurement(label, list(flags), batch_size, False, oom=oom, error=last, wall_s=wall)
         with open(out_json) as f:
             data = json.load(f)
         times = data["step_times"][WARMUP_STEPS:] or data["step_times"]
         step = statistics.median(times) if times else None
-        return Measurement(label, list(flags), batch_size, True, peak_mb=data["peak_above_baseline_mb"], step_time_s=step,
-                           samples_per_s=(batch_size / step) if step else None, wall_s=wall, device=data["device"],
-                           plans=data["plans"])
+        return Measurement(
+            label,
+            list(flags),
+            batch_size,
+            True,
+            peak_mb=data["peak_above_baseline_mb"],
+            resident_peak_mb=data["resident_peak_above_baseline_mb"],
+            step_time_s=step,
+            samples_per_s=(batch_size / step) if step else None,
+            wall_s=wall,
+            device=data["device"],
+            plans=PlanReport.from_dict(data["plans"]) if data.get("plans") else None,
+        )
     except subprocess.TimeoutExpired:
-        return Measurement(label, list(flags), batch_size, False, error=f"timed out after {timeout:.0f} s",
-                           wall_s=time.perf_counter() - t0)
+        return Measurement(
+            label,
+            list(flags),
+            batch_size,
+            False,
+            error=f"timed out after {timeout:.0f} s",
+            wall_s=time.perf_counter() - t0,
+        )
     finally:
         shutil.rmtree(work, ignore_errors=True)

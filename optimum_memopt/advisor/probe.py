@@ -5,13 +5,12 @@ at levels 1 and 2, and reports for each: ORT's predicted saving, the measured sa
 time per step, and the ranking by memory saved per second of extra step time.
 """
 
-import json
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-from .measure import Measurement, memory_flags, run_child
+from ..plans import PlanReport
+from .measure import Measurement, Runner, memory_flags, run_child
 
 MIB = 1024.0 * 1024.0
 
@@ -38,12 +37,25 @@ class ProbeRow:
     def as_dict(self):
         m = self.measurement
         return {
-            "label": self.label, "kind": self.kind, "config": self.config, "level": self.level, "ok": m.ok,
-            "error": m.error, "batch_size": m.batch_size, "peak_mb": m.peak_mb, "step_time_s": m.step_time_s,
-            "samples_per_s": m.samples_per_s, "predicted_saving_mb": self.predicted_saving_mb,
-            "measured_saving_mb": self.measured_saving_mb, "extra_time_s": self.extra_time_s,
-            "mb_saved_per_extra_s": (None if self.mb_per_extra_s is None else
-                                     ("inf" if math.isinf(self.mb_per_extra_s) else self.mb_per_extra_s)),
+            "label": self.label,
+            "kind": self.kind,
+            "config": self.config,
+            "level": self.level,
+            "ok": m.ok,
+            "error": m.error,
+            "batch_size": m.batch_size,
+            "peak_mb": m.peak_mb,
+            "step_time_s": m.step_time_s,
+            "samples_per_s": m.samples_per_s,
+            "resident_peak_mb": m.resident_peak_mb,
+            "predicted_saving_mb": self.predicted_saving_mb,
+            "measured_saving_mb": self.measured_saving_mb,
+            "extra_time_s": self.extra_time_s,
+            "mb_saved_per_extra_s": (
+                None
+                if self.mb_per_extra_s is None
+                else ("inf" if math.isinf(self.mb_per_extra_s) else self.mb_per_extra_s)
+            ),
         }
 
 
@@ -62,11 +74,19 @@ class ProbeReport:
     def ranked_plans(self) -> List[ProbeRow]:
         """Measured plans that saved memory, cheapest time per MiB first."""
         plans = [r for r in self.rows if r.kind == "plan" and r.measurement.ok and (r.measured_saving_mb or 0) > 0]
-        return sorted(plans, key=lambda r: (-(r.mb_per_extra_s if r.mb_per_extra_s is not None else -1), -r.measured_saving_mb))
+        return sorted(
+            plans, key=lambda r: (-(r.mb_per_extra_s if r.mb_per_extra_s is not None else -1), -r.measured_saving_mb)
+        )
 
     def as_dict(self):
-        return {"script_argv": self.script_argv, "batch_size": self.batch_size, "steps": self.steps, "device": self.device,
-                "rows": [r.as_dict() for r in self.rows], "ranking": [r.config for r in self.ranked_plans()]}
+        return {
+            "script_argv": self.script_argv,
+            "batch_size": self.batch_size,
+            "steps": self.steps,
+            "device": self.device,
+            "rows": [r.as_dict() for r in self.rows],
+            "ranking": [r.config for r in self.ranked_plans()],
+        }
 
 
 def _fmt(x, digits=1, unit=""):
@@ -78,15 +98,32 @@ def _fmt(x, digits=1, unit=""):
 
 
 def format_table(report: ProbeReport, markdown: bool = False) -> str:
-    head = ["config", "peak MiB", "ORT predicted saving MiB", "measured saving MiB", "step s", "extra s/step", "MiB saved per extra s"]
+    head = [
+        "config",
+        "peak MiB",
+        "ORT predicted saving MiB",
+        "measured saving MiB",
+        "step s",
+        "extra s/step",
+        "MiB saved per extra s",
+    ]
     rows = []
     for r in report.rows:
         m = r.measurement
         if not m.ok:
             rows.append([r.label, "failed" + (" (OOM)" if m.oom else ""), "-", "-", "-", "-", (m.error or "")[:60]])
             continue
-        rows.append([r.label, _fmt(m.peak_mb), _fmt(r.predicted_saving_mb, 2), _fmt(r.measured_saving_mb), _fmt(m.step_time_s, 3),
-                     _fmt(r.extra_time_s, 3), _fmt(r.mb_per_extra_s, 1)])
+        rows.append(
+            [
+                r.label,
+                _fmt(m.peak_mb),
+                _fmt(r.predicted_saving_mb, 2),
+                _fmt(r.measured_saving_mb),
+                _fmt(m.step_time_s, 3),
+                _fmt(r.extra_time_s, 3),
+                _fmt(r.mb_per_extra_s, 1),
+            ]
+        )
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
@@ -95,21 +132,26 @@ def format_table(report: ProbeReport, markdown: bool = False) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [head] + rows)
 
 
-def _candidates(plans_json: Optional[dict], max_plans: int) -> List[tuple]:
-    if not plans_json:
+def _candidates(report: Optional[PlanReport], max_plans: int) -> List[tuple]:
+    """The plans to probe, largest predicted saving first, as (plan string, predicted saving MiB)."""
+    if report is None:
         return []
-    found = []
-    for p in plans_json.get("plans", []):
-        parts = [x for x in p["config"].split(",") if x and not x.endswith(":0") and ":0:" not in x]
-        if not parts:
-            continue
-        found.append((",".join(parts), (p.get("saving_bytes") or 0.0) / MIB))
+    found = [(p.as_request(), (p.saving_bytes or 0.0) / MIB) for p in report.plans if p.as_request()]
     found.sort(key=lambda x: -x[1])
     return found[:max_plans]
 
 
-def probe(script_argv: Sequence[str], batch_size: int, steps: int = 6, max_plans: int = 6, levels: Sequence[int] = (1, 2),
-          include_pytorch: bool = False, progress: Callable[[str], None] = print, timeout: float = 1800) -> ProbeReport:
+def probe(
+    script_argv: Sequence[str],
+    batch_size: int,
+    steps: int = 6,
+    max_plans: int = 6,
+    levels: Sequence[int] = (1, 2),
+    include_pytorch: bool = False,
+    progress: Callable[[str], None] = print,
+    timeout: float = 1800,
+    runner: Runner = run_child,
+) -> ProbeReport:
     script_argv = list(script_argv)
     report = ProbeReport(script_argv, batch_size, steps, None)
     total_hint = 1 + max_plans + len(levels) + int(include_pytorch)
@@ -118,9 +160,12 @@ def probe(script_argv: Sequence[str], batch_size: int, steps: int = 6, max_plans
     def measure(label, flags):
         done[0] += 1
         progress(f"[probe {done[0]}/~{total_hint}] {label}: running {steps} steps at batch {batch_size} ...")
-        m = run_child(script_argv, label, flags, batch_size, steps=steps, timeout=timeout)
-        status = (f"peak {m.peak_mb:,.1f} MiB, {m.step_time_s:.3f} s/step" if m.ok and m.step_time_s
-                  else f"failed: {m.error}")
+        m = runner(script_argv, label, flags, batch_size, steps=steps, timeout=timeout)
+        status = (
+            f"peak {m.peak_mb:,.1f} MiB, {m.step_time_s:.3f} s/step"
+            if m.ok and m.step_time_s
+            else f"failed: {m.error}"
+        )
         progress(f"[probe {done[0]}/~{total_hint}] {label}: {status} ({m.wall_s:.0f} s)")
         return m
 
@@ -138,7 +183,7 @@ def probe(script_argv: Sequence[str], batch_size: int, steps: int = 6, max_plans
         m = measure(f"level {level}", memory_flags(True, level=level))
         predicted = None
         if m.ok and m.plans:
-            predicted = sum((p.get("saving_bytes") or 0.0) for p in m.plans["plans"] if p["enabled"]) / MIB
+            predicted = m.plans.saving_mb(enabled_only=True)
         report.rows.append(ProbeRow(f"level {level}", "level", "", level, m, predicted))
     if include_pytorch:
         m = measure("PyTorch (no ORT)", memory_flags(False))
@@ -151,50 +196,28 @@ def probe(script_argv: Sequence[str], batch_size: int, steps: int = 6, max_plans
     return report
 
 
-def write_reports(report: ProbeReport, out_dir: str, extra_markdown: str = "") -> List[str]:
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, n) for n in ("probe.json", "probe.md", "probe.png")]
-    with open(paths[0], "w") as f:
-        json.dump(report.as_dict(), f, indent=2)
-    ranking = report.ranked_plans()
-    md = [
-        "# Memory-optimizer probe", "",
-        f"Script: `{' '.join(report.script_argv)}`  ", f"Device: {report.device}, batch size {report.batch_size}, "
-        f"{report.steps} steps per configuration (median step time after {2} warm-up steps).", "",
-        "Peak: CUDA max allocated, or CPU resident memory above its level before training. Savings and extra "
-        "time are against ORT without recompute. ORT's predicted saving is for the first batch's shapes. "
-        "An extra time at or below zero is within the step-to-step noise of this machine: no cost measured.", "",
-        format_table(report, markdown=True), "",
-        "Ranking (most memory saved per second of extra step time first): "
-        + (", ".join(f"`{r.config}`" for r in ranking) if ranking else "no plan saved measurable memory."),
-    ]
-    if extra_markdown:
-        md += ["", extra_markdown]
-    with open(paths[1], "w") as f:
-        f.write("\n".join(md) + "\n")
-    plot(report, paths[2])
-    return paths
-
-
 def plot(report: ProbeReport, path: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig = Figure(figsize=(8, 5))
+    ax = fig.subplots()
     colors = {"baseline": "black", "plan": "tab:blue", "level": "tab:red", "pytorch": "tab:green"}
     for r in report.rows:
         m = r.measurement
-        if not m.ok or m.step_time_s is None:
+        if not m.ok or m.step_time_s is None or m.peak_mb is None:
             continue
         ax.scatter(m.step_time_s, m.peak_mb, color=colors[r.kind], s=40)
-        ax.annotate(r.label if len(r.label) < 40 else r.label[:37] + "...", (m.step_time_s, m.peak_mb), fontsize=7,
-                    xytext=(4, 3), textcoords="offset points")
+        ax.annotate(
+            r.label if len(r.label) < 40 else r.label[:37] + "...",
+            (m.step_time_s, m.peak_mb),
+            fontsize=7,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
     ax.set_xlabel("step time (s)")
-    ax.set_ylabel("peak memory (MiB" + (", above pre-training level)" if report.device == "cpu" else ")"))
+    what = "MiB, allocated" if report.device == "cuda" else "MiB in use at the allocator, above the pre-training level"
+    ax.set_ylabel(f"peak memory ({what})")
     ax.set_title(f"Memory vs step time, batch {report.batch_size} ({report.device})")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

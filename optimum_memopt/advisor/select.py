@@ -3,8 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
-from ..memory_config import parse_entries
-from .measure import Measurement, memory_flags, run_child
+from ..plans import parse_inline as parse_entries
+from .measure import Measurement, Runner, memory_flags, run_child
 from .probe import ProbeReport
 
 
@@ -42,8 +42,12 @@ def choose(report: ProbeReport, budget_mb: float) -> Choice:
         raise NoFit("the probe's baseline run failed; nothing to choose from")
     base_peak = base.measurement.peak_mb
     if base_peak <= budget_mb:
-        return Choice("", 0, f"ORT without recompute already fits: peak {base_peak:,.1f} MiB <= budget {budget_mb:,.1f} MiB",
-                      base_peak)
+        return Choice(
+            "",
+            0,
+            f"ORT without recompute already fits: peak {base_peak:,.1f} MiB <= budget {budget_mb:,.1f} MiB",
+            base_peak,
+        )
     need = base_peak - budget_mb
     chosen, saved, considered = [], 0.0, []
     subgraphs = set()
@@ -58,24 +62,49 @@ def choose(report: ProbeReport, budget_mb: float) -> Choice:
         if saved >= need:
             extra = sum(max(r.extra_time_s or 0.0, 0.0) for r in chosen)
             config = ",".join(r.config for r in chosen)
-            return Choice(config, 0, (f"needs {need:,.1f} MiB below ORT's {base_peak:,.1f} MiB; these {len(chosen)} plan(s) "
-                                      f"saved {saved:,.1f} MiB measured one by one, for about {extra:.3f} s more per step, "
-                                      f"the least extra time per MiB among the plans probed"),
-                          base_peak - saved, considered=considered)
-    levels = sorted((r for r in report.rows if r.kind == "level" and r.measurement.ok),
-                    key=lambda r: (r.measurement.step_time_s or 0.0))
+            return Choice(
+                config,
+                0,
+                (
+                    f"needs {need:,.1f} MiB below ORT's {base_peak:,.1f} MiB; these {len(chosen)} plan(s) "
+                    f"saved {saved:,.1f} MiB measured one by one, for about {extra:.3f} s more per step, "
+                    f"the least extra time per MiB among the plans probed"
+                ),
+                base_peak - saved,
+                considered=considered,
+            )
+    levels = sorted(
+        (r for r in report.rows if r.kind == "level" and r.measurement.ok),
+        key=lambda r: r.measurement.step_time_s or 0.0,
+    )
     for row in levels:
         if row.measurement.peak_mb <= budget_mb:
-            return Choice("", row.level, (f"the probed plans together save {saved:,.1f} MiB, short of the {need:,.1f} MiB "
-                                          f"needed; level {row.level} measured {row.measurement.peak_mb:,.1f} MiB"),
-                          row.measurement.peak_mb, considered=considered)
+            return Choice(
+                "",
+                row.level,
+                (
+                    f"the probed plans together save {saved:,.1f} MiB, short of the {need:,.1f} MiB "
+                    f"needed; level {row.level} measured {row.measurement.peak_mb:,.1f} MiB"
+                ),
+                row.measurement.peak_mb,
+                considered=considered,
+            )
     best = min([r.measurement.peak_mb for r in report.rows if r.measurement.ok])
-    raise NoFit(f"no probed configuration fits {budget_mb:,.1f} MiB: the lowest measured peak is {best:,.1f} MiB "
-                f"(ORT without recompute: {base_peak:,.1f} MiB); lower the batch size or raise --memory_budget_mb")
+    raise NoFit(
+        f"no probed configuration fits {budget_mb:,.1f} MiB: the lowest measured peak is {best:,.1f} MiB "
+        f"(ORT without recompute: {base_peak:,.1f} MiB); lower the batch size or raise --memory_budget_mb"
+    )
 
 
-def verify(report: ProbeReport, choice: Choice, budget_mb: float, steps: int,
-           progress: Callable[[str], None] = print, timeout: float = 1800) -> Choice:
+def verify(
+    report: ProbeReport,
+    choice: Choice,
+    budget_mb: float,
+    steps: int,
+    progress: Callable[[str], None] = print,
+    timeout: float = 1800,
+    runner: Runner = run_child,
+) -> Choice:
     """Measure the chosen combination; if it misses the budget, add the next ranked plans, then try the levels."""
     if not choice.config:
         return choice
@@ -83,12 +112,20 @@ def verify(report: ProbeReport, choice: Choice, budget_mb: float, steps: int,
     config = choice.config
     while True:
         progress(f"[auto] verifying {config} at batch {report.batch_size} ...")
-        m = run_child(report.script_argv, config, memory_flags(True, config=config), report.batch_size, steps, timeout)
+        m = runner(
+            report.script_argv,
+            config,
+            memory_flags(True, config=config),
+            report.batch_size,
+            steps=steps,
+            timeout=timeout,
+        )
         if m.ok and m.peak_mb <= budget_mb:
             if config != choice.config:
-                added = config[len(choice.config) + 1:]
-                choice.reason += (f"; measured together they missed the budget, so the next ranked plan(s) {added} "
-                                  f"were added")
+                added = config[len(choice.config) + 1 :]
+                choice.reason += (
+                    f"; measured together they missed the budget, so the next ranked plan(s) {added} were added"
+                )
             choice.config, choice.verified = config, m
             choice.reason += f"; verified together: peak {m.peak_mb:,.1f} MiB <= {budget_mb:,.1f} MiB"
             return choice
@@ -99,13 +136,28 @@ def verify(report: ProbeReport, choice: Choice, budget_mb: float, steps: int,
         config = f"{config},{nxt}"
     for row in sorted((r for r in report.rows if r.kind == "level" and r.measurement.ok), key=lambda r: r.level):
         if row.measurement.peak_mb <= budget_mb:
-            return Choice("", row.level, f"the plan sets missed the budget when measured together; level {row.level} "
-                                         f"measured {row.measurement.peak_mb:,.1f} MiB", row.measurement.peak_mb, row.measurement)
+            return Choice(
+                "",
+                row.level,
+                f"the plan sets missed the budget when measured together; level {row.level} "
+                f"measured {row.measurement.peak_mb:,.1f} MiB",
+                row.measurement.peak_mb,
+                row.measurement,
+            )
     raise NoFit(f"the chosen plans measured above {budget_mb:,.1f} MiB together, and no level fits either")
 
 
-def max_batch_size(script_argv: Sequence[str], flags: Sequence[str], budget_mb: float, start: int, steps: int = 4,
-                   limit: int = 4096, progress: Callable[[str], None] = print, timeout: float = 1800):
+def max_batch_size(
+    script_argv: Sequence[str],
+    flags: Sequence[str],
+    budget_mb: float,
+    start: int,
+    steps: int = 4,
+    limit: int = 4096,
+    progress: Callable[[str], None] = print,
+    timeout: float = 1800,
+    runner: Runner = run_child,
+):
     """The largest batch size whose run succeeds with its peak under the budget.
 
     Doubles from ``start`` until a run misses the budget (or fails: out of memory), then bisects.
@@ -115,11 +167,17 @@ def max_batch_size(script_argv: Sequence[str], flags: Sequence[str], budget_mb: 
 
     def fits(b):
         progress(f"[batch search] batch {b} ...")
-        m = run_child(script_argv, f"batch {b}", flags, b, steps, timeout)
+        m = runner(script_argv, f"batch {b}", flags, b, steps=steps, timeout=timeout)
         tried[b] = m
         ok = m.ok and m.peak_mb <= budget_mb
-        progress(f"[batch search] batch {b}: " + (f"peak {m.peak_mb:,.1f} MiB, {'fits' if ok else 'over budget'}" if m.ok
-                                                    else f"failed ({'out of memory' if m.oom else m.error})"))
+        progress(
+            f"[batch search] batch {b}: "
+            + (
+                f"peak {m.peak_mb:,.1f} MiB, {'fits' if ok else 'over budget'}"
+                if m.ok
+                else f"failed ({'out of memory' if m.oom else m.error})"
+            )
+        )
         return ok
 
     lo, hi = None, None

@@ -7,17 +7,13 @@ from .plan_stats import PlanStatsCallback
 __all__ = ["InputDensityCallback", "MemoryPhaseCallback", "PlanStatsCallback", "default_callbacks"]
 
 
-def default_callbacks(args):
+def default_callbacks(args, trainer=None):
     """The callbacks `MemoptTrainingArguments` asks for."""
-    from .base import ensure_visible_logging
-
     callbacks = []
     if getattr(args, "use_ort", False) and getattr(args, "log_memory_plans", False):
-        callbacks.append(PlanStatsCallback())
+        callbacks.append(PlanStatsCallback(trainer))
     if getattr(args, "print_input_density", False):
-        callbacks.append(InputDensityCallback(args.input_density_table_steps))
+        callbacks.append(InputDensityCallback(args.input_density_table_steps, trainer))
     if getattr(args, "print_memory_stats", False):
-        callbacks.append(MemoryPhaseCallback())
-    if callbacks and args.process_index == 0:
-        ensure_visible_logging()
+        callbacks.append(MemoryPhaseCallback(trainer))
     return callbacks

@@ -1,9 +1,10 @@
-"""What the plugin's callbacks share: a buffer of numeric metrics that `MemoptTrainerMixin.log`
-merges into the trainer's logs, so every reporter (TensorBoard, W&B, JSON log history) sees them."""
+"""What the plugin's callbacks share: a buffer of numeric metrics that `MemoptTrainerMixin.log` merges
+into the trainer's logs (so every reporter sees them), and report files that never stop training."""
 
+import csv
 import logging
 import os
-from typing import Dict
+from typing import Callable, Dict, List, Optional, Sequence
 
 from transformers import TrainerCallback
 
@@ -13,42 +14,70 @@ logger = logging.getLogger("optimum_memopt")
 class MetricsCallback(TrainerCallback):
     def __init__(self):
         self._pending: Dict[str, float] = {}
+        self._write_failures = set()
 
     def pop_metrics(self) -> Dict[str, float]:
         out, self._pending = self._pending, {}
         return out
 
-    @staticmethod
-    def output_path(args, name: str) -> str:
-        os.makedirs(args.output_dir, exist_ok=True)
-        return os.path.join(args.output_dir, name)
+    def write_report(self, path: str, write: Callable[[str], None]) -> bool:
+        """Run ``write(path)``; a failure (full disk, a directory in the way) is logged once per file and
+        training goes on. Returns whether it worked."""
+        try:
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            write(path)
+            return True
+        except Exception as e:  # a report must never cost the run
+            if path not in self._write_failures:
+                self._write_failures.add(path)
+                logger.error(
+                    "could not write %s (%s: %s); training goes on without this report", path, type(e).__name__, e
+                )
+            return False
 
 
-def unwrap_to_hookable(model):
-    """The module whose forward runs once per training micro-batch: the ORTModule or the plain model,
-    inside any DDP / DeepSpeed wrapper (their forward calls it)."""
+class CsvReport:
+    """A CSV file that a run appends to, rows at a time; on resume from step N the rows of steps >= N
+    (what the interrupted run wrote after its checkpoint) are dropped and the file continues."""
+
+    def __init__(self, owner: MetricsCallback, path: str, header: Sequence[str]):
+        self.owner, self.path, self.header = owner, path, list(header)
+
+    def start(self, resume_step: int) -> None:
+        def write(path):
+            kept: List[List[str]] = []
+            if resume_step > 0 and os.path.exists(path):
+                with open(path, newline="") as f:
+                    rows = list(csv.reader(f))
+                if rows and rows[0] == self.header:
+                    kept = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) < resume_step]
+            with open(path, "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(self.header)
+                w.writerows(kept)
+
+        self.owner.write_report(self.path, write)
+
+    def append(self, rows: Sequence[Sequence]) -> None:
+        def write(path):
+            with open(path, "a", newline="") as f:
+                csv.writer(f).writerows(rows)
+
+        self.owner.write_report(self.path, write)
+
+
+def hookable(trainer, model) -> Optional[object]:
+    """The module whose forward runs once per training micro-batch: the backend's wrapper, or the plain model
+    (DDP / DeepSpeed wrappers call it from their own forward)."""
+    if trainer is not None and trainer.memopt_backend is not None:
+        found = trainer.memopt_backend.find(model)
+        if found is not None:
+            return found
+    if trainer is not None:
+        return trainer.plain_model
     for _ in range(8):
         inner = getattr(model, "module", None)
-        if inner is None or type(model).__name__ == "ORTModule":
+        if inner is None:
             return model
         model = inner
     return model
-
-
-def ensure_visible_logging() -> None:
-    """Show the plugin's INFO lines (plan table, density table) when the script set up no logging.
-
-    Only the package logger gets a handler; ORT's and transformers' verbosity are left alone, and
-    the callbacks only log on rank 0.
-    """
-    import sys
-
-    if logger.handlers or logging.getLogger().handlers:
-        if logger.level == logging.NOTSET:
-            logger.setLevel(logging.INFO)
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("[memopt] %(message)s"))
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False

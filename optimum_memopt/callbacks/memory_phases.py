@@ -1,32 +1,43 @@
 """`MemoryPhaseCallback`: memory at each phase of a training step, on rank 0 only.
 
-Phases: `pre_forward` and `post_forward` (forward hooks on the module the Trainer calls: the
-ORTModule or the plain model), `pre_backward` (a gradient hook on the loss: the first thing the
-backward pass computes) and `post_backward` (`on_pre_optimizer_step`: after the last backward of
-the step, before the optimizer). With gradient accumulation the forward-side phases are those of
-the step's last micro-batch.
+Phases: `pre_forward` and `post_forward` (forward hooks on the module the Trainer calls: the backend's
+wrapper or the plain model), `pre_backward` (a gradient hook on the loss the trainer is about to
+back-propagate: the first thing backward computes) and `post_backward` (`on_pre_optimizer_step`: after
+the step's last backward, before the optimizer). With gradient accumulation the forward-side phases are
+those of the step's last micro-batch.
 
-Recorded steps: all of the first ten, then powers of two, and every logging step. Readings
-(see `optimum_memopt.memory`): on CUDA allocated / max allocated / reserved; on CPU the process's
-resident memory and its peak within the phase.
+Recorded steps: all of the first ten, then powers of two, and every logging step. Readings (see
+`optimum_memopt.memory`): on CUDA, allocated / peak allocated within the phase / reserved; on CPU, bytes
+in use at the allocator level (`mallinfo2`) with their peak within the phase, and the resident set with
+its high-water mark within the phase beside them. With `--skip_memory_metrics false` on CUDA the peaks
+are not reset (the Trainer's own memory metrics read the same counter), so each peak is the peak since
+training began, and the log says so.
 
 Metrics added to each training log, for the latest recorded step (MiB):
-  - `memopt/mem_<phase>_mb`: allocated (CUDA) or resident (CPU) memory at the end of the phase;
-  - `memopt/mem_<phase>_peak_mb`: the peak within the phase;
+  - `memopt/mem_<phase>_mb`: memory in use at the end of the phase (CUDA allocated; CPU allocator in use);
+  - `memopt/mem_<phase>_peak_mb`: its peak within the phase;
+  - `memopt/mem_<phase>_resident_mb` (CPU): resident memory at the end of the phase;
   - `memopt/mem_step_peak_mb`: the peak over the whole step.
-Files: `<output_dir>/memory_phases.csv` (every recorded reading) and, at the end of training,
-`<output_dir>/memory_phases.png` (phases over steps).
+Files: `<output_dir>/memory_phases.csv` (every recorded reading; on resume, it continues from the
+checkpoint's step) and, at the end of training, `<output_dir>/memory_phases.png` (phases over steps).
 """
 
-import csv
-
-import torch
+import os
 
 from ..memory import MemoryMeter
-from .base import MetricsCallback, logger, unwrap_to_hookable
+from .base import CsvReport, MetricsCallback, hookable, logger
 
 PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
-CSV_FIELDS = ("step", "phase", "device", "current_mb", "peak_mb", "reserved_mb")
+CSV_FIELDS = (
+    "step",
+    "phase",
+    "device",
+    "in_use_mb",
+    "in_use_peak_mb",
+    "resident_mb",
+    "resident_peak_mb",
+    "reserved_mb",
+)
 
 
 def should_record(step: int, logging_steps: int) -> bool:
@@ -34,17 +45,24 @@ def should_record(step: int, logging_steps: int) -> bool:
     return step < 10 or (step & (step - 1)) == 0 or (logging_steps > 0 and (step + 1) % logging_steps == 0)
 
 
+def _fmt(x):
+    return "" if x is None else f"{x:.1f}"
+
+
 class MemoryPhaseCallback(MetricsCallback):
-    def __init__(self, plot: bool = True):
+    def __init__(self, trainer=None, plot: bool = True):
         super().__init__()
+        self.trainer = trainer
         self.plot = plot
         self.rows = []
         self.meter = None
         self._handles = []
         self._state = None
         self._logging_steps = 0
-        self._csv_path = None
-        self._current_step = {}
+        self._csv = None
+        self._readings = {}
+        self._reset_peaks = True
+        self._step = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero or model is None:
@@ -52,12 +70,20 @@ class MemoryPhaseCallback(MetricsCallback):
         self._state = state
         self._logging_steps = int(args.logging_steps) if args.logging_strategy == "steps" else 0
         self.meter = MemoryMeter()
-        if self.meter.device == "cpu" and not self.meter.peak_resets:
-            logger.info("memory phases: /proc/self/clear_refs is not writable; CPU peaks are since process start")
-        self._csv_path = self.output_path(args, "memory_phases.csv")
-        with open(self._csv_path, "w", newline="") as f:
-            csv.writer(f).writerow(CSV_FIELDS)
-        target = unwrap_to_hookable(model)
+        self._reset_peaks = not (self.meter.device == "cuda" and not args.skip_memory_metrics)
+        if not self._reset_peaks:
+            logger.info(
+                "memory phases: --skip_memory_metrics false reads CUDA's peak counter too, so it is not reset "
+                "between phases; each phase's peak is the peak since training began"
+            )
+        if self.meter.device == "cpu" and self.meter.allocator is None:
+            logger.warning(
+                "memory phases: mallinfo2 is not available here; only resident memory is recorded, which "
+                "stays at its high-water mark once the allocator holds the pages"
+            )
+        self._csv = CsvReport(self, os.path.join(args.output_dir, "memory_phases.csv"), CSV_FIELDS)
+        self._csv.start(state.global_step)
+        target = hookable(self.trainer, model)
         self._handles = [
             target.register_forward_pre_hook(self._pre_forward),
             target.register_forward_hook(self._post_forward),
@@ -67,80 +93,109 @@ class MemoryPhaseCallback(MetricsCallback):
         return module.training and should_record(self._state.global_step, self._logging_steps)
 
     def _take(self, phase: str):
-        reading = self.meter.read()
-        self._current_step[phase] = reading
-        self.meter.reset_peak()
+        self._readings[phase] = self.meter.read()
+        if self._reset_peaks:
+            self.meter.reset_peak()
 
     def _pre_forward(self, module, args):
         if self._recording(module):
-            self.meter.reset_peak()
-            self._current_step = {}
+            if self._reset_peaks:
+                self.meter.reset_peak()
+            self._readings = {}
+            self._step = self._state.global_step
             self._take("pre_forward")
 
     def _post_forward(self, module, args, output):
-        if not self._recording(module):
-            return
-        self._take("post_forward")
-        loss = output.get("loss") if isinstance(output, dict) else (output[0] if isinstance(output, (tuple, list)) else output)
-        if torch.is_tensor(loss) and loss.requires_grad:
+        if self._recording(module) and "pre_forward" in self._readings:
+            self._take("post_forward")
+
+    def observe_loss(self, loss):
+        """Called by the trainer hook with the loss it will back-propagate."""
+        if self.meter is not None and "post_forward" in self._readings:
             loss.register_hook(self._pre_backward)
 
     def _pre_backward(self, grad):
-        self._take("pre_backward")
+        if "pre_backward" not in self._readings:
+            self._take("pre_backward")
         return grad
 
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero or self.meter is None or not self._current_step:
+        if self.meter is None or not self._readings or self._step != state.global_step:
             return
         self._take("post_backward")
         self._flush(state.global_step)
 
     def _flush(self, step: int):
-        readings = self._current_step
-        self._current_step = {}
-        with open(self._csv_path, "a", newline="") as f:
-            writer = csv.writer(f)
-            for phase in PHASES:
-                r = readings.get(phase)
-                if r is None:
-                    continue
-                reserved = "" if r.reserved_mb is None else f"{r.reserved_mb:.1f}"
-                writer.writerow([step, phase, r.device, f"{r.current_mb:.1f}", f"{r.peak_mb:.1f}", reserved])
-                self.rows.append({"step": step, "phase": phase, "current_mb": r.current_mb, "peak_mb": r.peak_mb,
-                                  "reserved_mb": r.reserved_mb})
+        readings, self._readings, self._step = self._readings, {}, None
+        out = []
+        for phase in PHASES:
+            r = readings.get(phase)
+            if r is None:
+                continue
+            out.append(
+                [
+                    step,
+                    phase,
+                    r.device,
+                    _fmt(r.current_mb),
+                    _fmt(r.peak_mb),
+                    _fmt(r.resident_mb),
+                    _fmt(r.resident_peak_mb),
+                    _fmt(r.reserved_mb),
+                ]
+            )
+            self.rows.append(
+                {
+                    "step": step,
+                    "phase": phase,
+                    "in_use_mb": r.current_mb,
+                    "in_use_peak_mb": r.peak_mb,
+                    "resident_mb": r.resident_mb,
+                }
+            )
+        self._csv.append(out)
         metrics = {}
         for phase, r in readings.items():
-            metrics[f"memopt/mem_{phase}_mb"] = r.current_mb
-            metrics[f"memopt/mem_{phase}_peak_mb"] = r.peak_mb
-        if readings:
-            metrics["memopt/mem_step_peak_mb"] = max(r.peak_mb for r in readings.values())
+            if r.current_mb is not None:
+                metrics[f"memopt/mem_{phase}_mb"] = r.current_mb
+                metrics[f"memopt/mem_{phase}_peak_mb"] = r.peak_mb
+            if r.resident_mb is not None:
+                metrics[f"memopt/mem_{phase}_resident_mb"] = r.resident_mb
+        peaks = [r.peak_mb for r in readings.values() if r.peak_mb is not None]
+        if peaks:
+            metrics["memopt/mem_step_peak_mb"] = max(peaks)
         self._pending = metrics
 
     def on_train_end(self, args, state, control, **kwargs):
         for h in self._handles:
             h.remove()
         self._handles = []
-        if state.is_world_process_zero and self.plot and self.rows:
-            path = self.output_path(args, "memory_phases.png")
-            plot_phases(self.rows, path, self.meter.device if self.meter else "cpu")
-            logger.info("memory phases: %d readings in %s, plot in %s", len(self.rows), self._csv_path, path)
+        if self.meter is None:
+            return
+        self.meter.close()
+        if self.plot and self.rows:
+            path = os.path.join(args.output_dir, "memory_phases.png")
+            if self.write_report(path, lambda p: plot_phases(self.rows, p, self.meter.device)):
+                logger.info("memory phases: %d readings in %s, plot in %s", len(self.rows), self._csv.path, path)
 
 
 def plot_phases(rows, path: str, device: str) -> None:
-    import matplotlib
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     for phase in PHASES:
-        pts = [(r["step"], r["current_mb"], r["peak_mb"]) for r in rows if r["phase"] == phase]
+        pts = [
+            (r["step"], r["in_use_mb"], r["in_use_peak_mb"])
+            for r in rows
+            if r["phase"] == phase and r["in_use_mb"] is not None
+        ]
         if not pts:
             continue
         steps, cur, peak = zip(*pts)
-        line = ax.plot(steps, cur, marker="o", label=f"{phase}")[0]
+        line = ax.plot(steps, cur, marker="o", label=phase)[0]
         ax.plot(steps, peak, linestyle="--", color=line.get_color(), alpha=0.6, label=f"{phase} (peak in phase)")
-    what = "allocated" if device == "cuda" else "resident"
+    what = "allocated" if device == "cuda" else "in use at the allocator"
     ax.set_xlabel("step")
     ax.set_ylabel(f"MiB ({what})")
     ax.set_title(f"Memory by phase ({device})")
@@ -148,4 +203,3 @@ def plot_phases(rows, path: str, device: str) -> None:
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)

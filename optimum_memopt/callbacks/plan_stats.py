@@ -1,69 +1,85 @@
-"""`PlanStatsCallback`: the recompute plans ORT found, once, after the first training step.
+"""`PlanStatsCallback`: the recompute plans the backend found, once, after the first training step.
 
-Reads ORTModule's runtime inspector (structured data, not log text) and, on rank 0 only:
+On rank 0 only, from the backend's `PlanReport` (structured data, not log text):
 
-* logs a table (config, ON/OFF, frequency, saving for the first batch, symbolic form);
-* writes `<output_dir>/memory_plans.json`;
+* logs a table (state, config, frequency, occurrences applied, saving for the first batch, symbolic form);
+* warns about each requested plan that matches no plan found, naming the closest ones found;
+* writes `<output_dir>/memory_plans.json` (the `PlanReport` as a dictionary);
 * adds these metrics to the next training log:
-  - `memopt/plans_found`: recompute plans ORT found;
+  - `memopt/plans_found`: recompute plans found;
   - `memopt/plans_on`: plans applied in this run;
-  - `memopt/planned_saving_mb`: ORT's predicted saving of the applied plans for the first batch (MiB);
+  - `memopt/planned_saving_mb`: the backend's predicted saving of the applied plans for the first batch (MiB);
   - `memopt/available_saving_mb`: the predicted saving of all plans found (MiB).
 """
 
 import json
+import os
+from typing import Optional
 
-from .. import ort
+from ..plans import PlanReport
 from .base import MetricsCallback, logger
 
-MIB = 1024.0 * 1024.0
 
-
-def format_plan_table(stats: dict) -> str:
-    plans = stats["plans"]
-    rows = [("#", "STATE", "CONFIG", "FREQ", "SAVING (B)", "SAVING SYMBOLIC (B)")]
-    for i, p in enumerate(plans, 1):
-        saving = f"{p['saving_bytes']:,.0f}" if p["saving_bytes"] is not None else "?"
-        rows.append((str(i), "ON" if p["enabled"] else "OFF", p["config"], str(p["frequency"]), saving, p["saving_symbolic"]))
+def format_plan_table(report: PlanReport) -> str:
+    rows = [("#", "STATE", "CONFIG", "FREQ", "APPLIED", "SAVING (B)", "SAVING SYMBOLIC (B)")]
+    for i, p in enumerate(report.plans, 1):
+        saving = f"{p.saving_bytes:,.0f}" if p.saving_bytes is not None else "?"
+        applied = "-" if p.applied_count is None else f"{p.applied_count}/{p.frequency}"
+        rows.append(
+            (str(i), "ON" if p.enabled else "OFF", p.config, str(p.frequency), applied, saving, p.saving_symbolic)
+        )
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    dims = ", ".join(f"{k}={v}" for k, v in stats["symbolic_dims_first_batch"].items())
+    dims = ", ".join(f"{k}={v}" for k, v in report.dims.items()) or "none"
+    how = f"level {report.level}" if report.level else (", ".join(report.requested) or "no plans requested")
     head = (
-        f"Memory optimizer {'ON' if stats['memory_optimizer_enabled'] else 'OFF'} (level {stats['level']}); "
-        f"{len(plans)} recompute plan(s) found, {sum(p['enabled'] for p in plans)} ON"
+        f"Memory optimizer ({report.backend}) {'ON' if report.optimizer_enabled else 'OFF'}: {how}; "
+        f"{len(report.plans)} recompute plan(s) found, {len(report.plans_on)} ON"
     )
-    return "\n".join([head] + lines + [f"Savings are for the first batch: {dims}"])
+    if not report.plans:
+        return head
+    return "\n".join([head] + lines + [f"Savings are predicted for the first batch: {dims}"])
 
 
 class PlanStatsCallback(MetricsCallback):
-    def __init__(self):
+    def __init__(self, trainer=None):
         super().__init__()
-        self.stats = None
+        self.trainer = trainer
+        self.report: Optional[PlanReport] = None
         self._done = False
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero:
-            return
-        if self._done:
+        if self._done or not state.is_world_process_zero:
             return
         self._done = True
-        ort_model = ort.find_ort_module(model)
-        if ort_model is None:
-            logger.info("memory plans: ORTModule is not in use, no recompute plans to report")
+        backend = getattr(self.trainer, "memopt_backend", None)
+        wrapped = backend.find(model) if backend is not None else None
+        if wrapped is None:
+            logger.info("memory plans: no memory-optimizer backend in use, no recompute plans to report")
             return
-        stats = ort.read_plan_stats(ort_model)
-        if stats is None:
+        report = backend.plan_report(wrapped, self.trainer.memopt_wrap_settings())
+        if report is None:
+            logger.warning("memory plans: the backend had no plan data after the first step; nothing to report")
             return
-        self.stats = stats
-        with open(self.output_path(args, "memory_plans.json"), "w", encoding="utf-8") as f:
-            json.dump(stats, f, indent=2)
-        logger.info("%s", format_plan_table(stats))
-        plans = stats["plans"]
+        self.report = report
+        self.write_report(
+            os.path.join(args.output_dir, "memory_plans.json"), lambda p: _dump_json(report.to_dict(), p)
+        )
+        logger.info("%s", format_plan_table(report))
+        for unmatched in report.unmatched:
+            logger.warning("%s", unmatched.message(backend=report.backend.upper()))
         self._pending.update(
             {
-                "memopt/plans_found": float(len(plans)),
-                "memopt/plans_on": float(sum(p["enabled"] for p in plans)),
-                "memopt/planned_saving_mb": sum(p["saving_bytes"] or 0.0 for p in plans if p["enabled"]) / MIB,
-                "memopt/available_saving_mb": sum(p["saving_bytes"] or 0.0 for p in plans) / MIB,
+                "memopt/plans_found": float(len(report.plans)),
+                "memopt/plans_on": float(len(report.plans_on)),
+                "memopt/planned_saving_mb": report.saving_mb(enabled_only=True),
+                "memopt/available_saving_mb": report.saving_mb(enabled_only=False),
             }
         )
+
+
+def _dump_json(data, path):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)

@@ -11,9 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import optimum_memopt  # noqa: E402,F401  (imports DeepSpeed early)
 import torch  # noqa: E402
-
 from helpers import ClsData, LossRecordingTrainer, make_args, tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -39,12 +37,31 @@ def main():
     rank = int(os.environ.get("RANK", "0"))
     if mode == "fail_rank1" and rank == 1:
         raise RuntimeError("rank 1 failed on purpose")
+    logging.basicConfig(format="%(levelname)s %(name)s - %(message)s")  # as a user's script does
     handler = CountingHandler()
     logging.getLogger("optimum_memopt").addHandler(handler)
     per_device = "8" if mode == "single" else "4"
-    flags = ["--max_steps", "6", "--logging_steps", "2", "--per_device_train_batch_size", per_device,
-             "--memory_opt_config", "Gelu+:1:-1", "--print_memory_stats", "--print_input_density",
-             "--input_density_table_steps", "3", "--ddp_backend", "gloo", "--optim", "adamw_ort_fused"]
+    flags = [
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "2",
+        "--per_device_train_batch_size",
+        per_device,
+        "--memory_opt_config",
+        "Gelu+:1:-1",
+        "--print_memory_stats",
+        "--print_input_density",
+        "--input_density_table_steps",
+        "3",
+        "--ddp_backend",
+        "gloo",
+        "--optim",
+        "adamw_ort_fused",
+        # the plugin's lines follow the Trainer's process log level: INFO on rank 0, the replicas' WARNING elsewhere
+        "--log_level",
+        "info",
+    ]
     if mode.startswith("zero"):
         flags += ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{mode}.json")]
     args = make_args(out, *flags)
@@ -64,7 +81,7 @@ def main():
         "density_tables": sum(m.startswith("Input density") for m in handler.messages),
         "phase_rows": len(callbacks["MemoryPhaseCallback"].rows),
         "density_rows": len(callbacks["InputDensityCallback"].rows),
-        "plan_stats": callbacks["PlanStatsCallback"].stats is not None,
+        "plan_stats": callbacks["PlanStatsCallback"].report is not None,
         "logged_memopt_keys": sorted({k for h in trainer.state.log_history for k in h if k.startswith("memopt/")}),
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

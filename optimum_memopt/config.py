@@ -1,0 +1,134 @@
+"""`MemoryOptConfig`: what the user asked of the memory optimizer, validated, serializable.
+
+It describes; it probes nothing (no installation check, no CUDA query): the trainer hook checks the
+environment when the trainer is built. `MemoptTrainingArguments` builds one from its flags (and,
+where a flag is not given, from ORT's own `ORTMODULE_*` variables); it can also be built directly:
+
+    MemoryOptConfig(plans="Gelu+:1:-1")
+    MemoryOptConfig(level=1)
+    MemoryOptConfig(plans="auto", budget_mb=4000)
+
+Errors name the setting and where its value came from (`sources`), quote the value and show an
+accepted form.
+"""
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+from . import plans as grammar
+from .plans import PlanEntry, PlanError
+
+CONFIG_FLAG = "--memory_opt_config"
+LEVEL_FLAG = "--memory_opt_level"
+BUDGET_FLAG = "--memory_budget_mb"
+BACKENDS = ("ort",)
+LEVELS = {0: "the plans of --memory_opt_config", 1: "layer-wise recompute", 2: "layer-wise recompute with compromise"}
+
+
+def _where(source: str, flag: str) -> str:
+    """How a message names a value's origin: the flag, or the variable it was read from."""
+    return f"`{flag}`" if source == flag else f"`{flag}` (read from {source})"
+
+
+@dataclass
+class MemoryOptConfig:
+    """The memory optimizer's settings.
+
+    Args:
+        plans: recompute plans (inline string, JSON file path, list of strings or `PlanEntry`), or `"auto"`.
+        level: 0 = the plans; 1 = layer-wise recompute; 2 = layer-wise recompute with compromise.
+        backend: the backend that applies them (`"ort"`).
+        budget_mb: with `plans="auto"`, the peak (MiB) the chosen plans must fit under.
+        probe_max_plans, probe_steps: with `plans="auto"`, how many plans to measure, for how many steps each.
+        sources: where each value came from (`{"plans": "$ORTMODULE_MEMORY_OPT_CONFIG"}`), for messages.
+    """
+
+    plans: Union[str, Sequence[Union[str, PlanEntry]], None] = None
+    level: int = 0
+    backend: str = "ort"
+    budget_mb: Optional[float] = None
+    probe_max_plans: int = 6
+    probe_steps: int = 6
+    sources: Dict[str, str] = field(default_factory=dict)
+    entries: List[PlanEntry] = field(init=False, default_factory=list)
+    auto: bool = field(init=False, default=False)
+
+    def __post_init__(self):
+        config_src = self.sources.get("plans", CONFIG_FLAG)
+        level_src = self.sources.get("level", LEVEL_FLAG)
+        # The level: an int 0-2; True, 1.0 or "1" are not levels.
+        if type(self.level) is not int or self.level not in LEVELS:
+            raise ValueError(
+                f"{_where(level_src, LEVEL_FLAG)} is {self.level!r}; expected the integer 0 (the plans of "
+                f"{CONFIG_FLAG}), 1 (layer-wise recompute) or 2 (layer-wise recompute with compromise), as in "
+                f"`{LEVEL_FLAG} 1`"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"`--memory_opt_backend` is {self.backend!r}; expected one of {', '.join(map(repr, BACKENDS))}, as in "
+                f"`--memory_opt_backend ort`"
+            )
+        value = self.plans
+        self.auto = isinstance(value, str) and value.strip().lower() == grammar.AUTO
+        if self.auto:
+            self.plans = grammar.AUTO
+        else:
+            try:
+                if value and not isinstance(value, str):
+                    value = [str(v) for v in value]
+                self.entries = grammar.parse_plans(value)
+            except PlanError as e:
+                raise ValueError(f"{_where(config_src, CONFIG_FLAG)} {e}") from None
+            self.plans = grammar.to_inline(self.entries) or None
+        if self.level in (1, 2) and (self.entries or self.auto):
+            raise ValueError(
+                f"{_where(level_src, LEVEL_FLAG)} is {self.level} and {_where(config_src, CONFIG_FLAG)} is "
+                f"{self.plans!r}, but at level 1 or 2 ONNX Runtime ignores the plans and applies its own layer-wise "
+                f"plans; give either `{LEVEL_FLAG} 1` or `{CONFIG_FLAG} {grammar.EXAMPLE}`"
+            )
+        if self.budget_mb is not None:
+            ok = isinstance(self.budget_mb, (int, float)) and not isinstance(self.budget_mb, bool)
+            if not ok or not math.isfinite(self.budget_mb) or self.budget_mb <= 0:
+                raise ValueError(
+                    f"`{BUDGET_FLAG}` is {self.budget_mb!r}; expected a positive, finite number of MiB, as in "
+                    f"`{CONFIG_FLAG} auto {BUDGET_FLAG} 4000`"
+                )
+            if not self.auto:
+                raise ValueError(
+                    f"`{BUDGET_FLAG} {self.budget_mb:g}` is only used by `{CONFIG_FLAG} auto`, but "
+                    f"{_where(config_src, CONFIG_FLAG)} is {self.plans!r}; add `{CONFIG_FLAG} auto`, or drop "
+                    f"`{BUDGET_FLAG}`"
+                )
+        if self.auto and self.budget_mb is None:
+            raise ValueError(
+                f"`{CONFIG_FLAG} auto` needs a budget: add `{BUDGET_FLAG}`, as in "
+                f"`{CONFIG_FLAG} auto {BUDGET_FLAG} 4000`"
+            )
+        for name in ("probe_max_plans", "probe_steps"):
+            v = getattr(self, name)
+            if type(v) is not int or v < 1:
+                raise ValueError(f"`--memory_{name}` is {v!r}; expected a positive integer, as in `--memory_{name} 6`")
+
+    @property
+    def enabled_entries(self) -> List[PlanEntry]:
+        return [e for e in self.entries if e.enabled]
+
+    @property
+    def active(self) -> bool:
+        """Whether anything is recomputed (or will be, once `auto` has chosen)."""
+        return bool(self.enabled_entries) or self.level > 0 or self.auto
+
+    def summary(self) -> str:
+        if self.level:
+            return f"level {self.level} ({LEVELS[self.level]})"
+        if self.auto:
+            return f"auto under {self.budget_mb:g} MiB"
+        if self.entries:
+            return grammar.to_inline(self.entries)
+        return "off"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["entries"] = [str(e) for e in self.entries]
+        return d

@@ -1,0 +1,325 @@
+"""Recompute plans: the one grammar, and the typed report a backend gives after the first step.
+
+A plan is written ``SubgraphStr:OptimizationType:RequestApplyCount``:
+
+* ``SubgraphStr`` names a subgraph as a sequence of ``OpName+`` parts (``BiasGelu+``,
+  ``Reshape+Where+BiasSoftmax+``);
+* ``OptimizationType`` is 0 (none), 1 (recompute) or 2 (recompute with compromise);
+* ``RequestApplyCount`` is -1 (every occurrence) or how many occurrences to apply it to.
+
+A backend describes what it found as *cluster ids*: one or more plans joined by commas
+(``Cast+:1:-1,Gelu+:2:-1``), which `parse_cluster_id` reads.
+
+Every plan string the package handles goes through this module. Its errors (`PlanError`) describe
+the value only; the caller says where the value came from (a flag, a file, an environment variable).
+"""
+
+import difflib
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+EXAMPLE = "Gelu+:1:-1"
+OPTIMIZATION_TYPES = {0: "none", 1: "recompute", 2: "recompute with compromise"}
+# Reserved word: let the advisor choose plans from measurements (optimum_memopt.advisor).
+AUTO = "auto"
+
+_SUBGRAPH_RE = re.compile(r"^(?:[A-Za-z_][A-Za-z0-9_]*\+)+$")
+_PART_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\+")
+
+
+class PlanError(ValueError):
+    """A plan string that does not follow the grammar; the message says why and shows an accepted form."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One recompute plan: ``subgraph:optimization_type:apply_count``."""
+
+    subgraph: str
+    optimization_type: int = 1
+    apply_count: int = -1
+
+    def __str__(self) -> str:
+        return f"{self.subgraph}:{self.optimization_type}:{self.apply_count}"
+
+    @property
+    def enabled(self) -> bool:
+        return self.optimization_type != 0 and self.apply_count != 0
+
+    @property
+    def key(self) -> str:
+        """``subgraph:type``, what identifies a plan regardless of how often it is applied."""
+        return f"{self.subgraph}:{self.optimization_type}"
+
+    @property
+    def ops(self) -> List[str]:
+        return [p for p in self.subgraph.split("+") if p]
+
+
+def _parse_int(text: str, what: str, expected: str) -> int:
+    """An integer written as one ('1', '-1'); '1.0', 'x' or '' are refused with ``what`` and ``expected``."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or str(value) != text.lstrip("+"):
+        raise PlanError(f"{what} {text!r}, not an integer; {expected}")
+    return value
+
+
+def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
+    """Parse and validate one ``Subgraph+:type:count`` string.
+
+    ``allow_zero_count``: backends write count 0 for a plan they found but did not apply; users may not.
+    """
+    prefix = f"entry {text!r}"
+    fields = text.split(":")
+    if len(fields) != 3:
+        raise PlanError(
+            f"{prefix} has {len(fields)} ':'-separated field(s); expected 3, "
+            f"SubgraphStr:OptimizationType:RequestApplyCount, as in {EXAMPLE!r}"
+        )
+    subgraph, type_text, count_text = (f.strip() for f in fields)
+    if not subgraph:
+        raise PlanError(f"{prefix} has an empty subgraph; expected a sequence of 'OpName+' parts, as in {EXAMPLE!r}")
+    if not _SUBGRAPH_RE.match(subgraph):
+        if not subgraph.endswith("+"):
+            detail = "does not end with '+'"
+        else:
+            bad = _PART_RE.sub("", subgraph) or subgraph
+            detail = f"has an invalid part {bad!r}"
+        raise PlanError(
+            f"{prefix} has subgraph {subgraph!r} that {detail}; expected a sequence of 'OpName+' parts "
+            f"such as 'Gelu+' or 'Reshape+Where+BiasSoftmax+', as in {EXAMPLE!r}"
+        )
+    types_expected = f"expected 0 (none), 1 (recompute) or 2 (recompute with compromise), as in {EXAMPLE!r}"
+    counts_expected = f"expected -1 (all occurrences) or a positive integer, as in {EXAMPLE!r} or 'Gelu+:1:2'"
+    opt_type = _parse_int(type_text, f"{prefix} has optimization type", types_expected)
+    if opt_type not in OPTIMIZATION_TYPES:
+        raise PlanError(f"{prefix} has optimization type {opt_type}; {types_expected}")
+    count = _parse_int(count_text, f"{prefix} has apply count", counts_expected)
+    if count < -1 or (count == 0 and not allow_zero_count):
+        raise PlanError(f"{prefix} has apply count {count}; {counts_expected}")
+    return PlanEntry(subgraph, opt_type, count)
+
+
+def _check_duplicates(entries: Sequence[PlanEntry]) -> None:
+    seen: Dict[str, PlanEntry] = {}
+    for entry in entries:
+        if entry.subgraph in seen:
+            raise PlanError(
+                f"names subgraph {entry.subgraph!r} twice ({str(seen[entry.subgraph])!r} and {str(entry)!r}); "
+                f"give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'"
+            )
+        seen[entry.subgraph] = entry
+
+
+def parse_inline(text: str) -> List[PlanEntry]:
+    """The inline form: comma-separated entries."""
+    entries = []
+    for i, part in enumerate(text.split(",")):
+        part = part.strip()
+        if not part:
+            raise PlanError(
+                f"value {text!r} has an empty entry at position {i + 1}; separate plans with single commas, "
+                f"as in 'Gelu+:1:-1,Cast+:2:-1'"
+            )
+        entries.append(parse_entry(part))
+    _check_duplicates(entries)
+    return entries
+
+
+def parse_cluster_id(cluster_id: str) -> List[PlanEntry]:
+    """A backend's cluster id (``Cast+:1:-1,Gelu+:2:0``): the plans it groups, count 0 included."""
+    return [parse_entry(p.strip(), allow_zero_count=True) for p in cluster_id.split(",") if p.strip()]
+
+
+def looks_like_path(value: str) -> bool:
+    return value.lower().endswith(".json") or os.sep in value or os.path.exists(value)
+
+
+def read_json_file(path: str) -> List[PlanEntry]:
+    """A JSON file holding a list of plan strings."""
+    accepted = 'such as ["Gelu+:1:-1", "Cast+:2:-1"]'
+    if not os.path.exists(path):
+        raise PlanError(
+            f"file {path!r} does not exist; give an existing JSON file holding a list of plans, "
+            f"{accepted}, or the plans inline, as in {EXAMPLE!r}"
+        )
+    if os.path.isdir(path):
+        raise PlanError(f"path {path!r} is a directory; expected a JSON file holding a list of plans, {accepted}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PlanError(
+            f"file {path!r} cannot be read ({e}); expected a readable JSON file holding a list of plans, {accepted}"
+        ) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise PlanError(f"file {path!r} is not valid JSON ({e}); expected a list of plans, {accepted}") from None
+    if not isinstance(data, list):
+        raise PlanError(
+            f"file {path!r} holds a JSON {type(data).__name__}, not a list; expected a list of plans, {accepted}"
+        )
+    if not data:
+        raise PlanError(
+            f"file {path!r} holds an empty list; list at least one plan, {accepted}, or leave the "
+            f"setting out to turn recompute off"
+        )
+    entries = []
+    for i, item in enumerate(data):
+        if not isinstance(item, str):
+            raise PlanError(
+                f"file {path!r} item {i} is {item!r} ({type(item).__name__}), not a string; expected "
+                f"plan strings, {accepted}"
+            )
+        if not item.strip():
+            raise PlanError(f"file {path!r} item {i} is an empty string; expected a plan such as {EXAMPLE!r}")
+        try:
+            entries.append(parse_entry(item.strip()))
+        except PlanError as e:
+            raise PlanError(f"{e} (in file {path!r})") from None
+    try:
+        _check_duplicates(entries)
+    except PlanError as e:
+        raise PlanError(f"{e} (in file {path!r})") from None
+    return entries
+
+
+def parse_plans(value: Optional[Union[str, Sequence[str]]]) -> List[PlanEntry]:
+    """Turn a setting's value into validated entries.
+
+    Accepts ``None``/``""`` (off), the inline comma-separated form, a path to a JSON file holding a
+    list of plan strings, or an already split list of plan strings.
+    """
+    if value is None:
+        return []
+    if isinstance(value, (list, tuple)):
+        entries = [parse_entry(str(v).strip()) for v in value]
+        _check_duplicates(entries)
+        return entries
+    value = value.strip()
+    if not value:
+        return []
+    if looks_like_path(value):
+        return read_json_file(value)
+    return parse_inline(value)
+
+
+def to_inline(entries: Sequence[PlanEntry]) -> str:
+    return ",".join(str(e) for e in entries)
+
+
+def to_json_list(entries: Sequence[PlanEntry]) -> List[str]:
+    return [str(e) for e in entries]
+
+
+# -- the report ------------------------------------------------------------------------------------
+@dataclass
+class FoundPlan:
+    """One recompute opportunity a backend found in the training step."""
+
+    config: str  # the cluster id, in the grammar above
+    enabled: bool  # applied in this run
+    frequency: int  # occurrences in the graph (transformer layers, usually)
+    saving_bytes: Optional[float]  # predicted saving for the first batch, all occurrences
+    saving_symbolic: str = ""  # the saving as a formula of the batch's dims, where the backend has one
+    applied_count: Optional[int] = None  # occurrences actually recomputed, where the backend can tell
+
+    @property
+    def entries(self) -> List[PlanEntry]:
+        return parse_cluster_id(self.config)
+
+    @property
+    def subgraphs(self) -> List[str]:
+        return [e.subgraph for e in self.entries]
+
+    def as_request(self) -> str:
+        """The plan(s) to request for this opportunity; parts the backend marks with a count of 0 (not applicable
+        here) or type 0 are left out."""
+        return ",".join(f"{e.subgraph}:{e.optimization_type}:-1" for e in self.entries if e.enabled)
+
+
+@dataclass
+class Unmatched:
+    """A requested plan the backend did not find, with the closest plans it did find."""
+
+    requested: str
+    closest: List[str] = field(default_factory=list)  # similar plans found, or the largest found when none is
+    similar: bool = True
+
+    def message(self, backend: str = "the backend") -> str:
+        if not self.closest:
+            return f"requested plan {self.requested!r} matches no plan {backend} found; it found none at all"
+        near = ", ".join(repr(c) for c in self.closest)
+        what = "closest plans found" if self.similar else "nothing similar; plans found"
+        return (
+            f"requested plan {self.requested!r} matches no plan {backend} found, so it is not applied; {what}: {near}"
+        )
+
+
+@dataclass
+class PlanReport:
+    """What a backend found and applied, after the first training step."""
+
+    backend: str
+    optimizer_enabled: bool
+    level: int
+    requested: List[str]
+    applied: List[str]  # the plan strings the backend was given to apply (its own, at levels 1 / 2)
+    plans: List[FoundPlan]
+    dims: Dict[str, int] = field(default_factory=dict)  # the first batch's symbolic dims
+    unmatched: List[Unmatched] = field(default_factory=list)
+
+    @property
+    def plans_on(self) -> List[FoundPlan]:
+        return [p for p in self.plans if p.enabled]
+
+    def saving_mb(self, enabled_only: bool) -> float:
+        return sum(p.saving_bytes or 0.0 for p in self.plans if p.enabled or not enabled_only) / (1024.0 * 1024.0)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PlanReport":
+        data = dict(data)
+        data["plans"] = [FoundPlan(**p) for p in data.get("plans", [])]
+        data["unmatched"] = [Unmatched(**u) for u in data.get("unmatched", [])]
+        return cls(**data)
+
+
+def match_requests(requested: Sequence[PlanEntry], found: Sequence[FoundPlan], n_closest: int = 3) -> List[Unmatched]:
+    """Requested plans that match no found plan (``subgraph:type`` compared exactly, as ORT compares it),
+    each with up to ``n_closest`` found plans: same name in another case or type, similar names, or names
+    that contain one of its operators (``BiasGelu+`` finds ``Gelu+``)."""
+    found_entries = {e.key: e for p in found for e in p.entries if e.enabled}
+    out = []
+    for entry in requested:
+        if not entry.enabled or entry.key in found_entries:
+            continue
+        keys = sorted(found_entries)
+        subgraph_of = {k: found_entries[k].subgraph for k in keys}
+        close = [k for k in keys if subgraph_of[k].lower() == entry.subgraph.lower()]
+        similar = difflib.get_close_matches(entry.subgraph, sorted(set(subgraph_of.values())), n=n_closest, cutoff=0.5)
+        close += [k for s in similar for k in keys if subgraph_of[k] == s and k not in close]
+        ops = [o.lower() for o in entry.ops]
+        close += [
+            k
+            for k in keys
+            if k not in close
+            and any(
+                o in found_entries[k].subgraph.lower() or found_entries[k].subgraph.lower().rstrip("+") in o
+                for o in ops
+            )
+        ]
+        if close:
+            out.append(Unmatched(str(entry), [f"{k}:-1" for k in close[:n_closest]]))
+        else:  # the backend's order: largest predicted saving first
+            out.append(Unmatched(str(entry), [f"{k}:-1" for k in list(found_entries)[:n_closest]], similar=False))
+    return out

@@ -1,0 +1,282 @@
+"""The three callbacks alone, driven by hand with the Trainer's real state and arguments and a stub backend."""
+
+import csv
+import json
+import logging
+
+import pytest
+import torch
+from helpers import make_args
+from torch import nn
+from transformers import TrainerControl, TrainerState
+
+from optimum_memopt.backends import WrapSettings
+from optimum_memopt.callbacks import InputDensityCallback, MemoryPhaseCallback, PlanStatsCallback
+from optimum_memopt.callbacks.memory_phases import should_record
+from optimum_memopt.plans import FoundPlan, PlanReport, Unmatched
+
+
+class StubBackend:
+    name = "ort"
+
+    def __init__(self, report):
+        self.report = report
+        self.asked = []
+
+    def find(self, model):
+        return model
+
+    def plan_report(self, wrapped, settings):
+        self.asked.append(settings)
+        return self.report
+
+
+class FakeTrainer:
+    def __init__(self, model, backend=None):
+        self.plain_model = model
+        self.memopt_backend = backend
+
+    def memopt_wrap_settings(self):
+        return WrapSettings()
+
+
+def state(step=0, rank0=True):
+    s = TrainerState()
+    s.global_step = step
+    s.is_world_process_zero = rank0
+    return s
+
+
+REPORT = PlanReport(
+    "ort",
+    True,
+    0,
+    ["Gelu+:1:-1", "Foo+:1:-1"],
+    ["Gelu+:1:-1", "Foo+:1:-1"],
+    [FoundPlan("Gelu+:1:-1", True, 3, 3 * 2**20, "x", 3), FoundPlan("Cast+:1:-1", False, 2, 2**20, "y", 0)],
+    {"batch": 8},
+    [Unmatched("Foo+:1:-1", ["Gelu+:1:-1", "Cast+:1:-1"], False)],
+)
+
+
+# -- plan stats ---------------------------------------------------------------------------------------
+def test_plan_stats_table_json_metrics_and_unmatched_warning(tmp_path, caplog):
+    args = make_args(tmp_path)
+    cb = PlanStatsCallback(FakeTrainer(nn.Linear(2, 2), StubBackend(REPORT)))
+    with caplog.at_level(logging.INFO, logger="optimum_memopt"):
+        cb.on_step_end(args, state(1), TrainerControl(), model=nn.Linear(2, 2))
+        cb.on_step_end(args, state(2), TrainerControl(), model=nn.Linear(2, 2))  # once only
+    tables = [r for r in caplog.records if "recompute plan(s) found" in r.getMessage()]
+    assert len(tables) == 1 and "2 recompute plan(s) found, 1 ON" in tables[0].getMessage()
+    assert "3/3" in tables[0].getMessage()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "requested plan 'Foo+:1:-1' matches no plan ORT found, so it is not applied; nothing similar; "
+        "plans found: 'Gelu+:1:-1', 'Cast+:1:-1'"
+    ]
+    assert PlanReport.from_dict(json.loads((tmp_path / "memory_plans.json").read_text())) == REPORT
+    assert cb.pop_metrics() == {
+        "memopt/plans_found": 2.0,
+        "memopt/plans_on": 1.0,
+        "memopt/planned_saving_mb": 3.0,
+        "memopt/available_saving_mb": 4.0,
+    }
+    assert cb.pop_metrics() == {}
+
+
+def test_plan_stats_does_nothing_on_other_ranks(tmp_path):
+    backend = StubBackend(REPORT)
+    cb = PlanStatsCallback(FakeTrainer(nn.Linear(2, 2), backend))
+    cb.on_step_end(make_args(tmp_path), state(1, rank0=False), TrainerControl(), model=nn.Linear(2, 2))
+    assert backend.asked == [] and not (tmp_path / "memory_plans.json").exists()
+
+
+def test_a_report_that_cannot_be_written_does_not_stop_training(tmp_path, caplog):
+    (tmp_path / "memory_plans.json").mkdir()  # a directory in the way
+    cb = PlanStatsCallback(FakeTrainer(nn.Linear(2, 2), StubBackend(REPORT)))
+    with caplog.at_level(logging.ERROR, logger="optimum_memopt"):
+        cb.on_step_end(make_args(tmp_path), state(1), TrainerControl(), model=nn.Linear(2, 2))
+    assert any("could not write" in r.getMessage() and "memory_plans.json" in r.getMessage() for r in caplog.records)
+    assert cb.pop_metrics()["memopt/plans_on"] == 1.0  # the rest of the report still happens
+
+
+# -- input density ------------------------------------------------------------------------------------
+class WithConfig(nn.Linear):
+    def __init__(self, pad):
+        super().__init__(2, 2)
+        self.config = type("Config", (), {"pad_token_id": pad})()
+
+
+def batch(valid_per_row, seq=8, pad=0, labels_valid=None):
+    ids = torch.full((len(valid_per_row), seq), pad)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(valid_per_row):
+        ids[i, :n] = 5
+        mask[i, :n] = 1
+    labels = torch.full((len(valid_per_row),), -100)
+    labels[: labels_valid if labels_valid is not None else len(valid_per_row)] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def test_density_sees_every_micro_batch_and_sums_until_the_log(tmp_path, caplog):
+    args = make_args(tmp_path)
+    cb = InputDensityCallback(table_steps=2, trainer=FakeTrainer(WithConfig(pad=0)))
+    st = state(0)
+    cb.on_train_begin(args, st, TrainerControl(), model=None)
+    with caplog.at_level(logging.INFO, logger="optimum_memopt"):
+        for step in range(2):
+            st.global_step = step
+            cb.observe_batch(batch([8, 4]), st)  # micro-batch 0: 12 of 16
+            cb.observe_batch(batch([2, 2], labels_valid=1), st)  # micro-batch 1: 4 of 16
+            st.global_step = step + 1
+            cb.on_step_end(args, st, TrainerControl())
+    m = cb.pop_metrics()
+    assert m["memopt/embed_valid_tokens"] == 32 and m["memopt/embed_total_tokens"] == 64
+    assert m["memopt/embed_density_pct"] == 50.0
+    assert m["memopt/label_valid"] == 6 and m["memopt/label_total"] == 8
+    with open(tmp_path / "input_density.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["micro_batch"], r["input_type"]) for r in rows[:4]] == [
+        ("0", "0", "EMBED"),
+        ("0", "0", "LABEL"),
+        ("0", "1", "EMBED"),
+        ("0", "1", "LABEL"),
+    ]
+    assert len(rows) == 8 and rows[0]["pad_idx"] == "0" and rows[0]["density_pct"] == "75.00"
+    table = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Input density")]
+    assert len(table) == 1 and table[0].count("| EMBED") == 4
+    # after a log, the next figures start from zero
+    cb.observe_batch(batch([1, 1]), st)
+    assert cb.pop_metrics()["memopt/embed_valid_tokens"] == 2
+
+
+def test_density_without_pad_id_uses_the_mask_and_says_so(tmp_path):
+    cb = InputDensityCallback(trainer=FakeTrainer(WithConfig(pad=None)))
+    cb.on_train_begin(make_args(tmp_path), state(0), TrainerControl())
+    cb.observe_batch(batch([3, 5]), state(0))
+    with open(tmp_path / "input_density.csv") as f:
+        row = next(csv.DictReader(f))
+    assert row["pad_idx"] == "mask" and row["valid"] == "8"
+
+
+def test_density_state_stays_bounded_however_rarely_the_trainer_logs(tmp_path):
+    cb = InputDensityCallback(table_steps=1, trainer=FakeTrainer(WithConfig(pad=0)))
+    cb.on_train_begin(make_args(tmp_path), state(0), TrainerControl())
+    for step in range(300):
+        cb.observe_batch(batch([4, 4]), state(step))
+    assert len(cb.rows) == cb.rows.maxlen == 64  # a bounded window; sums are two counters per input type
+    assert cb.pop_metrics()["memopt/embed_total_tokens"] == 300 * 16
+
+
+def test_resume_appends_from_the_checkpoint_step(tmp_path):
+    args = make_args(tmp_path)
+    cb = InputDensityCallback(trainer=FakeTrainer(WithConfig(pad=0)))
+    cb.on_train_begin(args, state(0), TrainerControl())
+    for step in range(6):
+        cb.observe_batch(batch([4]), state(step))
+    resumed = InputDensityCallback(trainer=FakeTrainer(WithConfig(pad=0)))
+    resumed.on_train_begin(args, state(3), TrainerControl())  # resumed from checkpoint-3
+    for step in range(3, 5):
+        resumed.observe_batch(batch([4]), state(step))
+    with open(tmp_path / "input_density.csv") as f:
+        steps = [r["step"] for r in csv.DictReader(f) if r["input_type"] == "EMBED"]
+    assert steps == ["0", "1", "2", "3", "4"]
+
+
+# -- memory phases ------------------------------------------------------------------------------------
+def test_should_record():
+    assert [s for s in range(40) if should_record(s, 0)] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 32]
+    assert should_record(24, 5) and not should_record(23, 5)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(6)])
+
+
+def _step(model, cb, args, st, micro_batches=1):
+    for _ in range(micro_batches):
+        out = model(torch.randn(2048, 512))
+        loss = out.square().mean()
+        cb.observe_loss(loss)
+        loss.backward()
+        del out, loss
+    cb.on_pre_optimizer_step(args, st, TrainerControl())
+    for p in model.parameters():
+        p.grad = None
+    st.global_step += 1
+
+
+def test_phases_show_activations_held_after_forward_and_freed_after_backward(tmp_path):
+    model = _mlp().train()
+    args = make_args(tmp_path, "--logging_steps", "100")
+    cb = MemoryPhaseCallback(FakeTrainer(model))
+    st = state(0)
+    cb.on_train_begin(args, st, TrainerControl(), model=model)
+    for _ in range(4):
+        _step(model, cb, args, st, micro_batches=2)
+    cb.on_train_end(args, st, TrainerControl())
+    with open(tmp_path / "memory_phases.csv") as f:
+        rows = list(csv.DictReader(f))
+    # one set of four phases per step, even with two forwards per step
+    assert [(r["step"], r["phase"]) for r in rows[:4]] == [
+        ("0", p) for p in ("pre_forward", "post_forward", "pre_backward", "post_backward")
+    ]
+    assert len(rows) == 16
+    activations = 6 * 2 * 2048 * 512 * 4 / 2**20  # Linear outputs + GELU outputs kept for backward: 48 MiB
+    for step in ("2", "3"):
+        r = {x["phase"]: float(x["in_use_mb"]) for x in rows if x["step"] == step}
+        held = r["post_forward"] - r["pre_forward"]
+        assert 0.8 * activations < held < 1.5 * activations, (held, activations)
+        assert r["post_backward"] < r["post_forward"] - 0.5 * activations
+        peak = {x["phase"]: float(x["in_use_peak_mb"]) for x in rows if x["step"] == step}
+        assert peak["post_forward"] >= r["post_forward"] - 0.01
+    assert all(float(x["resident_mb"]) > 0 for x in rows)
+    m = cb.pop_metrics()
+    assert m["memopt/mem_step_peak_mb"] >= m["memopt/mem_post_forward_mb"] > m["memopt/mem_pre_forward_mb"]
+    assert (tmp_path / "memory_phases.png").stat().st_size > 1000
+
+
+def test_phases_without_a_loss_hook_still_record_the_rest(tmp_path):
+    # a custom compute_loss that never reaches the trainer's hook: no pre_backward, the other phases stay
+    model = _mlp().train()
+    args = make_args(tmp_path)
+    cb = MemoryPhaseCallback(FakeTrainer(model), plot=False)
+    st = state(0)
+    cb.on_train_begin(args, st, TrainerControl(), model=model)
+    model(torch.randn(16, 512)).sum().backward()
+    cb.on_pre_optimizer_step(args, st, TrainerControl())
+    with open(tmp_path / "memory_phases.csv") as f:
+        assert [r["phase"] for r in csv.DictReader(f)] == ["pre_forward", "post_forward", "post_backward"]
+
+
+def test_phases_survive_an_unwritable_output_dir(tmp_path, caplog):
+    model = _mlp().train()
+    out = tmp_path / "out"
+    args = make_args(out)
+    out.mkdir()
+    (out / "memory_phases.csv").mkdir()  # a directory in the way
+    (out / "memory_phases.png").mkdir()
+    cb = MemoryPhaseCallback(FakeTrainer(model))
+    st = state(0)
+    with caplog.at_level(logging.ERROR, logger="optimum_memopt"):
+        cb.on_train_begin(args, st, TrainerControl(), model=model)
+        _step(model, cb, args, st)
+        _step(model, cb, args, st)
+        cb.on_train_end(args, st, TrainerControl())
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len([e for e in errors if "memory_phases.csv" in e]) == 1  # said once, not every step
+    assert any("memory_phases.png" in e for e in errors)
+    assert cb.pop_metrics()["memopt/mem_post_forward_mb"] > 0
+
+
+@pytest.mark.parametrize("cls", [InputDensityCallback, MemoryPhaseCallback])
+def test_other_ranks_record_nothing(tmp_path, cls):
+    model = _mlp()
+    cb = cls(trainer=FakeTrainer(model))
+    cb.on_train_begin(make_args(tmp_path), state(0, rank0=False), TrainerControl(), model=model)
+    if cls is InputDensityCallback:
+        cb.observe_batch(batch([4]), state(0, rank0=False))
+    else:
+        model(torch.randn(4, 512))
+    assert cb.pop_metrics() == {} and list(tmp_path.iterdir()) == []

@@ -1,0 +1,286 @@
+import json
+import os
+
+import pytest
+
+from optimum_memopt.backends.ort import ConfigFiles
+from optimum_memopt.config import MemoryOptConfig
+from optimum_memopt.plans import (
+    FoundPlan,
+    PlanEntry,
+    PlanError,
+    PlanReport,
+    Unmatched,
+    match_requests,
+    parse_cluster_id,
+    parse_entry,
+    parse_inline,
+    read_json_file,
+    to_inline,
+)
+
+
+def parse_memory_opt_config(value):
+    """What a user's `--memory_opt_config` value becomes: the config's entries (messages name the flag)."""
+    return MemoryOptConfig(plans=value).entries
+
+
+MemoryOptEntry = PlanEntry
+parse_entries = parse_inline
+
+# (value, exact message)
+BAD_INLINE = [
+    (
+        "BiasGelu+:3:-1",
+        "`--memory_opt_config` entry 'BiasGelu+:3:-1' has optimization type 3; expected 0 (none), 1 (recompute) or 2 (recompute with compromise), as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu+:-1:-1",
+        "`--memory_opt_config` entry 'BiasGelu+:-1:-1' has optimization type -1; expected 0 (none), 1 (recompute) or 2 (recompute with compromise), as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu+:x:-1",
+        "`--memory_opt_config` entry 'BiasGelu+:x:-1' has optimization type 'x', not an integer; expected 0 (none), 1 (recompute) or 2 (recompute with compromise), as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu+:1.0:-1",
+        "`--memory_opt_config` entry 'BiasGelu+:1.0:-1' has optimization type '1.0', not an integer; expected 0 (none), 1 (recompute) or 2 (recompute with compromise), as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu+:1:0",
+        "`--memory_opt_config` entry 'BiasGelu+:1:0' has apply count 0; expected -1 (all occurrences) or a positive integer, as in 'Gelu+:1:-1' or 'Gelu+:1:2'",
+    ),
+    (
+        "BiasGelu+:1:-2",
+        "`--memory_opt_config` entry 'BiasGelu+:1:-2' has apply count -2; expected -1 (all occurrences) or a positive integer, as in 'Gelu+:1:-1' or 'Gelu+:1:2'",
+    ),
+    (
+        "BiasGelu+:1:all",
+        "`--memory_opt_config` entry 'BiasGelu+:1:all' has apply count 'all', not an integer; expected -1 (all occurrences) or a positive integer, as in 'Gelu+:1:-1' or 'Gelu+:1:2'",
+    ),
+    (
+        "BiasGelu+:1:",
+        "`--memory_opt_config` entry 'BiasGelu+:1:' has apply count '', not an integer; expected -1 (all occurrences) or a positive integer, as in 'Gelu+:1:-1' or 'Gelu+:1:2'",
+    ),
+    (
+        "BiasGelu",
+        "`--memory_opt_config` entry 'BiasGelu' has 1 ':'-separated field(s); expected 3, SubgraphStr:OptimizationType:RequestApplyCount, as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu+:1",
+        "`--memory_opt_config` entry 'BiasGelu+:1' has 2 ':'-separated field(s); expected 3, SubgraphStr:OptimizationType:RequestApplyCount, as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu+:1:-1:5",
+        "`--memory_opt_config` entry 'BiasGelu+:1:-1:5' has 4 ':'-separated field(s); expected 3, SubgraphStr:OptimizationType:RequestApplyCount, as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu:1:-1",
+        "`--memory_opt_config` entry 'BiasGelu:1:-1' has subgraph 'BiasGelu' that does not end with '+'; expected a sequence of 'OpName+' parts such as 'Gelu+' or 'Reshape+Where+BiasSoftmax+', as in 'Gelu+:1:-1'",
+    ),
+    (
+        "Bias-Gelu+:1:-1",
+        "`--memory_opt_config` entry 'Bias-Gelu+:1:-1' has subgraph 'Bias-Gelu+' that has an invalid part 'Bias-'; expected a sequence of 'OpName+' parts such as 'Gelu+' or 'Reshape+Where+BiasSoftmax+', as in 'Gelu+:1:-1'",
+    ),
+    (
+        "Reshape++Where+:1:-1",
+        "`--memory_opt_config` entry 'Reshape++Where+:1:-1' has subgraph 'Reshape++Where+' that has an invalid part '+'; expected a sequence of 'OpName+' parts such as 'Gelu+' or 'Reshape+Where+BiasSoftmax+', as in 'Gelu+:1:-1'",
+    ),
+    (
+        "+:1:-1",
+        "`--memory_opt_config` entry '+:1:-1' has subgraph '+' that has an invalid part '+'; expected a sequence of 'OpName+' parts such as 'Gelu+' or 'Reshape+Where+BiasSoftmax+', as in 'Gelu+:1:-1'",
+    ),
+    (
+        ":1:-1",
+        "`--memory_opt_config` entry ':1:-1' has an empty subgraph; expected a sequence of 'OpName+' parts, as in 'Gelu+:1:-1'",
+    ),
+    (
+        "BiasGelu+:1:-1,,Cast+:2:-1",
+        "`--memory_opt_config` value 'BiasGelu+:1:-1,,Cast+:2:-1' has an empty entry at position 2; separate plans with single commas, as in 'Gelu+:1:-1,Cast+:2:-1'",
+    ),
+    (
+        "BiasGelu+:1:-1,",
+        "`--memory_opt_config` value 'BiasGelu+:1:-1,' has an empty entry at position 2; separate plans with single commas, as in 'Gelu+:1:-1,Cast+:2:-1'",
+    ),
+    (
+        ",BiasGelu+:1:-1",
+        "`--memory_opt_config` value ',BiasGelu+:1:-1' has an empty entry at position 1; separate plans with single commas, as in 'Gelu+:1:-1,Cast+:2:-1'",
+    ),
+    (
+        "BiasGelu+:1:-1,BiasGelu+:2:-1",
+        "`--memory_opt_config` names subgraph 'BiasGelu+' twice ('BiasGelu+:1:-1' and 'BiasGelu+:2:-1'); give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'",
+    ),
+    (
+        "Cast+:1:-1,BiasGelu+:1:-1,Cast+:1:-1",
+        "`--memory_opt_config` names subgraph 'Cast+' twice ('Cast+:1:-1' and 'Cast+:1:-1'); give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'",
+    ),
+    (
+        "BiasGelu+;1;-1",
+        "`--memory_opt_config` entry 'BiasGelu+;1;-1' has 1 ':'-separated field(s); expected 3, SubgraphStr:OptimizationType:RequestApplyCount, as in 'Gelu+:1:-1'",
+    ),
+]
+
+
+@pytest.mark.parametrize("value,message", BAD_INLINE, ids=[v for v, _ in BAD_INLINE])
+def test_bad_inline_values(value, message):
+    with pytest.raises(ValueError) as info:
+        parse_memory_opt_config(value)
+    assert str(info.value) == message
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+BAD_FILES = [
+    ("not_a_list.json", '{"BiasGelu+": 1}', "holds a JSON dict, not a list; expected a list of plans"),
+    ("string.json", '"BiasGelu+:1:-1"', "holds a JSON str, not a list"),
+    ("empty_list.json", "[]", "holds an empty list; list at least one plan"),
+    ("number_item.json", '["BiasGelu+:1:-1", 3]', "item 1 is 3 (int), not a string"),
+    ("nested.json", '[["BiasGelu+:1:-1"]]', "item 0 is ['BiasGelu+:1:-1'] (list), not a string"),
+    ("empty_item.json", '["  "]', "item 0 is an empty string"),
+    ("bad_json.json", '["BiasGelu+:1:-1",', "is not valid JSON"),
+    ("bad_entry.json", '["BiasGelu+:5:-1"]', "entry 'BiasGelu+:5:-1' has optimization type 5"),
+    ("dup.json", '["Cast+:1:-1", "Cast+:2:-1"]', "names subgraph 'Cast+' twice"),
+]
+
+
+@pytest.mark.parametrize("name,text,fragment", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_json_files(tmp_path, name, text, fragment):
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ValueError) as info:
+        parse_memory_opt_config(path)
+    msg = str(info.value)
+    assert msg.startswith("`--memory_opt_config`")
+    assert fragment in msg
+    assert path in msg
+
+
+def test_missing_file(tmp_path):
+    path = str(tmp_path / "nope.json")
+    with pytest.raises(
+        ValueError, match=r"^`--memory_opt_config` file '.*nope.json' does not exist; give an existing JSON file"
+    ):
+        parse_memory_opt_config(path)
+
+
+def test_directory_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"is a directory; expected a JSON file"):
+        parse_memory_opt_config(str(tmp_path) + os.sep)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_unreadable_file(tmp_path):
+    path = _write(tmp_path, "locked.json", '["BiasGelu+:1:-1"]')
+    os.chmod(path, 0)
+    with pytest.raises(ValueError, match="cannot be read"):
+        parse_memory_opt_config(path)
+
+
+def test_undecodable_file(tmp_path):
+    path = tmp_path / "binary.json"
+    path.write_bytes(b"\xff\xfe\x00[")
+    with pytest.raises(ValueError, match="cannot be read"):
+        parse_memory_opt_config(str(path))
+
+
+@pytest.mark.parametrize("value", [None, "", "   "])
+def test_empty_means_off(value):
+    assert parse_memory_opt_config(value) == []
+
+
+def test_good_inline_values():
+    entries = parse_memory_opt_config(" BiasGelu+:1:-1 , Reshape+Where+BiasSoftmax+:2:3,Cast+:0:-1")
+    assert entries == [
+        MemoryOptEntry("BiasGelu+", 1, -1),
+        MemoryOptEntry("Reshape+Where+BiasSoftmax+", 2, 3),
+        MemoryOptEntry("Cast+", 0, -1),
+    ]
+    assert [e.enabled for e in entries] == [True, True, False]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "BiasGelu+:1:-1",
+        "BiasGelu+:1:-1,Cast+:2:-1",
+        "Reshape+Unsqueeze+Unsqueeze+Cast+Sub+Mul+Cast+:1:4,FusedMatMul+:1:-1",
+    ],
+)
+def test_round_trip_string_entries_json_entries(tmp_path, text):
+    entries = parse_entries(text)
+    assert to_inline(entries) == text
+    path = ConfigFiles(str(tmp_path / "cfg")).write(entries)
+    with open(path) as f:
+        on_disk = json.load(f)
+    # exactly what ORT 1.19 reads: a JSON list of plan strings
+    assert on_disk == text.split(",")
+    assert read_json_file(path) == entries
+    assert parse_memory_opt_config(path) == entries
+
+
+def test_list_input():
+    assert parse_memory_opt_config(["BiasGelu+:1:-1", "Cast+:2:-1"]) == parse_entries("BiasGelu+:1:-1,Cast+:2:-1")
+
+
+def test_the_grammar_does_not_name_a_flag():
+    with pytest.raises(PlanError) as info:
+        parse_inline("Gelu+:3:-1")
+    assert str(info.value).startswith("entry 'Gelu+:3:-1' has optimization type 3")
+    assert "--" not in str(info.value)
+
+
+def test_cluster_ids_with_counts_of_zero():
+    assert parse_cluster_id("Cast+:1:-1,LayerNormalization+:2:0") == [
+        PlanEntry("Cast+", 1, -1),
+        PlanEntry("LayerNormalization+", 2, 0),
+    ]
+    with pytest.raises(PlanError, match="apply count 0"):
+        parse_inline("Cast+:1:0")  # a user may not ask for zero occurrences
+
+
+FOUND = [
+    FoundPlan("Gelu+:1:-1", False, 3, 1.0e6),
+    FoundPlan("Cast+:1:-1,LayerNormalization+:2:0", False, 6, 5.0e5),
+    FoundPlan("FusedMatMul+Add+:1:-1", False, 3, 2.0e6),
+]
+
+
+@pytest.mark.parametrize(
+    "requested,closest,similar",
+    [
+        ("BiasGelu+:1:-1", ["Gelu+:1:-1"], True),  # the fused name on a machine where ORT does not fuse
+        ("gelu+:1:-1", ["Gelu+:1:-1"], True),  # the case
+        ("Gelu+:2:-1", ["Gelu+:1:-1"], True),  # found with another type
+        ("Cast+:2:-1", ["Cast+:1:-1"], True),
+        ("Foo+:1:-1", ["Gelu+:1:-1", "Cast+:1:-1", "FusedMatMul+Add+:1:-1"], False),  # nothing close: what was found
+    ],
+)
+def test_unmatched_requests_name_the_closest_plans_found(requested, closest, similar):
+    (unmatched,) = match_requests([parse_entry(requested)], FOUND)
+    assert unmatched == Unmatched(requested, closest, similar)
+    assert requested in unmatched.message("ORT") and repr(closest[0]) in unmatched.message("ORT")
+
+
+def test_requests_that_match_are_not_reported():
+    assert match_requests(parse_inline("Gelu+:1:-1,Cast+:1:2,FusedMatMul+Add+:1:-1"), FOUND) == []
+    assert match_requests(parse_inline("Foo+:0:-1"), FOUND) == []  # type 0 asks for nothing
+
+
+def test_plan_report_round_trip():
+    report = PlanReport(
+        "ort",
+        True,
+        0,
+        ["Gelu+:1:-1"],
+        ["Gelu+:1:-1"],
+        [FoundPlan("Gelu+:1:-1", True, 3, 1048576.0, "4096*dim0", 3), FOUND[1]],
+        {"dim0": 256},
+        [Unmatched("Foo+:1:-1", ["Gelu+:1:-1"], False)],
+    )
+    again = PlanReport.from_dict(json.loads(json.dumps(report.to_dict())))
+    assert again == report
+    assert again.saving_mb(enabled_only=True) == 1.0
+    assert [p.as_request() for p in again.plans] == ["Gelu+:1:-1", "Cast+:1:-1"]
