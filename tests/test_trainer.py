@@ -10,6 +10,7 @@ import torch
 from helpers import ClsData, EventRecorder, LossRecordingTrainer, make_args, tiny_model, train
 
 from optimum_memopt.plans import PlanReport
+from optimum_memopt.trainer import MemoptTrainer
 
 
 def plan_report(trainer):
@@ -86,17 +87,19 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path):
         "5",
         "--memory_opt_config",
         "Gelu+:1:-1",
+        "--print_memory_stats",
+        "--print_input_density",
     )
     first = LossRecordingTrainer(model=tiny_model(), args=args, train_dataset=ClsData())
-    # stop after the checkpoint at step 5, as an interrupted run would
+    # stop two steps after the checkpoint at step 5, as an interrupted run would
     from transformers import TrainerCallback
 
-    class StopAt5(TrainerCallback):
+    class StopAt7(TrainerCallback):
         def on_step_end(self, args, state, control, **kw):
-            if state.global_step == 5:
+            if state.global_step == 7:
                 control.should_training_stop = True
 
-    first.add_callback(StopAt5())
+    first.add_callback(StopAt7())
     first.train()
     ckpt = tmp_path / "part" / "checkpoint-5"
     assert (ckpt / "model.safetensors").exists()
@@ -106,6 +109,11 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path):
     assert len(resumed.losses) == 5
     diffs = [abs(a - b) for a, b in zip(full.losses[5:], resumed.losses)]
     assert max(diffs) <= EXACT_ATOL, (full.losses[5:], resumed.losses)
+    # the reports continue from the checkpoint: the interrupted run's steps 5-6 are replaced, nothing is lost
+    with open(tmp_path / "part" / "input_density.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f) if r["input_type"] == "EMBED"] == [str(s) for s in range(10)]
+    with open(tmp_path / "part" / "memory_phases.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f) if r["phase"] == "pre_forward"] == [str(s) for s in range(10)]
 
 
 def test_saved_model_loads_without_onnxruntime(tmp_path):
@@ -204,3 +212,137 @@ def test_loss_in_graph_with_label_smoothing(tmp_path):
     reloaded = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "saved"))
     for (k, v), (k2, v2) in zip(in_graph.plain_model.state_dict().items(), reloaded.state_dict().items()):
         assert k == k2 and torch.equal(v, v2)
+
+
+def test_loss_in_graph_with_best_model_at_end_saves_a_final_model_and_counts_right(tmp_path):
+    """`--ort_loss_in_graph --load_best_model_at_end --label_smoothing_factor 0.1`: the best checkpoint is loaded,
+    the final model saved and loadable without ORT; FLOPs, density and eval loss are those of the plain run."""
+    model = tiny_model("deberta")
+    args = make_args(
+        tmp_path / "run",
+        "--max_steps",
+        "6",
+        "--logging_steps",
+        "1",
+        "--eval_strategy",
+        "steps",
+        "--eval_steps",
+        "2",
+        "--save_strategy",
+        "steps",
+        "--save_steps",
+        "2",
+        "--load_best_model_at_end",
+        "--label_smoothing_factor",
+        "0.1",
+        "--ort_loss_in_graph",
+        "--print_input_density",
+    )
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=ClsData(), eval_dataset=ClsData(n=16))
+    out = trainer.train()
+    assert trainer.state.best_model_checkpoint is not None
+    assert trainer.state.total_flos > 0  # counted through the wrapper
+    assert not any(k.startswith("memopt/") for k in out.metrics)  # per-step metrics stay in the log history
+    trainer.save_model(str(tmp_path / "final"))
+    with open(tmp_path / "run" / "input_density.csv") as f:
+        rows = list(csv.DictReader(f))
+    embed = [r for r in rows if r["input_type"] == "EMBED"]
+    assert embed and all(r["pad_idx"] == "0" for r in embed)  # the pad id, found through the wrapper
+    assert any(float(r["density_pct"]) < 100 for r in embed)
+    assert [r for r in rows if r["input_type"] == "LABEL"]
+    # evaluation with the smoothing applied, exactly as the plain PyTorch trainer computes it on the same weights
+    in_graph_eval = trainer.evaluate()["eval_loss"]
+    plain_args = make_args(tmp_path / "plain", "--label_smoothing_factor", "0.1", "--use_ort", "false")
+    plain = MemoptTrainer(model=trainer.plain_model, args=plain_args, eval_dataset=ClsData(n=16))
+    assert plain.evaluate()["eval_loss"] == pytest.approx(in_graph_eval, abs=1e-6)
+    code = (
+        "import sys\n"
+        "sys.modules['onnxruntime'] = None\n"
+        "from transformers import AutoModelForSequenceClassification\n"
+        f"m = AutoModelForSequenceClassification.from_pretrained({str(tmp_path / 'final')!r})\n"
+        "print('LOADED', type(m).__name__)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "LOADED DebertaV2ForSequenceClassification" in res.stdout, res.stderr[-2000:]
+
+
+def test_label_density_survives_the_label_smoother(tmp_path):
+    trainer = train(
+        "deberta",
+        out=tmp_path,
+        steps=3,
+        flags=["--label_smoothing_factor", "0.1", "--print_input_density", "--print_memory_stats"],
+    )
+    logged = [h for h in trainer.state.log_history if "loss" in h]
+    assert all(h["memopt/label_total"] == 8 for h in logged)
+    with open(tmp_path / "memory_phases.csv") as f:
+        phases = [r["phase"] for r in csv.DictReader(f) if r["step"] == "1"]
+    assert phases == ["pre_forward", "post_forward", "pre_backward", "post_backward"]
+
+
+def test_gradient_accumulation_reports_every_micro_batch(tmp_path):
+    trainer = train(
+        "deberta",
+        out=tmp_path,
+        steps=2,
+        flags=["--gradient_accumulation_steps", "2", "--print_input_density", "--print_memory_stats"],
+    )
+    with open(tmp_path / "input_density.csv") as f:
+        embed = [(r["step"], r["micro_batch"]) for r in csv.DictReader(f) if r["input_type"] == "EMBED"]
+    assert embed == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")]
+    with open(tmp_path / "memory_phases.csv") as f:
+        assert [r["step"] for r in csv.DictReader(f)] == ["0"] * 4 + ["1"] * 4
+    assert trainer.losses and len(trainer.losses) == 4
+
+
+def test_model_init_builds_the_model_that_is_switched_wrapped_and_saved(tmp_path):
+    built = []
+
+    def model_init():
+        built.append(tiny_model("roberta", attn="sdpa", seed=len(built)))
+        return built[-1]
+
+    args = make_args(tmp_path, "--max_steps", "3", "--memory_opt_level", "1")
+    trainer = LossRecordingTrainer(model_init=model_init, args=args, train_dataset=ClsData(pad_id=1))
+    trainer.train()
+    assert trainer.plain_model is built[-1]
+    assert trainer.plain_model.config._attn_implementation == "eager"
+    assert not any("Sdpa" in type(m).__name__ for m in trainer.plain_model.modules())
+    assert trainer.ort_model is not None and trainer.ort_model._torch_module._original_module is built[-1]
+    trainer.save_model(str(tmp_path / "saved"))
+    from transformers import AutoModelForSequenceClassification
+
+    reloaded = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "saved"))
+    assert all(torch.equal(a, b) for a, b in zip(built[-1].state_dict().values(), reloaded.state_dict().values()))
+
+
+def test_requested_plans_that_match_nothing_are_warned_about(tmp_path, caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
+        trainer = train(
+            "deberta", out=tmp_path, steps=2, flags=["--memory_opt_config", "BiasGelu+:1:-1,gelu+:1:-1,Foo+:1:-1"]
+        )
+    report = plan_report(trainer)
+    assert report.plans_on == []  # nothing requested exists on CPU
+    messages = [r.getMessage() for r in caplog.records if "matches no plan ORT found" in r.getMessage()]
+    assert len(messages) == 3
+    assert (
+        "'BiasGelu+:1:-1' matches no plan ORT found, so it is not applied; closest plans found: 'Gelu+:1:-1'"
+        in messages[0]
+    )
+    assert "'gelu+:1:-1'" in messages[1] and "'Gelu+:1:-1'" in messages[1]
+    assert "'Foo+:1:-1'" in messages[2] and "nothing similar; plans found:" in messages[2]
+    assert json.loads((tmp_path / "memory_plans.json").read_text())["unmatched"][0]["closest"] == ["Gelu+:1:-1"]
+
+
+def test_level_one_reports_what_ort_applies(tmp_path):
+    trainer = train("deberta", out=tmp_path, steps=2, flags=["--memory_opt_level", "1"])
+    report = plan_report(trainer)
+    assert report.level == 1 and report.optimizer_enabled
+    # ORT's own record of its choice: every type-1 part of every cluster, nothing of type 2
+    assert report.applied and all(":1:" in p for p in report.applied)
+    for p in report.plans:
+        types = {e.optimization_type for e in p.entries if e.apply_count != 0}
+        assert p.enabled == (types == {1}), p
+        assert p.applied_count == (p.frequency if p.enabled else 0)
