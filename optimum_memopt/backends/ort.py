@@ -260,12 +260,16 @@ class OrtBackend(Backend):
         return problem()
 
     def check(self, args) -> None:
-        if (args.fp16 or args.bf16) and args.device.type == "cpu":
-            flag = "--fp16" if args.fp16 else "--bf16"
+        if args.fp16 and args.device.type == "cpu":
             raise ValueError(
-                f"`{flag}` with ORTModule on CPU: ORT's CPU build has no mixed-precision training kernels, and the "
-                f"Trainer's autocast would not reach ORT's graph, so the run would train in fp32 while saying "
-                f"{flag}; drop `{flag}` on CPU, or train on a CUDA device"
+                "`--fp16` with ORTModule on CPU: on CPU the Trainer turns on no fp16 autocast, so the run would train "
+                "in fp32 while saying --fp16; drop `--fp16` on CPU, or train on a CUDA device"
+            )
+        if args.bf16 and args.device.type == "cpu":
+            raise ValueError(
+                "`--bf16` with ORTModule on CPU: the Trainer's CPU autocast exports bf16 MatMuls, for which ORT's CPU "
+                "execution provider has no kernel (NOT_IMPLEMENTED when the first step builds the session); drop "
+                "`--bf16` on CPU, train on a CUDA device, or pass `--use_ort false`"
             )
         if args.n_gpu > 1:
             raise ValueError(
