@@ -193,6 +193,21 @@ def render_exhaustive(r, a):
             f"{best['m'].step_time_s:.3f} s/step): {verdict} the best."
             + ("" if mine["fits"] else " In this run auto's choice itself measured above the budget."),
         ]
+        extra = set(best["config"].split(",")) - set(mine["config"].split(","))
+        same_memory = abs(best["m"].peak_mb - mine["m"].peak_mb) <= 0.01 * mine["m"].peak_mb
+        if (
+            gap > 0.05
+            and not best["level"]
+            and not mine["level"]
+            and extra
+            and same_memory
+            and (set(mine["config"].split(",")) <= set(best["config"].split(",")))
+        ):
+            out.append(
+                f"The fastest one is auto's plans plus {', '.join(sorted(extra))}, which saved no memory here (peaks "
+                f"within 1%): recomputing more cannot make a step faster, so this gap is the step-to-step noise of "
+                f"this machine, not a better choice."
+            )
     return out
 
 

@@ -40,6 +40,8 @@ class _OptimizerReady(TrainerCallback):
 
     def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
         trainer = self.trainer
+        # transformers 4.49 passes the optimizer given at __init__ (usually None) here: read the trainer's own.
+        optimizer = trainer.optimizer if trainer.optimizer is not None else optimizer
         if self.message is not None or trainer.memopt_backend is None or optimizer is None:
             return
         self.message = trainer.memopt_backend.on_optimizer_ready(optimizer, args, trainer.is_deepspeed_enabled) or ""
@@ -89,6 +91,11 @@ class MemoptTrainerMixin:
         self._memopt_plain_model = self.model
         self._memopt_prepared = None
         self._memopt_loss_wrapper: Optional[LossInGraph] = None
+        if a.use_ort and a.ort_loss_in_graph:
+            # The loss is computed in the graph from the labels alone: the Trainer scales it for gradient
+            # accumulation itself. (transformers 4.47 would otherwise read LossInGraph's **kwargs as a model that
+            # takes num_items_in_batch and skip that scaling.)
+            self.model_accepts_loss_kwargs = False
         # The plans the run trains with: the validated ones, or auto's choice once `resolve_memory_plan` ran.
         self.memory_plan = (list(a.memory_opt.entries), a.memory_opt.level) if not a.memory_opt.auto else None
         self.memory_plan_reason: Optional[str] = None

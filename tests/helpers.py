@@ -1,5 +1,9 @@
 """Tiny models built from configs in code, generated data, and a trainer that records exact losses."""
 
+import csv
+import subprocess
+import sys
+
 import torch
 from transformers import (
     DebertaV2Config,
@@ -141,3 +145,24 @@ def train(arch="deberta", task="cls", flags=(), out=None, steps=20, recorder=Non
     )
     trainer.train()
     return trainer
+
+
+def load_without_ort(path) -> str:
+    """Load a saved model in a fresh process where any import of onnxruntime fails; its class name."""
+    code = (
+        "import sys\nsys.modules['onnxruntime'] = None\n"
+        "from transformers import AutoModelForSequenceClassification\n"
+        f"print('LOADED', type(AutoModelForSequenceClassification.from_pretrained({str(path)!r})).__name__)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout.split("LOADED", 1)[1].strip()
+
+
+def phases_at(out_dir, step: int):
+    """The phases recorded for one step in ``memory_phases.csv``."""
+    with open(f"{out_dir}/memory_phases.csv") as f:
+        return [r["phase"] for r in csv.DictReader(f) if r["step"] == str(step)]
+
+
+ALL_PHASES = ["pre_forward", "post_forward", "pre_backward", "post_backward"]

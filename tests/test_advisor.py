@@ -78,6 +78,19 @@ def test_cheapest_plans_first_until_the_budget_is_met():
         choose(report, 300)
 
 
+def test_plans_made_unnecessary_by_a_later_one_are_dropped_again():
+    # the benchmark's DeBERTa case: cheap plans first, then a large costly one makes one cheap plan redundant
+    report = _report(
+        _row("FusedMatMul+Add+Reshape+:1:-1", "plan", 452.3, 0.99),  # 47.7 MiB, no cost measured
+        _row("FusedMatMul+Add+:1:-1", "plan", 436.2, 1.002),  # 63.8 MiB, 0.002 s
+        _row("Gelu+:1:-1", "plan", 436.3, 1.035),  # 63.7 MiB, 0.035 s
+        _row("Tile+:1:-1", "plan", 376.1, 1.445),  # 123.9 MiB, 0.445 s
+    )
+    c = choose(report, 268.1)  # needs 231.9 MiB: all four reach it, and without Gelu+ the others still do (235.4)
+    assert c.config == "FusedMatMul+Add+Reshape+:1:-1,FusedMatMul+Add+:1:-1,Tile+:1:-1"
+    assert "Gelu+:1:-1 dropped again" in c.reason and c.estimated_peak_mb == pytest.approx(500 - 235.4)
+
+
 def test_plans_sharing_a_subgraph_are_not_combined():
     report = _report(
         _row("Cast+:1:-1", "plan", 460, 1.01),

@@ -115,11 +115,20 @@ def test_fp16_with_ort_on_cpu_is_refused_before_training(tmp_path):
         MemoptTrainer(model=tiny_model(), args=args)
 
 
-@pytest.mark.slow
 def test_mixin_with_trls_sft_trainer(tmp_path):
     """README's promise: `class MyTrainer(MemoptTrainerMixin, SFTTrainer)` trains a small causal LM through ORTModule,
     with TRL's own dataset preparation and our reports."""
     trl = pytest.importorskip("trl")
+    import importlib.metadata as md
+
+    import transformers
+    from packaging.requirements import Requirement
+
+    declared = [Requirement(r) for r in md.requires("trl") or [] if r.startswith("transformers")]
+    if declared and not declared[0].specifier.contains(transformers.__version__):
+        pytest.skip(
+            f"the installed TRL {trl.__version__} declares {declared[0]}; transformers is {transformers.__version__}"
+        )
     from dataclasses import dataclass
 
     import datasets
@@ -171,7 +180,6 @@ def test_mixin_with_trls_sft_trainer(tmp_path):
         train_dataset=datasets.Dataset.from_list([{"text": t} for t in texts]),
     )
     trainer.train()
-    assert trl.__version__.startswith("0.12")
     assert type(trainer.ort_model).__name__ == "ORTModule"
     report = trainer.memopt_backend.plan_report(trainer.ort_model, trainer.memopt_wrap_settings())
     assert report.level == 1 and report.plans_on

@@ -255,6 +255,7 @@ def main(argv: Optional[List[str]] = None):
     if training_args.do_train:
         train_result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
         trainer.save_model()
+        trainer.save_state()
         trainer.log_metrics("train", train_result.metrics)
         trainer.save_metrics("train", train_result.metrics)
         results.update(train_result.metrics)

@@ -60,15 +60,24 @@ def choose(report: ProbeReport, budget_mb: float) -> Choice:
         subgraphs.update(e.subgraph for e in entries)
         saved += row.measured_saving_mb
         if saved >= need:
+            # Greedy by MiB per second overshoots: a cheap plan taken early can become unnecessary once a large
+            # one is added. Drop plans, the costliest first, while the rest still save what is needed.
+            dropped = []
+            for row in sorted(chosen, key=lambda r: -max(r.extra_time_s or 0.0, 0.0)):
+                if saved - row.measured_saving_mb >= need and max(row.extra_time_s or 0.0, 0.0) > 0:
+                    chosen.remove(row)
+                    dropped.append(row.config)
+                    saved -= row.measured_saving_mb
             extra = sum(max(r.extra_time_s or 0.0, 0.0) for r in chosen)
             config = ",".join(r.config for r in chosen)
+            note = f"; {', '.join(dropped)} dropped again: the others save enough without it" if dropped else ""
             return Choice(
                 config,
                 0,
                 (
                     f"needs {need:,.1f} MiB below ORT's {base_peak:,.1f} MiB; these {len(chosen)} plan(s) "
                     f"saved {saved:,.1f} MiB measured one by one, for about {extra:.3f} s more per step, "
-                    f"the least extra time per MiB among the plans probed"
+                    f"the least extra time per MiB among the plans probed{note}"
                 ),
                 base_peak - saved,
                 considered=considered,

@@ -2,7 +2,8 @@
 
 Phases: `pre_forward` and `post_forward` (forward hooks on the module the Trainer calls: the backend's
 wrapper or the plain model), `pre_backward` (a gradient hook on the loss the trainer is about to
-back-propagate: the first thing backward computes) and `post_backward` (`on_pre_optimizer_step`: after
+back-propagate, or the model's first output that needs a gradient, whichever backward reaches first)
+and `post_backward` (`on_pre_optimizer_step`: after
 the step's last backward, before the optimizer). With gradient accumulation the forward-side phases are
 those of the step's last micro-batch.
 
@@ -24,6 +25,8 @@ checkpoint's step) and, at the end of training, `<output_dir>/memory_phases.png`
 
 import os
 
+import torch
+
 from ..memory import MemoryMeter
 from .base import CsvReport, MetricsCallback, hookable, logger
 
@@ -43,6 +46,16 @@ CSV_FIELDS = (
 def should_record(step: int, logging_steps: int) -> bool:
     """First ten steps, powers of two, and logging steps (the step that ends at a multiple of logging_steps)."""
     return step < 10 or (step & (step - 1)) == 0 or (logging_steps > 0 and (step + 1) % logging_steps == 0)
+
+
+def _first_grad_tensor(output):
+    if isinstance(output, dict):
+        values = ([output["loss"]] if output.get("loss") is not None else []) + list(output.values())
+    elif isinstance(output, (tuple, list)):
+        values = list(output)
+    else:
+        values = [output]
+    return next((v for v in values if torch.is_tensor(v) and v.requires_grad), None)
 
 
 def _fmt(x):
@@ -108,6 +121,11 @@ class MemoryPhaseCallback(MetricsCallback):
     def _post_forward(self, module, args, output):
         if self._recording(module) and "pre_forward" in self._readings:
             self._take("post_forward")
+            # Backward starts where the gradient first reaches the model's output: its loss, or (when a label
+            # smoother or a custom compute_loss takes the labels) the first output tensor that needs a gradient.
+            first = _first_grad_tensor(output)
+            if first is not None:
+                first.register_hook(self._pre_backward)
 
     def observe_loss(self, loss):
         """Called by the trainer hook with the loss it will back-propagate."""

@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""The compatibility matrix: a representative slice of the suite on each transformers minor release.
+
+For each version, the release and whatever of its requirements the project's environment does not
+already satisfy are installed with `pip install --target .compat/transformers-<version>` (no
+dependencies pulled beyond those), and the slice runs with that directory first on `PYTHONPATH`.
+Everything else — torch, onnxruntime-training and its built extensions, DeepSpeed — is the project
+environment's own, so nothing big is downloaded or built again.
+
+    .venv/bin/python scripts/compat.py                       # every minor, writes docs/COMPATIBILITY.md
+    .venv/bin/python scripts/compat.py --versions 4.57.6     # one release (what CI runs beside the pinned set)
+"""
+
+import argparse
+import datetime
+import importlib.metadata as md
+import os
+import platform
+import subprocess
+import sys
+import time
+import zipfile
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LATEST_PATCHES = [
+    "4.46.3",
+    "4.47.1",
+    "4.48.3",
+    "4.49.0",
+    "4.50.3",
+    "4.51.3",
+    "4.52.4",
+    "4.53.3",
+    "4.54.1",
+    "4.55.4",
+    "4.56.2",
+    "4.57.6",
+]
+# Needed at run time although transformers does not declare it: 4.52+ calls
+# `accelerator.unwrap_model(..., keep_torch_compile=False)`, which accelerate 1.3 introduced.
+EXTRA = {Version("4.52"): ["accelerate>=1.3,<1.4"]}
+SLICE = [
+    "tests/test_trainer_args.py",
+    "tests/test_callbacks.py",
+    "tests/test_hook.py",
+    "tests/test_backend_ort.py",
+    "tests/test_trainer.py::test_requested_plan_is_on_in_orts_structured_data",
+    "tests/test_trainer.py::test_resume_continues_with_uninterrupted_losses",
+    "tests/test_trainer.py::test_saved_model_loads_without_onnxruntime",
+    "tests/test_trainer.py::test_callbacks_order_files_and_evaluation",
+    "tests/test_trainer.py::test_loss_in_graph_with_best_model_at_end_saves_a_final_model_and_counts_right",
+    "tests/test_trainer.py::test_gradient_accumulation_reports_every_micro_batch",
+    "tests/test_multiprocess.py::test_two_processes[zero2-DeepSpeedEngine]",
+    "tests/test_examples.py::test_glue_offline[deberta-config]",
+]
+
+
+def pip(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--disable-pip-version-check", *args], capture_output=True, text=True
+    )
+
+
+def missing_requirements(wheel: str) -> list:
+    """The release's own requirements (no extras) that the running environment does not satisfy."""
+    with zipfile.ZipFile(wheel) as z:
+        meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
+        lines = z.read(meta).decode().splitlines()
+    out = []
+    for line in lines:
+        if not line.startswith("Requires-Dist:"):
+            continue
+        req = Requirement(line.split(":", 1)[1].strip())
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            have = None
+        if have is None or not req.specifier.contains(have, prereleases=True):
+            out.append(str(Requirement(f"{req.name}{req.specifier}")))
+    return out
+
+
+def prepare(version: str, base: str) -> tuple:
+    target = os.path.join(base, f"transformers-{version}")
+    stamp = os.path.join(target, ".memopt-ready")
+    wheels = os.path.join(base, "wheels")
+    if not os.path.exists(stamp):
+        res = pip("download", "--no-deps", "-q", "-d", wheels, f"transformers=={version}")
+        if res.returncode:
+            raise RuntimeError(res.stderr[-2000:])
+        wheel = next(os.path.join(wheels, f) for f in os.listdir(wheels) if f.startswith(f"transformers-{version}-"))
+        extra = missing_requirements(wheel)
+        for floor, reqs in EXTRA.items():
+            if Version(version) >= floor:
+                extra += [r for r in reqs if not _satisfied(r)]
+        res = pip("install", "-q", "--no-deps", "--target", target, wheel, *extra)
+        if res.returncode:
+            raise RuntimeError(res.stderr[-2000:])
+        with open(stamp, "w") as f:
+            f.write(" ".join(extra))
+    with open(stamp) as f:
+        return target, f.read().split()
+
+
+def _satisfied(req_text: str) -> bool:
+    req = Requirement(req_text)
+    try:
+        return req.specifier.contains(md.version(req.name), prereleases=True)
+    except md.PackageNotFoundError:
+        return False
+
+
+def run_slice(version: str, target: str, log_dir: str) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([target, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    check = subprocess.run(
+        [sys.executable, "-c", "import transformers; print(transformers.__version__)"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    seen = check.stdout.strip()
+    t0 = time.time()
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout", "1200", *SLICE],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    log = os.path.join(log_dir, f"transformers-{version}.log")
+    with open(log, "w") as f:
+        f.write(res.stdout + res.stderr)
+    tail = [line for line in res.stdout.splitlines() if " passed" in line or " failed" in line or " error" in line]
+    failed = [line.split(" ")[1] for line in res.stdout.splitlines() if line.startswith("FAILED ")]
+    return {
+        "version": version,
+        "imported": seen,
+        "ok": res.returncode == 0 and seen == version,
+        "summary": tail[-1].strip("= ") if tail else f"exit {res.returncode}",
+        "failed": failed,
+        "minutes": (time.time() - t0) / 60,
+        "log": log,
+    }
+
+
+def render(results, cmd) -> str:
+    py = platform.python_version()
+    lines = [
+        "# Compatibility",
+        "",
+        f"transformers minor releases (latest patch of each) with the project's pinned torch, ORT, accelerate "
+        f"and DeepSpeed (`constraints.txt`), Python {py}, CPU. Each row runs the same slice of the suite "
+        f"(arguments, callbacks, hook, ORT backend, plan data, resume, save/reload without ORT, loss in graph "
+        f"with best model at end, gradient accumulation, one 2-process ZeRO-2 run, one recipe).",
+        "",
+        f"Run {datetime.date.today().isoformat()} with `{cmd}`.",
+        "",
+        "| transformers | result | tests | also installed | minutes |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        extra = ", ".join(r.get("extra") or []) or "-"
+        what = "pass" if r["ok"] else ("FAIL: " + ", ".join(r["failed"][:4]) if r["failed"] else "FAIL")
+        lines.append(f"| {r['version']} | {what} | {r['summary']} | {extra} | {r['minutes']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--versions", default=",".join(LATEST_PATCHES))
+    p.add_argument("--dir", default=os.path.join(ROOT, ".compat"))
+    p.add_argument("--out", default=os.path.join(ROOT, "docs", "COMPATIBILITY.md"))
+    p.add_argument("--no_write", action="store_true", help="print the table only")
+    a = p.parse_args(argv)
+    os.makedirs(a.dir, exist_ok=True)
+    results = []
+    for version in [v.strip() for v in a.versions.split(",") if v.strip()]:
+        print(f"[compat] transformers {version}: preparing", flush=True)
+        try:
+            target, extra = prepare(version, a.dir)
+        except RuntimeError as e:
+            results.append(
+                {
+                    "version": version,
+                    "ok": False,
+                    "summary": f"install failed: {e}",
+                    "failed": [],
+                    "minutes": 0.0,
+                    "extra": [],
+                }
+            )
+            continue
+        print(f"[compat] transformers {version}: running the slice", flush=True)
+        r = run_slice(version, target, a.dir)
+        r["extra"] = extra
+        results.append(r)
+        print(
+            f"[compat] transformers {version}: {'pass' if r['ok'] else 'FAIL'} ({r['summary']}; log {r['log']})",
+            flush=True,
+        )
+    cmd = "python scripts/compat.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
+    text = render(results, cmd)
+    print(text)
+    if not a.no_write:
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0 if all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
