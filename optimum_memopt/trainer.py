@@ -99,6 +99,9 @@ class MemoptTrainerMixin:
         # The plans the run trains with: the validated ones, or auto's choice once `resolve_memory_plan` ran.
         self.memory_plan = (list(a.memory_opt.entries), a.memory_opt.level) if not a.memory_opt.auto else None
         self.memory_plan_reason: Optional[str] = None
+        if a.process_index == 0:
+            for note in a.ort_trainer_notes:
+                logger.warning("%s", note)
         if self.model is not None:
             self._memopt_prepare(self.model)
         from .callbacks import default_callbacks
@@ -174,6 +177,7 @@ class MemoptTrainerMixin:
                 "fallback_policy": a.ort_fallback_policy,
                 "save_onnx_dir": a.ort_save_onnx_dir,
                 "cache_dir": a.ort_cache_dir,
+                "onnx_prefix": a.onnx_prefix,
             },
         )
 

@@ -10,7 +10,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import List, Optional
 
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
@@ -32,6 +32,11 @@ ORT_ONLY_FLAGS = {
     "ort_cache_dir": None,
     "ort_log_level": "WARNING",
     "ort_fallback_policy": "disable",
+    # optimum ORTTrainer's names for some of them
+    "use_module_with_loss": False,
+    "save_onnx": False,
+    "onnx_prefix": None,
+    "onnx_log_level": None,
 }
 
 
@@ -96,7 +101,7 @@ class MemoptTrainingArguments(TrainingArguments):
         memory_probe_max_plans (`int`, defaults to 6), memory_probe_steps (`int`, defaults to 6):
             With `--memory_opt_config auto`: how many plans to measure, and for how many steps each.
         ort_log_level (`str`, defaults to `"WARNING"`):
-            ORTModule's log level: WARNING, INFO, DEVINFO or VERBOSE.
+            ORTModule's log level: VERBOSE, DEVINFO, INFO, WARNING, ERROR or FATAL.
         log_memory_plans (`bool`, defaults to `True`):
             After the first step, log the recompute plans found and write `memory_plans.json`.
         print_memory_stats (`bool`, defaults to `False`):
@@ -210,12 +215,33 @@ class MemoptTrainingArguments(TrainingArguments):
             "to this JSON file, and do not save the model."
         },
     )
-    # Derived: the validated memory settings, built from the flags above (and ORT's variables) in __post_init__.
+    # The names optimum's ORTTrainingArguments (1.27) used, so a script moves here by changing its imports.
+    use_module_with_loss: bool = field(
+        default=False, metadata={"help": "optimum ORTTrainer's name for --ort_loss_in_graph (accepted, said once)."}
+    )
+    save_onnx: bool = field(
+        default=False,
+        metadata={
+            "help": "optimum ORTTrainer's switch for saving ORT's graphs: here --ort_save_onnx_dir "
+            "($ORTMODULE_SAVE_ONNX_PATH, else --output_dir); needs --onnx_prefix, as there."
+        },
+    )
+    onnx_prefix: Optional[str] = field(
+        default=None, metadata={"help": "With --save_onnx: the prefix of the saved graphs' file names."}
+    )
+    onnx_log_level: Optional[str] = field(
+        default=None,
+        metadata={"help": "optimum ORTTrainer's name for --ort_log_level.", "choices": [None, *LOG_LEVELS]},
+    )
+    # Derived: the validated memory settings, built from the flags above (and ORT's variables) in __post_init__,
+    # and one line per ORTTrainer name that was translated (logged once, on rank 0, when the trainer is built).
     memory_opt: Optional[MemoryOptConfig] = field(init=False, default=None, repr=False)
+    ort_trainer_notes: List[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self):
-        self._check_choices()
         self._check_ort_only()
+        self._translate_ort_trainer_names()
+        self._check_choices()
         self.memory_opt = self._build_memory_config()
         if self.use_ort:
             self._check_ort_conflicts()
@@ -228,6 +254,41 @@ class MemoptTrainingArguments(TrainingArguments):
         super().__post_init__()
         if asked == ORT_FUSED:
             self.optim = ORT_FUSED
+
+    def _translate_ort_trainer_names(self):
+        notes = []
+        if self.use_module_with_loss:
+            self.ort_loss_in_graph = True
+            notes.append(
+                "`--use_module_with_loss` (optimum's ORTTrainer) is `--ort_loss_in_graph` here: the loss is "
+                "computed inside ORT's graph"
+            )
+        if self.onnx_log_level is not None:
+            if self.ort_log_level not in ("WARNING", self.onnx_log_level):
+                raise ValueError(
+                    f"`--onnx_log_level {self.onnx_log_level}` and `--ort_log_level {self.ort_log_level}` "
+                    f"disagree; give one of them, as in `--ort_log_level {self.onnx_log_level}`"
+                )
+            self.ort_log_level = self.onnx_log_level
+            notes.append(f"`--onnx_log_level {self.onnx_log_level}` (optimum's ORTTrainer) is `--ort_log_level` here")
+        if self.save_onnx:
+            if not self.onnx_prefix:
+                raise ValueError(
+                    "`--save_onnx` needs `--onnx_prefix`, as in optimum's ORTTrainer (`--save_onnx "
+                    "--onnx_prefix my_model`); or give the directory alone, as in `--ort_save_onnx_dir "
+                    "outputs/onnx`"
+                )
+            if not self.ort_save_onnx_dir:
+                self.ort_save_onnx_dir = os.environ.get("ORTMODULE_SAVE_ONNX_PATH") or self.output_dir
+            notes.append(
+                f"`--save_onnx` (optimum's ORTTrainer) is `--ort_save_onnx_dir {self.ort_save_onnx_dir}` "
+                f"here, file names prefixed {self.onnx_prefix!r}"
+            )
+        elif self.onnx_prefix and not self.ort_save_onnx_dir:
+            notes.append(
+                f"`--onnx_prefix {self.onnx_prefix}` has no effect without `--save_onnx` (or `--ort_save_onnx_dir`)"
+            )
+        self.ort_trainer_notes = notes
 
     # -- checks that need nothing but the values -------------------------------------------------------
     def _check_choices(self):

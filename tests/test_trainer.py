@@ -363,3 +363,39 @@ def test_level_one_reports_what_ort_applies(tmp_path):
         types = {e.optimization_type for e in p.entries if e.apply_count != 0}
         assert p.enabled == (types == {1}), p
         assert p.applied_count == (p.frequency if p.enabled else 0)
+
+
+def test_a_script_moved_from_optimums_ort_trainer_trains_with_its_flags(tmp_path):
+    """An ORTTrainer script after `from optimum_memopt import MemoptTrainer as ORTTrainer, MemoptTrainingArguments as
+    ORTTrainingArguments`: its flags work, and the graphs land where ORTTrainer put them."""
+    from transformers import HfArgumentParser
+
+    from optimum_memopt import MemoptTrainer as ORTTrainer  # noqa: N814
+    from optimum_memopt import MemoptTrainingArguments as ORTTrainingArguments  # noqa: N814
+
+    (args,) = HfArgumentParser(ORTTrainingArguments).parse_args_into_dataclasses(
+        [
+            "--output_dir",
+            str(tmp_path),
+            "--use_cpu",
+            "--report_to",
+            "none",
+            "--max_steps",
+            "2",
+            "--save_strategy",
+            "no",
+            "--use_module_with_loss",
+            "--save_onnx",
+            "--onnx_prefix",
+            "tiny",
+            "--optim",
+            "adamw_ort_fused",
+            "--label_smoothing_factor",
+            "0.1",
+        ]
+    )
+    trainer = ORTTrainer(model=tiny_model(), args=args, train_dataset=ClsData())
+    trainer.train()
+    assert type(trainer.ort_model._torch_module._original_module).__name__ == "LossInGraph"
+    saved = sorted(p.name for p in tmp_path.glob("tiny*.onnx"))
+    assert saved and all(name.startswith("tiny") for name in saved)

@@ -144,7 +144,7 @@ BAD = [
     (
         "kw",
         dict(ort_log_level="info"),
-        r"^`--ort_log_level` is 'info'; expected one of 'WARNING', 'INFO', 'DEVINFO', 'VERBOSE', as in `--ort_log_level WARNING`; did you mean 'INFO'\?$",
+        r"^`--ort_log_level` is 'info'; expected one of 'WARNING', 'INFO', 'DEVINFO', 'VERBOSE', 'ERROR', 'FATAL', as in `--ort_log_level WARNING`; did you mean 'INFO'\?$",
     ),
     (
         "kw",
@@ -198,6 +198,9 @@ ORT_ONLY = [
     (["--ort_cache_dir", "some_dir"], "--ort_cache_dir"),
     (["--ort_log_level", "INFO"], "--ort_log_level"),
     (["--ort_fallback_policy", "default"], "--ort_fallback_policy"),
+    (["--use_module_with_loss"], "--use_module_with_loss"),
+    (["--save_onnx", "--onnx_prefix", "m"], "--save_onnx`, `--onnx_prefix"),
+    (["--onnx_log_level", "INFO"], "--onnx_log_level"),
 ]
 
 
@@ -396,3 +399,38 @@ def test_zero3_import_really_fails_with_the_pinned_deepspeed():
 
 def test_real_install_is_detected():
     assert ort.is_installed() and ort.extensions_built() and ort.problem() is None
+
+
+# -- moving from optimum's ORTTrainingArguments ---------------------------------------------------------
+def test_ort_trainer_flags_are_accepted_and_translated(monkeypatch):
+    monkeypatch.delenv("ORTMODULE_SAVE_ONNX_PATH", raising=False)
+    args = parse(
+        "--use_module_with_loss",
+        "--save_onnx",
+        "--onnx_prefix",
+        "bert",
+        "--onnx_log_level",
+        "INFO",
+        "--optim",
+        "adamw_ort_fused",
+    )
+    assert args.ort_loss_in_graph and args.ort_log_level == "INFO" and args.optim == "adamw_ort_fused"
+    assert args.ort_save_onnx_dir == "unused_out" and args.onnx_prefix == "bert"  # ORTTrainer saved to output_dir
+    assert args.ort_trainer_notes == [
+        "`--use_module_with_loss` (optimum's ORTTrainer) is `--ort_loss_in_graph` here: the loss is computed inside "
+        "ORT's graph",
+        "`--onnx_log_level INFO` (optimum's ORTTrainer) is `--ort_log_level` here",
+        "`--save_onnx` (optimum's ORTTrainer) is `--ort_save_onnx_dir unused_out` here, file names prefixed 'bert'",
+    ]
+    monkeypatch.setenv("ORTMODULE_SAVE_ONNX_PATH", "onnx_here")
+    assert parse("--save_onnx", "--onnx_prefix", "b").ort_save_onnx_dir == "onnx_here"
+
+
+def test_ort_trainer_flags_that_cannot_work_say_why():
+    with pytest.raises(ValueError, match=r"^`--save_onnx` needs `--onnx_prefix`, as in optimum's ORTTrainer"):
+        parse("--save_onnx")
+    with pytest.raises(ValueError, match=r"^`--onnx_log_level INFO` and `--ort_log_level VERBOSE` disagree"):
+        parse("--onnx_log_level", "INFO", "--ort_log_level", "VERBOSE")
+    assert parse("--onnx_prefix", "x").ort_trainer_notes == [
+        "`--onnx_prefix x` has no effect without `--save_onnx` (or `--ort_save_onnx_dir`)"
+    ]

@@ -41,7 +41,7 @@ from .base import Backend, WrapSettings
 
 logger = logging.getLogger(__name__)
 
-LOG_LEVELS = ("WARNING", "INFO", "DEVINFO", "VERBOSE")
+LOG_LEVELS = ("WARNING", "INFO", "DEVINFO", "VERBOSE", "ERROR", "FATAL")
 FALLBACK_POLICIES = ("disable", "default")
 ORT_FUSED = "adamw_ort_fused"
 
@@ -196,7 +196,7 @@ _ORT_LOG_FILTER = _OrtLogFilter()
 
 
 def _filter_ort_log(log_level: str) -> None:
-    _ORT_LOG_FILTER.quiet = log_level == "WARNING"
+    _ORT_LOG_FILTER.quiet = log_level in ("WARNING", "ERROR", "FATAL")
     names = ["orttraining"]
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         names.append(f"orttraining.rank-{torch.distributed.get_rank()}")
@@ -213,7 +213,7 @@ def import_quietly(log_level: str = "WARNING"):
     held back: DeepSpeed's accelerator banner (ORT imports DeepSpeed when it is installed, used or not),
     ORT's failed import of DeepSpeed's renamed ZeRO-3 helper, and torch's note that no CUDA runtime exists
     on a CPU machine. Anything else it prints is passed on."""
-    if "onnxruntime.training.ortmodule" in sys.modules or log_level != "WARNING":
+    if "onnxruntime.training.ortmodule" in sys.modules or log_level not in ("WARNING", "ERROR", "FATAL"):
         import onnxruntime.training.ortmodule as ortmodule
 
         return ortmodule
@@ -310,7 +310,7 @@ class OrtBackend(Backend):
         debug = DebugOptions(
             log_level=LogLevel[opts.get("log_level", "WARNING")],
             save_onnx=bool(save_dir),
-            onnx_prefix="memopt" if save_dir else "",
+            onnx_prefix=(opts.get("onnx_prefix") or "memopt") if save_dir else "",
             save_path=save_dir or "",
         )
         old_policy = ortmodule.ORTMODULE_FALLBACK_POLICY
