@@ -20,7 +20,7 @@ from typing import List, Optional
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from . import _deepspeed
+from . import _deepspeed, compat
 from .backends import Backend, WrapSettings, get_backend
 from .backends.ort import ORT_FUSED, OrtBackend, import_quietly
 from .backends.ort import is_installed as ort_is_installed
@@ -68,6 +68,9 @@ class MemoptTrainerMixin:
             # torch._dynamo imports onnxruntime inside Trainer.__init__, and ORT imports DeepSpeed where it is
             # installed; imported first here, without the banners of a DeepSpeed this run does not use.
             import_quietly(targs.ort_log_level)
+        problem = compat.accelerate_problem()
+        if problem:
+            raise RuntimeError(problem)
         super().__init__(*args, **kwargs)
         if not isinstance(self.args, MemoptTrainingArguments):
             raise TypeError(
@@ -141,10 +144,22 @@ class MemoptTrainerMixin:
         self.memory_plan, self.memory_plan_reason = (entries, level), reason
         return reason
 
-    def train(self, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if resume_from_checkpoint:
+            problem = compat.resume_refusal()
+            if problem:
+                raise RuntimeError(problem)
         if self.args.use_ort:
             self.resolve_memory_plan()
-        return super().train(*args, **kwargs)
+        return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    def _load_rng_state(self, checkpoint):
+        try:
+            return super()._load_rng_state(checkpoint)
+        except compat.UNPICKLING_ERRORS:
+            # transformers 4.51-4.52 with torch 2.4: the numpy types in the RNG state need allowlisting
+            with compat.numpy_safe_globals():
+                return super()._load_rng_state(checkpoint)
 
     # -- wrapping ------------------------------------------------------------------------------------
     @property

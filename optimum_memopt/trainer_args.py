@@ -15,10 +15,12 @@ from typing import List, Optional
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from . import _deepspeed
+from . import _deepspeed, compat
 from .backends.ort import FALLBACK_POLICIES, LOG_LEVELS, ORT_FUSED
 from .config import CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
 from .plans import EXAMPLE
+
+compat.check_arguments_types()
 
 ENV_CONFIG = "ORTMODULE_MEMORY_OPT_CONFIG"
 ENV_LEVEL = "ORTMODULE_MEMORY_OPT_LEVEL"

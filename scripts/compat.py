@@ -39,9 +39,11 @@ LATEST_PATCHES = [
     "4.56.2",
     "4.57.6",
 ]
-# Needed at run time although transformers does not declare it: 4.52+ calls
-# `accelerator.unwrap_model(..., keep_torch_compile=False)`, which accelerate 1.3 introduced.
-EXTRA = {Version("4.52"): ["accelerate>=1.3,<1.4"]}
+# Needed at run time although transformers does not declare it (the newest rule that applies is used):
+# 4.52+ calls `accelerator.unwrap_model(..., keep_torch_compile=False)`, which accelerate 1.3 introduced;
+# 4.56+ annotates a field with accelerate's `ParallelismConfig`, imported only from accelerate 1.10.1, and
+# HfArgumentParser cannot resolve the arguments' types without it.
+EXTRA = [(Version("4.52"), ["accelerate>=1.3,<1.4"]), (Version("4.56"), ["accelerate>=1.10.1,<1.11"])]
 SLICE = [
     "tests/test_trainer_args.py",
     "tests/test_callbacks.py",
@@ -95,9 +97,9 @@ def prepare(version: str, base: str) -> tuple:
             raise RuntimeError(res.stderr[-2000:])
         wheel = next(os.path.join(wheels, f) for f in os.listdir(wheels) if f.startswith(f"transformers-{version}-"))
         extra = missing_requirements(wheel)
-        for floor, reqs in EXTRA.items():
-            if Version(version) >= floor:
-                extra += [r for r in reqs if not _satisfied(r)]
+        rules = [reqs for floor, reqs in EXTRA if Version(version) >= floor]
+        if rules:
+            extra += [r for r in rules[-1] if not _satisfied(r)]
         res = pip("install", "-q", "--no-deps", "--target", target, wheel, *extra)
         if res.returncode:
             raise RuntimeError(res.stderr[-2000:])
@@ -148,6 +150,23 @@ def run_slice(version: str, target: str, log_dir: str) -> dict:
     }
 
 
+# What the rows need explained (found with this script; the details are in docs/STACK.md).
+NOTES = [
+    "4.52: saving a model imports `DTensor` from `torch.distributed.tensor` (public there from torch 2.5 only), so "
+    "every `save_model` / checkpoint fails on torch 2.4; `setup.cfg` excludes 4.52.* for that reason.",
+    "4.53 and later refuse `torch.load` below torch 2.6 (CVE-2025-32434), so a checkpoint's optimizer and RNG state "
+    "cannot be restored on the ORT stack (torch <= 2.4): the hook refuses `resume_from_checkpoint` before training "
+    "with that reason, and the resume test checks the refusal there. Saving, reloading and best-model loading "
+    "(safetensors) work.",
+    "4.51-4.52 load the RNG state with `weights_only=True` and allowlist numpy's types on torch >= 2.6 only; the hook "
+    "sets the same allowlist on torch 2.4 for the duration of that load.",
+    "4.52-4.55 need accelerate >= 1.3 (`unwrap_model(keep_torch_compile=...)`) and 4.56-4.57 accelerate >= 1.10.1 "
+    "(`ParallelismConfig`); neither floor is declared by transformers, and the hook names the one missing.",
+    "From 4.50 the model classes' import pulls in `torch._dynamo`, which imports onnxruntime and, through it, "
+    "DeepSpeed: the arguments re-import a DeepSpeed left half-built by that chain when a run uses DeepSpeed.",
+]
+
+
 def render(results, cmd) -> str:
     py = platform.python_version()
     lines = [
@@ -167,6 +186,7 @@ def render(results, cmd) -> str:
         extra = ", ".join(r.get("extra") or []) or "-"
         what = "pass" if r["ok"] else ("FAIL: " + ", ".join(r["failed"][:4]) if r["failed"] else "FAIL")
         lines.append(f"| {r['version']} | {what} | {r['summary']} | {extra} | {r['minutes']:.1f} |")
+    lines += ["", "Notes:", ""] + [f"- {n}" for n in NOTES]
     return "\n".join(lines) + "\n"
 
 
@@ -176,7 +196,11 @@ def main(argv=None):
     p.add_argument("--dir", default=os.path.join(ROOT, ".compat"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "COMPATIBILITY.md"))
     p.add_argument("--no_write", action="store_true", help="print the table only")
+    p.add_argument("--newest", action="store_true", help="print the newest release in the matrix and exit")
     a = p.parse_args(argv)
+    if a.newest:
+        print(LATEST_PATCHES[-1])
+        return 0
     os.makedirs(a.dir, exist_ok=True)
     results = []
     for version in [v.strip() for v in a.versions.split(",") if v.strip()]:

@@ -187,3 +187,16 @@ def test_mixin_with_trls_sft_trainer(tmp_path):
     logged = [h for h in trainer.state.log_history if "loss" in h]
     assert logged and 0 < logged[0]["memopt/embed_density_pct"] <= 100
     assert logged[-1]["loss"] < 20
+
+
+def test_auto_needs_a_script_to_re_run_and_says_what_to_do_instead(tmp_path, monkeypatch):
+    args = make_args(tmp_path, "--memory_opt_config", "auto", "--memory_budget_mb", "1000")
+    trainer = MemoptTrainer(model=tiny_model(), args=args, train_dataset=ClsData(n=8))
+    assert trainer.memory_plan is None  # nothing chosen while the trainer is built
+    monkeypatch.setattr("sys.argv", [""])  # a notebook's kernel
+    with pytest.raises(
+        RuntimeError,
+        match=r"re-runs the training script to measure plans, but this process has no "
+        r"script to re-run .*resolve_memory_plan\(script_argv=",
+    ):
+        trainer.train()

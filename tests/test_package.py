@@ -92,6 +92,7 @@ def test_the_trainer_hook_overrides_only_what_it_documents():
         "compute_loss",
         "_save",
         "_load_best_model",
+        "_load_rng_state",
         "log",
         "get_optimizer_cls_and_kwargs",
     }

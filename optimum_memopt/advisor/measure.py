@@ -58,6 +58,7 @@ class MeasureCallback(TrainerCallback):
     def _plan_report(self, model) -> Optional[dict]:
         trainer = self.trainer
         backend = getattr(trainer, "memopt_backend", None)
+        model = trainer.model if trainer is not None and getattr(trainer, "model", None) is not None else model
         wrapped = backend.find(model) if backend is not None and model is not None else None
         if wrapped is None:
             return None

@@ -66,9 +66,16 @@ class CsvReport:
         self.owner.write_report(self.path, write)
 
 
+def current_model(trainer, model):
+    """The model being trained: the trainer's own when the callback knows the trainer (transformers 4.49 hands
+    callbacks the model given at `__init__`, not the wrapped one), else the `model` the event passed."""
+    return trainer.model if trainer is not None and getattr(trainer, "model", None) is not None else model
+
+
 def hookable(trainer, model) -> Optional[object]:
     """The module whose forward runs once per training micro-batch: the backend's wrapper, or the plain model
     (DDP / DeepSpeed wrappers call it from their own forward)."""
+    model = current_model(trainer, model)
     if trainer is not None and trainer.memopt_backend is not None:
         found = trainer.memopt_backend.find(model)
         if found is not None:

@@ -28,7 +28,7 @@ import os
 import torch
 
 from ..memory import MemoryMeter
-from .base import CsvReport, MetricsCallback, hookable, logger
+from .base import CsvReport, MetricsCallback, current_model, hookable, logger
 
 PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
 CSV_FIELDS = (
@@ -78,7 +78,7 @@ class MemoryPhaseCallback(MetricsCallback):
         self._step = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        if not state.is_world_process_zero or model is None:
+        if not state.is_world_process_zero or current_model(self.trainer, model) is None:
             return
         self._state = state
         self._logging_steps = int(args.logging_steps) if args.logging_strategy == "steps" else 0
@@ -211,12 +211,14 @@ def plot_phases(rows, path: str, device: str) -> None:
         if not pts:
             continue
         steps, cur, peak = zip(*pts)
-        line = ax.plot(steps, cur, marker="o", label=phase)[0]
+        # post_forward and pre_backward often read the same: different markers keep both visible
+        marker = {"pre_forward": "o", "post_forward": "s", "pre_backward": "x", "post_backward": "o"}[phase]
+        line = ax.plot(steps, cur, marker=marker, markersize=7 if marker == "s" else 5, label=phase)[0]
         ax.plot(steps, peak, linestyle="--", color=line.get_color(), alpha=0.6, label=f"{phase} (peak in phase)")
     what = "allocated" if device == "cuda" else "in use at the allocator"
     ax.set_xlabel("step")
     ax.set_ylabel(f"MiB ({what})")
-    ax.set_title(f"Memory by phase ({device})")
+    ax.set_title(f"Memory by phase ({device}): activations held from post_forward until backward frees them")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()

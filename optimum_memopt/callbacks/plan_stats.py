@@ -17,7 +17,7 @@ import os
 from typing import Optional
 
 from ..plans import PlanReport
-from .base import MetricsCallback, logger
+from .base import MetricsCallback, current_model, logger
 
 
 def format_plan_table(report: PlanReport) -> str:
@@ -53,7 +53,7 @@ class PlanStatsCallback(MetricsCallback):
             return
         self._done = True
         backend = getattr(self.trainer, "memopt_backend", None)
-        wrapped = backend.find(model) if backend is not None else None
+        wrapped = backend.find(current_model(self.trainer, model)) if backend is not None else None
         if wrapped is None:
             logger.info("memory plans: no memory-optimizer backend in use, no recompute plans to report")
             return

@@ -28,7 +28,7 @@ class CountingHandler(logging.Handler):
 
 class SequentialTrainer(LossRecordingTrainer):
     # Same sample order in every mode, so the 2-rank global batch equals the single-process batch.
-    def _get_train_sampler(self):
+    def _get_train_sampler(self, *args, **kwargs):  # transformers 4.52 passes the dataset
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
