@@ -166,3 +166,10 @@ def phases_at(out_dir, step: int):
 
 
 ALL_PHASES = ["pre_forward", "post_forward", "pre_backward", "post_backward"]
+
+
+# `--ort_loss_in_graph --load_best_model_at_end --label_smoothing_factor 0.1`, evaluating and saving every 2 steps
+BEST_AT_END_IN_GRAPH = (
+    "--eval_strategy steps --eval_steps 2 --save_strategy steps --save_steps 2 --load_best_model_at_end "
+    "--label_smoothing_factor 0.1 --ort_loss_in_graph"
+).split()

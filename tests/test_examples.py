@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import load_without_ort
+from helpers import BEST_AT_END_IN_GRAPH, load_without_ort
 
 pytestmark = pytest.mark.slow
 
@@ -106,26 +106,7 @@ def test_glue_from_local_csv_and_local_model(tmp_path):
 def test_glue_loss_in_graph_best_model_at_end_with_smoothing(tmp_path):
     """The recipe with `--ort_loss_in_graph --load_best_model_at_end --label_smoothing_factor 0.1` ends with a saved
     final model that loads where onnxruntime cannot be imported."""
-    run(
-        GLUE,
-        tmp_path,
-        "--offline_train_samples",
-        "200",
-        "--ort_loss_in_graph",
-        "--load_best_model_at_end",
-        "--label_smoothing_factor",
-        "0.1",
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        "2",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "2",
-        "--memory_opt_config",
-        "Gelu+:1:-1",
-    )
+    run(GLUE, tmp_path, "--offline_train_samples", "200", *BEST_AT_END_IN_GRAPH, "--memory_opt_config", "Gelu+:1:-1")
     assert load_without_ort(tmp_path) == "DebertaV2ForSequenceClassification"
     assert json.loads((tmp_path / "trainer_state.json").read_text())["best_model_checkpoint"]
 

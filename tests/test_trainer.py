@@ -9,6 +9,7 @@ import pytest
 import torch
 from helpers import (
     ALL_PHASES,
+    BEST_AT_END_IN_GRAPH,
     ClsData,
     EventRecorder,
     LossRecordingTrainer,
@@ -235,24 +236,7 @@ def test_loss_in_graph_with_best_model_at_end_saves_a_final_model_and_counts_rig
     the final model saved and loadable without ORT; FLOPs, density and eval loss are those of the plain run."""
     model = tiny_model("deberta")
     args = make_args(
-        tmp_path / "run",
-        "--max_steps",
-        "6",
-        "--logging_steps",
-        "1",
-        "--eval_strategy",
-        "steps",
-        "--eval_steps",
-        "2",
-        "--save_strategy",
-        "steps",
-        "--save_steps",
-        "2",
-        "--load_best_model_at_end",
-        "--label_smoothing_factor",
-        "0.1",
-        "--ort_loss_in_graph",
-        "--print_input_density",
+        tmp_path / "run", "--max_steps", "6", "--logging_steps", "1", "--print_input_density", *BEST_AT_END_IN_GRAPH
     )
     trainer = LossRecordingTrainer(model=model, args=args, train_dataset=ClsData(), eval_dataset=ClsData(n=16))
     out = trainer.train()
