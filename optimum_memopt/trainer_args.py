@@ -7,7 +7,6 @@ built (`MemoptTrainerMixin`).
 """
 
 import json
-import math
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -304,23 +303,12 @@ class MemoptTrainingArguments(TrainingArguments):
                     f"`--{name}` is {value!r}; expected one of {', '.join(map(repr, allowed))}, as in "
                     f"`--{name} {allowed[0]}`{hint}"
                 )
-        for name, example in (
-            ("input_density_table_steps", 10),
-            ("memory_probe_max_plans", 6),
-            ("memory_probe_steps", 6),
-        ):
-            value = getattr(self, name)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"`--{name}` is {value!r}; expected a positive integer, as in `--{name} {example}`")
-        if self.memory_budget_mb is not None and (
-            isinstance(self.memory_budget_mb, bool)
-            or not isinstance(self.memory_budget_mb, (int, float))
-            or not math.isfinite(self.memory_budget_mb)
-            or self.memory_budget_mb <= 0
-        ):
+        # the budget and the probe limits are MemoryOptConfig's to check
+        value = self.input_density_table_steps
+        if type(value) is not int or value < 1:
             raise ValueError(
-                f"`--memory_budget_mb` is {self.memory_budget_mb!r}; expected a positive, finite number "
-                f"of MiB, as in `--memory_opt_config auto --memory_budget_mb 4000`"
+                f"`--input_density_table_steps` is {value!r}; expected a positive integer, as in "
+                f"`--input_density_table_steps 10`"
             )
         _check_dir_flag("--ort_save_onnx_dir", self.ort_save_onnx_dir)
         _check_dir_flag("--ort_cache_dir", self.ort_cache_dir)
