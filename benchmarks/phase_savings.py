@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 
+from optimum_memopt.compat import overwrite_output_dir_flag
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "examples", "run_glue", "run_glue.py")
 CONFIGS = [
@@ -41,7 +43,7 @@ def run(label, flags, a, work):
         GLUE,
         "--output_dir",
         out,
-        "--overwrite_output_dir",
+        *overwrite_output_dir_flag(),
         "--do_train",
         "--do_eval",
         "false",

@@ -111,3 +111,14 @@ def transformers_version() -> str:
     import transformers
 
     return transformers.__version__
+
+
+def overwrite_output_dir_flag() -> list:
+    """`--overwrite_output_dir` where the Trainer's arguments still have it (transformers 4.x; 5.x removed it and
+    refuses the flag): the measuring runs and the recipes' offline defaults pass it only there."""
+    from dataclasses import fields
+
+    from transformers import TrainingArguments
+
+    known = any(f.name == "overwrite_output_dir" for f in fields(TrainingArguments))
+    return ["--overwrite_output_dir"] if known else []

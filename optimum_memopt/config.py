@@ -22,7 +22,8 @@ from .plans import PlanEntry, PlanError
 CONFIG_FLAG = "--memory_opt_config"
 LEVEL_FLAG = "--memory_opt_level"
 BUDGET_FLAG = "--memory_budget_mb"
-BACKENDS = ("ort",)
+BACKENDS = ("ort", "torch")
+BACKEND_FLAG = "--memory_opt_backend"
 LEVELS = {0: "the plans of --memory_opt_config", 1: "layer-wise recompute", 2: "layer-wise recompute with compromise"}
 
 
@@ -38,7 +39,7 @@ class MemoryOptConfig:
     Args:
         plans: recompute plans (inline string, JSON file path, list of strings or `PlanEntry`), or `"auto"`.
         level: 0 = the plans; 1 = layer-wise recompute; 2 = layer-wise recompute with compromise.
-        backend: the backend that applies them (`"ort"`).
+        backend: the backend that applies them: `"ort"` (ONNX Runtime's ORTModule) or `"torch"` (current PyTorch).
         budget_mb: with `plans="auto"`, the peak (MiB) the chosen plans must fit under.
         probe_max_plans, probe_steps: with `plans="auto"`, how many plans to measure, for how many steps each.
         sources: where each value came from (`{"plans": "$ORTMODULE_MEMORY_OPT_CONFIG"}`), for messages.
@@ -66,8 +67,15 @@ class MemoryOptConfig:
             )
         if self.backend not in BACKENDS:
             raise ValueError(
-                f"`--memory_opt_backend` is {self.backend!r}; expected one of {', '.join(map(repr, BACKENDS))}, as in "
-                f"`--memory_opt_backend ort`"
+                f"`{BACKEND_FLAG}` is {self.backend!r}; expected one of {', '.join(map(repr, BACKENDS))}, as in "
+                f"`{BACKEND_FLAG} torch`"
+            )
+        if self.backend == "torch" and self.level == 2:
+            raise ValueError(
+                f"{_where(level_src, LEVEL_FLAG)} is 2 with `{BACKEND_FLAG} torch`: ONNX Runtime's level 2 adds plans "
+                f"that keep part of an activation (type 2, 'recompute with compromise'), which have no counterpart in "
+                f"PyTorch; use `{LEVEL_FLAG} 1` (whole layers recomputed) or plans, as in "
+                f"`{CONFIG_FLAG} {grammar.EXAMPLE}`"
             )
         value = self.plans
         self.auto = isinstance(value, str) and value.strip().lower() == grammar.AUTO
@@ -81,11 +89,24 @@ class MemoryOptConfig:
             except PlanError as e:
                 raise ValueError(f"{_where(config_src, CONFIG_FLAG)} {e}") from None
             self.plans = grammar.to_inline(self.entries) or None
+            compromise = [str(e) for e in self.entries if e.optimization_type == 2]
+            if self.backend == "torch" and compromise:
+                subgraph, _, count = compromise[0].rsplit(":", 2)
+                raise ValueError(
+                    f"{_where(config_src, CONFIG_FLAG)} has {', '.join(map(repr, compromise))} with optimization "
+                    f"type 2 (recompute with compromise: ONNX Runtime keeps part of the activation), which the torch "
+                    f"backend cannot do; use type 1, as in {f'{subgraph}:1:{count}'!r}"
+                )
         if self.level in (1, 2) and (self.entries or self.auto):
+            who = (
+                "ONNX Runtime ignores the plans and applies its own layer-wise plans"
+                if self.backend == "ort"
+                else "the torch backend ignores the plans and recomputes whole layers"
+            )
             raise ValueError(
                 f"{_where(level_src, LEVEL_FLAG)} is {self.level} and {_where(config_src, CONFIG_FLAG)} is "
-                f"{self.plans!r}, but at level 1 or 2 ONNX Runtime ignores the plans and applies its own layer-wise "
-                f"plans; give either `{LEVEL_FLAG} 1` or `{CONFIG_FLAG} {grammar.EXAMPLE}`"
+                f"{self.plans!r}, but at level 1 or 2 {who}; give either `{LEVEL_FLAG} 1` or "
+                f"`{CONFIG_FLAG} {grammar.EXAMPLE}`"
             )
         if self.budget_mb is not None:
             ok = isinstance(self.budget_mb, (int, float)) and not isinstance(self.budget_mb, bool)

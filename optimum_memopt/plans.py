@@ -252,14 +252,17 @@ class Unmatched:
     requested: str
     closest: List[str] = field(default_factory=list)  # similar plans found, or the largest found when none is
     similar: bool = True
+    reason: str = ""  # what the backend knows of why, where it knows
 
     def message(self, backend: str = "the backend") -> str:
+        why = f" ({self.reason})" if self.reason else ""
         if not self.closest:
-            return f"requested plan {self.requested!r} matches no plan {backend} found; it found none at all"
+            return f"requested plan {self.requested!r} matches no plan {backend} found{why}; it found none at all"
         near = ", ".join(repr(c) for c in self.closest)
         what = "closest plans found" if self.similar else "nothing similar; plans found"
         return (
-            f"requested plan {self.requested!r} matches no plan {backend} found, so it is not applied; {what}: {near}"
+            f"requested plan {self.requested!r} matches no plan {backend} found{why}, so it is not applied; "
+            f"{what}: {near}"
         )
 
 
@@ -275,6 +278,7 @@ class PlanReport:
     plans: List[FoundPlan]
     dims: Dict[str, int] = field(default_factory=dict)  # the first batch's symbolic dims
     unmatched: List[Unmatched] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)  # what else the backend wants the table's reader to know
 
     @property
     def plans_on(self) -> List[FoundPlan]:

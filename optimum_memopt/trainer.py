@@ -62,6 +62,8 @@ class MemoptTrainerMixin:
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
         if (
             isinstance(targs, MemoptTrainingArguments)
+            and targs.use_ort
+            and targs.memory_opt.backend == "ort"
             and not _deepspeed.requested(targs.deepspeed)
             and ort_is_installed()
         ):
@@ -85,9 +87,12 @@ class MemoptTrainerMixin:
             backend = get_backend(a.memory_opt.backend)
             problem = backend.problem()
             if problem:
+                needs = (
+                    "ONNX Runtime Training" if backend.name == "ort" else "torch >= 2.5 (`--memory_opt_backend torch`)"
+                )
                 raise RuntimeError(
-                    f"`--use_ort` (on by default) needs ONNX Runtime Training: {problem}. "
-                    f"Or pass `--use_ort false` to train in plain PyTorch"
+                    f"`--use_ort` (on by default) needs {needs}: {problem}. Or pass `--use_ort false` to train in "
+                    f"plain PyTorch"
                 )
             backend.check(a)
             self.memopt_backend = backend
@@ -105,6 +110,8 @@ class MemoptTrainerMixin:
         if a.process_index == 0:
             for note in a.ort_trainer_notes:
                 logger.warning("%s", note)
+            for note in a.memory_opt_notes:
+                logger.info("%s", note)
         if self.model is not None:
             self._memopt_prepare(self.model)
         from .callbacks import default_callbacks
@@ -220,7 +227,7 @@ class MemoptTrainerMixin:
             wrapped = backend.wrap(inner, settings)
             if self.is_world_process_zero():
                 logger.info(
-                    "Training through %s, memory optimizer: %s", type(wrapped).__name__, self._memopt_plan_summary()
+                    "Training through %s, memory optimizer: %s", backend.describe(wrapped), self._memopt_plan_summary()
                 )
             # The Trainer hands `self.model` to accelerate / DeepSpeed right after this call.
             self.model = self.model_wrapped = model = wrapped

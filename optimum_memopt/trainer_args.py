@@ -16,7 +16,7 @@ from transformers.training_args import OptimizerNames
 
 from . import _deepspeed, compat
 from .backends.ort import FALLBACK_POLICIES, LOG_LEVELS, ORT_FUSED
-from .config import CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
+from .config import BACKEND_FLAG, BACKENDS, CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
 from .plans import EXAMPLE
 
 compat.check_arguments_types()
@@ -25,6 +25,7 @@ ENV_CONFIG = "ORTMODULE_MEMORY_OPT_CONFIG"
 ENV_LEVEL = "ORTMODULE_MEMORY_OPT_LEVEL"
 # Flags that only mean something when the model trains through ORTModule, with their defaults.
 ORT_ONLY_FLAGS = {
+    "memory_opt_backend": None,
     "memory_opt_config": None,
     "memory_opt_level": None,
     "memory_budget_mb": None,
@@ -39,6 +40,9 @@ ORT_ONLY_FLAGS = {
     "onnx_prefix": None,
     "onnx_log_level": None,
 }
+# Of those, the ones that configure ONNX Runtime itself: refused with the torch backend.
+_SHARED = ("memory_opt_backend", "memory_opt_config", "memory_opt_level", "memory_budget_mb")
+ORT_BACKEND_FLAGS = {k: v for k, v in ORT_ONLY_FLAGS.items() if k not in _SHARED}
 
 
 def _zero_stage(config) -> Optional[float]:
@@ -139,7 +143,16 @@ class MemoptTrainingArguments(TrainingArguments):
     use_ort: bool = field(
         default=True,
         metadata={
-            "help": "Train through ORTModule. `--use_ort false` trains the same script in plain PyTorch, to compare."
+            "help": "Train through the memory-optimizer backend (ORTModule, or the torch backend). `--use_ort false` "
+            "trains the same script in plain PyTorch, to compare."
+        },
+    )
+    memory_opt_backend: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "What applies the plans: `ort` (ONNX Runtime Training's ORTModule; torch <= 2.4) or `torch` "
+            "(current PyTorch, torch >= 2.5). Default: `ort` where onnxruntime-training is installed, else `torch`.",
+            "choices": [None, *BACKENDS],
         },
     )
     memory_opt_config: Optional[str] = field(
@@ -238,13 +251,17 @@ class MemoptTrainingArguments(TrainingArguments):
     # and one line per ORTTrainer name that was translated (logged once, on rank 0, when the trainer is built).
     memory_opt: Optional[MemoryOptConfig] = field(init=False, default=None, repr=False)
     ort_trainer_notes: List[str] = field(init=False, default_factory=list, repr=False)
+    memory_opt_notes: List[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self):
         self._check_ort_only()
+        self._resolve_backend()
         self._translate_ort_trainer_names()
         self._check_choices()
         self.memory_opt = self._build_memory_config()
-        if self.use_ort:
+        if self.use_ort and self.memory_opt.backend == "torch":
+            self._check_torch_conflicts()
+        elif self.use_ort:
             self._check_ort_conflicts()
         # transformers no longer lists `adamw_ort_fused`: the parent validates a stand-in, and the value is put back.
         if _deepspeed.requested(self.deepspeed):
@@ -255,6 +272,59 @@ class MemoptTrainingArguments(TrainingArguments):
         super().__post_init__()
         if asked == ORT_FUSED:
             self.optim = ORT_FUSED
+
+    def _resolve_backend(self):
+        notes = []
+        if self.memory_opt_backend is not None and self.memory_opt_backend not in BACKENDS:
+            raise ValueError(
+                f"`{BACKEND_FLAG}` is {self.memory_opt_backend!r}; expected one of {', '.join(map(repr, BACKENDS))}, "
+                f"as in `{BACKEND_FLAG} torch`"
+            )
+        if self.use_ort and self.memory_opt_backend is None:
+            from .backends import default_backend
+
+            self.memory_opt_backend = default_backend()
+            if self.memory_opt_backend == "torch":
+                notes.append(
+                    f"memory optimizer: the torch backend (onnxruntime-training is not installed; `{BACKEND_FLAG} "
+                    f"ort` needs it, with torch <= 2.4)"
+                )
+        if self.use_ort and self.memory_opt_backend == "torch":
+            given = [f"--{k}" for k, default in ORT_BACKEND_FLAGS.items() if getattr(self, k) != default]
+            if getattr(self.optim, "value", self.optim) == ORT_FUSED:
+                given.append(f"--optim {ORT_FUSED}")
+            if given:
+                raise ValueError(
+                    f"`{'`, `'.join(given)}` configure ONNX Runtime, but `{BACKEND_FLAG} torch` trains without it; "
+                    f"drop them (for the optimizer: `--optim adamw_torch_fused`), or use `{BACKEND_FLAG} ort`"
+                )
+            ignored = [v for v in (ENV_CONFIG, ENV_LEVEL) if os.environ.get(v)]
+            if ignored:
+                notes.append(
+                    f"${' and $'.join(ignored)} set in the environment: ONNX Runtime's variables, not read by the "
+                    f"torch backend; give `{CONFIG_FLAG}` / `{LEVEL_FLAG}` instead"
+                )
+        self.memory_opt_notes = notes
+
+    def _check_torch_conflicts(self):
+        if self.gradient_checkpointing:
+            raise ValueError(
+                "`--gradient_checkpointing` with the torch backend would recompute the same layers twice over; use "
+                f"the backend's whole-layer recompute instead, as in `{LEVEL_FLAG} 1`, or pass `--use_ort false`"
+            )
+        if self.torch_compile:
+            raise ValueError(
+                "`--torch_compile` with the torch backend: its recompute runs in Python hooks (a dispatch mode and "
+                "saved-tensor hooks) that torch.compile would trace or break around; drop `--torch_compile`, or pass "
+                "`--use_ort false` to compile plain PyTorch"
+            )
+        stage = _zero_stage(self.deepspeed) if self.deepspeed else None
+        if stage == 3:
+            raise ValueError(
+                "`--deepspeed` selects ZeRO stage 3 with the torch backend, which is not tested with it (ZeRO-3 "
+                "gathers parameters inside the layers the backend recomputes); use ZeRO stage 1 or 2 "
+                "(examples/configs/ds_zero2.json), or `--use_ort false`"
+            )
 
     def _translate_ort_trainer_names(self):
         notes = []
@@ -328,10 +398,11 @@ class MemoptTrainingArguments(TrainingArguments):
         # and only when training through ORT.
         sources = {}
         plans = self.memory_opt_config
-        if plans is None and self.use_ort and os.environ.get(ENV_CONFIG):
+        ort = self.use_ort and self.memory_opt_backend == "ort"
+        if plans is None and ort and os.environ.get(ENV_CONFIG):
             plans, sources["plans"] = os.environ[ENV_CONFIG], f"${ENV_CONFIG}"
         level = self.memory_opt_level
-        if level is None and self.use_ort and os.environ.get(ENV_LEVEL):
+        if level is None and ort and os.environ.get(ENV_LEVEL):
             text = os.environ[ENV_LEVEL].strip()
             sources["level"] = f"${ENV_LEVEL}"
             level = int(text) if text in ("0", "1", "2") else text
@@ -340,6 +411,7 @@ class MemoptTrainingArguments(TrainingArguments):
         config = MemoryOptConfig(
             plans=plans,
             level=level,
+            backend=self.memory_opt_backend or "ort",
             budget_mb=self.memory_budget_mb,
             probe_max_plans=self.memory_probe_max_plans,
             probe_steps=self.memory_probe_steps,
@@ -398,7 +470,7 @@ class MemoptTrainingArguments(TrainingArguments):
     def memory_opt_summary(self) -> str:
         if not self.use_ort:
             return "plain PyTorch (ORTModule off)"
-        return self.memory_opt.summary()
+        return self.memory_opt.summary() + (" (torch backend)" if self.memory_opt.backend == "torch" else "")
 
     def to_dict(self):
         """The parent's dictionary (what TensorBoard / W&B store), `optim` as asked, and the resolved memory config."""

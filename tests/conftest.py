@@ -6,3 +6,24 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
+
+import pytest  # noqa: E402
+
+from optimum_memopt.backends import ort as _ort  # noqa: E402
+from optimum_memopt.backends import torch_recompute as _torch_backend  # noqa: E402
+
+# Two stacks (README "Two stacks"): the ORT stack (torch 2.4, onnxruntime-training) and the modern stack (torch
+# >= 2.5, no ORT). Tests marked `ort` need ONNX Runtime Training or its defaults; `torch_backend` tests need torch
+# >= 2.5. CI runs the suite once in each environment.
+ORT_STACK = _ort.is_installed()
+TORCH_BACKEND = _torch_backend.torch_problem() is None
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_ort = pytest.mark.skip(reason="needs the ORT stack (onnxruntime-training, torch <= 2.4): its own CI suite")
+    skip_torch = pytest.mark.skip(reason="needs torch >= 2.5 (the modern stack): its own CI suite")
+    for item in items:
+        if "ort" in item.keywords and not ORT_STACK:
+            item.add_marker(skip_ort)
+        if "torch_backend" in item.keywords and not TORCH_BACKEND:
+            item.add_marker(skip_torch)

@@ -14,6 +14,8 @@ from optimum_memopt.backends import WrapSettings, get_backend
 from optimum_memopt.backends.ort import ConfigFiles, OrtBackend
 from optimum_memopt.plans import parse_inline
 
+pytestmark = pytest.mark.ort  # the ORT backend's own behaviour: the ORT stack's suite
+
 
 def test_config_file_is_what_ort_reads_and_goes_at_cleanup(tmp_path):
     files = ConfigFiles(str(tmp_path / "root"))

@@ -10,7 +10,7 @@ import sys
 import pytest
 from helpers import BEST_AT_END_IN_GRAPH, load_without_ort
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ort]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "examples", "run_glue", "run_glue.py")

@@ -9,6 +9,8 @@ from helpers import train
 
 from optimum_memopt.backends.ort import OrtBackend
 
+pytestmark = pytest.mark.ort  # the ORT backend's own behaviour: the ORT stack's suite
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

@@ -11,6 +11,7 @@ from optimum_memopt.model_compat import use_eager_attention
 from optimum_memopt.trainer import MemoptTrainer
 
 
+@pytest.mark.ort
 def test_sdpa_attention_is_switched_to_eager_keeping_every_parameter():
     torch.manual_seed(0)
     cfg = RobertaConfig(
@@ -46,6 +47,7 @@ def test_in_graph_smoothed_loss_equals_the_trainers_label_smoother(epsilon):
     assert torch.allclose(smoothed_cross_entropy(logits, labels, epsilon), expected, atol=1e-6)
 
 
+@pytest.mark.ort
 def test_loss_in_graph_wrapper_returns_only_the_loss_and_exposes_the_model():
     model = tiny_model("deberta")
     wrapper = LossInGraph(model, label_smoothing=0.1)
@@ -84,7 +86,7 @@ def test_mixin_needs_its_arguments(tmp_path):
 def test_ort_not_installed_is_said_when_the_trainer_is_built(tmp_path, monkeypatch):
     from optimum_memopt.backends import ort
 
-    args = make_args(tmp_path)  # parsing probes nothing
+    args = make_args(tmp_path, "--memory_opt_backend", "ort")  # parsing probes nothing
     monkeypatch.setattr(ort, "_onnxruntime_dir", lambda: None)
     with pytest.raises(
         RuntimeError,
@@ -93,11 +95,12 @@ def test_ort_not_installed_is_said_when_the_trainer_is_built(tmp_path, monkeypat
         MemoptTrainer(model=tiny_model(), args=args)
 
 
+@pytest.mark.ort
 def test_ort_extensions_not_built_gives_the_command(tmp_path, monkeypatch):
     from optimum_memopt.backends import ort
 
     (tmp_path / "ort" / "training" / "ortmodule" / "torch_cpp_extensions").mkdir(parents=True)
-    args = make_args(tmp_path / "out")
+    args = make_args(tmp_path / "out", "--memory_opt_backend", "ort")
     monkeypatch.setattr(ort, "_onnxruntime_dir", lambda: str(tmp_path / "ort"))
     with pytest.raises(
         RuntimeError,
@@ -106,6 +109,7 @@ def test_ort_extensions_not_built_gives_the_command(tmp_path, monkeypatch):
         MemoptTrainer(model=tiny_model(), args=args)
 
 
+@pytest.mark.ort
 def test_fp16_with_ort_on_cpu_is_refused_before_training(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("CPU behaviour")

@@ -29,7 +29,7 @@ def plan_report(trainer):
     return trainer.memopt_backend.plan_report(trainer.ort_model, trainer.memopt_wrap_settings())
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.ort]
 
 # ORT's fused kernels sum in another order than PyTorch's; over 20 Adam steps at lr 1e-3 the
 # losses of the two backends stay within this (measured: see docs/STACK.md).

@@ -40,6 +40,15 @@ def _no_ort_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _ort_is_the_default(monkeypatch):
+    """These tests check the ORT backend's arguments, which probe nothing: the same on both stacks. The default
+    where onnxruntime-training is missing is tested in test_backend_torch.py."""
+    import optimum_memopt.backends as backends
+
+    monkeypatch.setattr(backends, "default_backend", lambda: "ort")
+
+
 def test_help_exits_zero():
     code = "from transformers import HfArgumentParser; from optimum_memopt import MemoptTrainingArguments; HfArgumentParser(MemoptTrainingArguments).parse_args(['--help'])"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -397,6 +406,7 @@ def test_zero3_import_really_fails_with_the_pinned_deepspeed():
     assert res.returncode != 0 and "ImportError" in res.stderr
 
 
+@pytest.mark.ort
 def test_real_install_is_detected():
     assert ort.is_installed() and ort.extensions_built() and ort.problem() is None
 

@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from optimum_memopt import MemoptTrainingArguments
+from optimum_memopt.compat import overwrite_output_dir_flag
 from optimum_memopt.trainer import MemoptTrainer
 
 logger = logging.getLogger("run_glue")
@@ -46,7 +47,7 @@ TASK_KEYS = {
 OFFLINE_DEFAULT_ARGS = [
     "--output_dir",
     "outputs/run_glue",
-    "--overwrite_output_dir",
+    *overwrite_output_dir_flag(),
     "--do_train",
     "--do_eval",
     "--max_steps",

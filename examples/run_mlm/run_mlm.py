@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from optimum_memopt import MemoptTrainingArguments
+from optimum_memopt.compat import overwrite_output_dir_flag
 from optimum_memopt.trainer import MemoptTrainer
 
 logger = logging.getLogger("run_mlm")
@@ -36,7 +37,7 @@ logger = logging.getLogger("run_mlm")
 OFFLINE_DEFAULT_ARGS = [
     "--output_dir",
     "outputs/run_mlm",
-    "--overwrite_output_dir",
+    *overwrite_output_dir_flag(),
     "--do_train",
     "--do_eval",
     "--max_steps",

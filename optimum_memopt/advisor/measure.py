@@ -25,6 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from transformers import TrainerCallback
 
+from ..compat import overwrite_output_dir_flag
 from ..memory import MemoryMeter
 from ..plans import PlanReport
 
@@ -122,6 +123,23 @@ class Measurement:
 Runner = Callable[..., Measurement]
 
 
+def script_backend(script_argv: Sequence[str]) -> str:
+    """The backend a training command line trains through: its `--memory_opt_backend`, else the default here."""
+    argv = list(script_argv)
+    for i, a in enumerate(argv):
+        if a == "--memory_opt_backend" and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith("--memory_opt_backend="):
+            return a.split("=", 1)[1]
+    from ..backends import default_backend
+
+    return default_backend()
+
+
+def backend_label(backend: str) -> str:
+    return "ORT" if backend == "ort" else f"{backend} backend"
+
+
 def memory_flags(use_ort: bool = True, config: str = "", level: int = 0, extra: Sequence[str] = ()) -> List[str]:
     """Flags that pin one memory configuration, whatever the user's command line said."""
     if not use_ort:
@@ -139,6 +157,7 @@ ADVISOR_FLAGS = {
     "--memory_probe_steps": True,
 }
 ORT_ONLY_FLAGS = {
+    "--memory_opt_backend": True,
     "--memory_opt_level": True,
     "--ort_log_level": True,
     "--ort_fallback_policy": True,
@@ -182,7 +201,7 @@ def child_command(
     overrides = [
         "--output_dir",
         os.path.join(work, "run"),
-        "--overwrite_output_dir",
+        *overwrite_output_dir_flag(),
         "--do_train",
         "--do_eval",
         "false",

@@ -65,7 +65,8 @@ class Advice:
             f"after {WARMUP_STEPS} warm-up steps).",
             "",
             "Peak: CUDA max allocated, or on CPU the allocator's bytes in use (mallinfo2) above their level before "
-            "training, with the resident peak beside it. Savings and extra time are against ORT without recompute. "
+            "training, with the resident peak beside it. Savings and extra time are against "
+            f"{r.label} without recompute. "
             "The predicted saving is the backend's, for the first batch's shapes. An extra time at or below zero is "
             "within the step-to-step noise of this machine: no cost measured.",
             "",
@@ -134,7 +135,8 @@ def advise(
     if search_batch_size:
         c = advice.choice
         what = f"level {c.level}" if c.level else (c.config or "no recompute")
-        for label, flags in (("ORT, no recompute", memory_flags(True)), (f"ORT, {what}", c.flags)):
+        name = report.label
+        for label, flags in ((f"{name}, no recompute", memory_flags(True)), (f"{name}, {what}", c.flags)):
             best, tried = max_batch_size(
                 script_argv,
                 flags,

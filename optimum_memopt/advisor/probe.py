@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 from ..plans import PlanReport
-from .measure import Measurement, Runner, memory_flags, run_child
+from .measure import Measurement, Runner, backend_label, memory_flags, run_child, script_backend
 
 MIB = 1024.0 * 1024.0
 
@@ -66,6 +66,11 @@ class ProbeReport:
     steps: int
     device: Optional[str]
     rows: List[ProbeRow] = field(default_factory=list)
+    backend: str = "ort"  # the backend the script trains through: labels say "ORT" or "torch backend"
+
+    @property
+    def label(self) -> str:
+        return backend_label(self.backend)
 
     @property
     def baseline(self) -> Optional[ProbeRow]:
@@ -84,6 +89,7 @@ class ProbeReport:
             "batch_size": self.batch_size,
             "steps": self.steps,
             "device": self.device,
+            "backend": self.backend,
             "rows": [r.as_dict() for r in self.rows],
             "ranking": [r.config for r in self.ranked_plans()],
         }
@@ -101,7 +107,7 @@ def format_table(report: ProbeReport, markdown: bool = False) -> str:
     head = [
         "config",
         "peak MiB",
-        "ORT predicted saving MiB",
+        f"{report.label} predicted saving MiB" if report.backend == "ort" else f"{report.label} measured table MiB",
         "measured saving MiB",
         "step s",
         "extra s/step",
@@ -153,7 +159,8 @@ def probe(
     runner: Runner = run_child,
 ) -> ProbeReport:
     script_argv = list(script_argv)
-    report = ProbeReport(script_argv, batch_size, steps, None)
+    report = ProbeReport(script_argv, batch_size, steps, None, backend=script_backend(script_argv))
+    name = report.label
     total_hint = 1 + max_plans + len(levels) + int(include_pytorch)
     done = [0]
 
@@ -169,9 +176,9 @@ def probe(
         progress(f"[probe {done[0]}/~{total_hint}] {label}: {status} ({m.wall_s:.0f} s)")
         return m
 
-    base = measure("ORT, no recompute", memory_flags(True))
+    base = measure(f"{name}, no recompute", memory_flags(True))
     report.device = base.device
-    report.rows.append(ProbeRow("ORT, no recompute", "baseline", "", 0, base, 0.0, 0.0, 0.0))
+    report.rows.append(ProbeRow(f"{name}, no recompute", "baseline", "", 0, base, 0.0, 0.0, 0.0))
     if not base.ok:
         return report
     candidates = _candidates(base.plans, max_plans)
@@ -186,8 +193,9 @@ def probe(
             predicted = m.plans.saving_mb(enabled_only=True)
         report.rows.append(ProbeRow(f"level {level}", "level", "", level, m, predicted))
     if include_pytorch:
-        m = measure("PyTorch (no ORT)", memory_flags(False))
-        report.rows.append(ProbeRow("PyTorch (no ORT)", "pytorch", "", 0, m))
+        plain = "PyTorch (no ORT)" if report.backend == "ort" else "PyTorch (no backend)"
+        m = measure(plain, memory_flags(False))
+        report.rows.append(ProbeRow(plain, "pytorch", "", 0, m))
     for row in report.rows[1:]:
         if row.measurement.ok:
             row.measured_saving_mb = base.peak_mb - row.measurement.peak_mb

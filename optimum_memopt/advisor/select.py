@@ -45,7 +45,7 @@ def choose(report: ProbeReport, budget_mb: float) -> Choice:
         return Choice(
             "",
             0,
-            f"ORT without recompute already fits: peak {base_peak:,.1f} MiB <= budget {budget_mb:,.1f} MiB",
+            f"{report.label} without recompute already fits: peak {base_peak:,.1f} MiB <= budget {budget_mb:,.1f} MiB",
             base_peak,
         )
     need = base_peak - budget_mb
@@ -75,7 +75,7 @@ def choose(report: ProbeReport, budget_mb: float) -> Choice:
                 config,
                 0,
                 (
-                    f"needs {need:,.1f} MiB below ORT's {base_peak:,.1f} MiB; these {len(chosen)} plan(s) "
+                    f"needs {need:,.1f} MiB below {report.label}'s {base_peak:,.1f} MiB; these {len(chosen)} plan(s) "
                     f"saved {saved:,.1f} MiB measured one by one, for about {extra:.3f} s more per step, "
                     f"the least extra time per MiB among the plans probed{note}"
                 ),
@@ -101,7 +101,7 @@ def choose(report: ProbeReport, budget_mb: float) -> Choice:
     best = min([r.measurement.peak_mb for r in report.rows if r.measurement.ok])
     raise NoFit(
         f"no probed configuration fits {budget_mb:,.1f} MiB: the lowest measured peak is {best:,.1f} MiB "
-        f"(ORT without recompute: {base_peak:,.1f} MiB); lower the batch size or raise --memory_budget_mb"
+        f"({report.label} without recompute: {base_peak:,.1f} MiB); lower the batch size or raise --memory_budget_mb"
     )
 
 

@@ -10,4 +10,20 @@ def get_backend(name: str) -> Backend:
         from .ort import OrtBackend
 
         return OrtBackend()
-    raise ValueError(f"unknown memory-optimizer backend {name!r}; expected 'ort'")
+    if name == "torch":
+        from .torch_recompute import TorchBackend
+
+        return TorchBackend()
+    raise ValueError(f"unknown memory-optimizer backend {name!r}; expected 'ort' or 'torch'")
+
+
+def default_backend() -> str:
+    """`ort` where ONNX Runtime Training is usable, else `torch` where the torch backend can run, else `ort`
+    (whose error then says what to install)."""
+    from . import ort, torch_recompute
+
+    if ort.is_installed():
+        return "ort"
+    if torch_recompute.torch_problem() is None:
+        return "torch"
+    return "ort"

@@ -56,6 +56,10 @@ class Backend:
     def find(self, model) -> Optional[nn.Module]:
         raise NotImplementedError
 
+    def describe(self, wrapped: nn.Module) -> str:
+        """How the log names what the model trains through."""
+        return type(wrapped).__name__
+
     def plan_report(self, wrapped: nn.Module, settings: WrapSettings) -> Optional[PlanReport]:
         raise NotImplementedError
 

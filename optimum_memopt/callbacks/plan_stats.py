@@ -36,9 +36,11 @@ def format_plan_table(report: PlanReport) -> str:
         f"Memory optimizer ({report.backend}) {'ON' if report.optimizer_enabled else 'OFF'}: {how}; "
         f"{len(report.plans)} recompute plan(s) found, {len(report.plans_on)} ON"
     )
+    notes = [f"  note: {n}" for n in report.notes]
     if not report.plans:
-        return head
-    return "\n".join([head] + lines + [f"Savings are predicted for the first batch: {dims}"])
+        return "\n".join([head] + notes)
+    how_known = "measured in" if report.backend == "torch" else "predicted for"
+    return "\n".join([head] + lines + [f"Savings are {how_known} the first batch: {dims}"] + notes)
 
 
 class PlanStatsCallback(MetricsCallback):
@@ -67,7 +69,8 @@ class PlanStatsCallback(MetricsCallback):
         )
         logger.info("%s", format_plan_table(report))
         for unmatched in report.unmatched:
-            logger.warning("%s", unmatched.message(backend=report.backend.upper()))
+            who = "ORT" if report.backend == "ort" else f"the {report.backend} backend"
+            logger.warning("%s", unmatched.message(backend=who))
         self._pending.update(
             {
                 "memopt/plans_found": float(len(report.plans)),

@@ -1,6 +1,6 @@
 """Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
 
-MODE: ddp | zero1 | zero2 | single (world of 1, same global batch) | fail_rank1.
+MODE: ddp | zero1 | zero2 | single (world of 1, same global batch) | fail_rank1. BACKEND (optional): ort | torch.
 Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
 """
 
@@ -34,6 +34,7 @@ class SequentialTrainer(LossRecordingTrainer):
 
 def main():
     mode, out = sys.argv[1], sys.argv[2]
+    backend = sys.argv[3] if len(sys.argv) > 3 else "ort"
     rank = int(os.environ.get("RANK", "0"))
     if mode == "fail_rank1" and rank == 1:
         raise RuntimeError("rank 1 failed on purpose")
@@ -56,8 +57,10 @@ def main():
         "3",
         "--ddp_backend",
         "gloo",
+        "--memory_opt_backend",
+        backend,
         "--optim",
-        "adamw_ort_fused",
+        "adamw_ort_fused" if backend == "ort" else "adamw_torch",
         # the plugin's lines follow the Trainer's process log level: INFO on rank 0, the replicas' WARNING elsewhere
         "--log_level",
         "info",
@@ -73,6 +76,11 @@ def main():
         "rank": rank,
         "world": int(os.environ.get("WORLD_SIZE", "1")),
         "losses": trainer.losses,
+        # transformers 5 multiplies each rank's loss by the number of processes when it averages tokens across
+        # devices (the model takes loss kwargs): the logged figure is then world x the rank's mean.
+        "loss_scale": int(os.environ.get("WORLD_SIZE", "1"))
+        if getattr(args, "average_tokens_across_devices", False) and trainer.model_accepts_loss_kwargs
+        else 1,
         "param_sum": float(params.sum()),
         "param_abs_sum": float(params.abs().sum()),
         "params": params.tolist(),

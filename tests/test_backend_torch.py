@@ -1,0 +1,334 @@
+"""The torch backend (`--memory_opt_backend torch`) on the modern stack: plans found and measured, applied with
+losses equal to plain PyTorch, the arguments it refuses, resume and save/reload. Tiny models built from configs."""
+
+import csv
+import json
+import logging
+
+import pytest
+import torch
+from helpers import SEQ, VOCAB, ClsData, LossRecordingTrainer, MlmData, make_args, tiny_model
+from transformers import (
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from optimum_memopt import MemoptTrainingArguments
+from optimum_memopt.backends import torch_recompute as tr
+from optimum_memopt.plans import PlanEntry
+
+pytestmark = pytest.mark.torch_backend
+
+LOSS_ATOL = 1e-5
+STEPS = 20
+
+
+def build_model(arch, seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    if arch in ("deberta", "roberta"):
+        model = tiny_model(arch)
+        if dropout:
+            raise ValueError("tiny_model has dropout off")
+        return model
+    if arch == "bert":
+        cfg = BertConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout,
+            num_labels=2,
+            max_position_embeddings=64,
+        )
+        if dropout:
+            cfg._attn_implementation = "eager"  # the attention dropout outside the fused SDPA kernel
+        return BertForSequenceClassification(cfg)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+    )
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    return Qwen2ForCausalLM(Qwen2Config(**common))
+
+
+class CausalData(MlmData):
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        return {"input_ids": item["input_ids"], "attention_mask": item["attention_mask"], "labels": item["input_ids"]}
+
+
+def data_for(arch):
+    return CausalData(n=16 * STEPS) if arch in ("llama", "qwen2") else ClsData(n=8 * STEPS)
+
+
+def train(tmp_path, arch, *flags, steps=STEPS, dropout=0.0, name="run"):
+    args = make_args(tmp_path / name, "--max_steps", str(steps), "--logging_steps", "5", *flags)
+    trainer = LossRecordingTrainer(model=build_model(arch, dropout=dropout), args=args, train_dataset=data_for(arch))
+    trainer.train()
+    return trainer
+
+
+def report_of(tmp_path, name="run"):
+    return json.loads((tmp_path / name / "memory_plans.json").read_text())
+
+
+# -- names -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "subgraph,names,unknown",
+    [
+        ("Gelu+", ["Gelu"], []),
+        ("BiasGelu+", ["Gelu"], []),
+        ("gelu+", ["Gelu"], []),
+        ("BitmaskDropout+", ["Dropout"], []),
+        ("Reshape+Where+BiasSoftmax+", ["Where", "Softmax"], []),
+        ("FusedMatMul+Add+", ["MatMul", "Add"], []),
+        ("silu+", ["silu"], []),
+        ("Foo+", [], ["Foo"]),
+    ],
+)
+def test_plan_names_map_ort_operators_to_torch_ops(subgraph, names, unknown):
+    assert tr.canonical_ops(subgraph) == (names, unknown)
+
+
+@pytest.mark.parametrize(
+    "arch,cls", [("bert", "BertLayer"), ("llama", "LlamaDecoderLayer"), ("qwen2", "Qwen2DecoderLayer")]
+)
+def test_layers_are_found(arch, cls):
+    layers = tr.find_layers(build_model(arch))
+    assert [type(m).__name__ for m in layers] == [cls, cls]
+
+
+@pytest.mark.parametrize("arch", ["deberta", "roberta"])
+def test_layers_are_found_in_encoders(arch):
+    layers = tr.find_layers(tiny_model(arch))
+    assert len(layers) == 2 and type(layers[0]).__name__.endswith("Layer")
+
+
+# -- arguments ----------------------------------------------------------------------------------------------------
+BASE = dict(output_dir="unused_out", report_to="none", use_cpu=True)
+
+
+def test_default_backend_is_torch_where_ort_is_missing_and_said_once():
+    args = MemoptTrainingArguments(**BASE, memory_opt_config="Gelu+:1:-1")
+    assert args.memory_opt.backend == "torch"
+    assert args.memory_opt_notes == [
+        "memory optimizer: the torch backend (onnxruntime-training is not installed; `--memory_opt_backend ort` "
+        "needs it, with torch <= 2.4)"
+    ]
+    assert args.to_dict()["memory_opt"]["backend"] == "torch"
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        (
+            dict(memory_opt_level=2),
+            r"^`--memory_opt_level` is 2 with `--memory_opt_backend torch`: ONNX Runtime's level 2 adds plans that keep "
+            r"part of an activation",
+        ),
+        (
+            dict(memory_opt_config="Gelu+:2:-1"),
+            r"^`--memory_opt_config` has 'Gelu\+:2:-1' with optimization type 2 .* use type 1, as in 'Gelu\+:1:-1'$",
+        ),
+        (
+            dict(ort_loss_in_graph=True),
+            r"^`--ort_loss_in_graph` configure ONNX Runtime, but `--memory_opt_backend torch`",
+        ),
+        (dict(ort_log_level="INFO"), r"^`--ort_log_level` configure ONNX Runtime"),
+        (
+            dict(optim="adamw_ort_fused"),
+            r"^`--optim adamw_ort_fused` configure ONNX Runtime.*`--optim adamw_torch_fused`",
+        ),
+        (dict(gradient_checkpointing=True), r"^`--gradient_checkpointing` with the torch backend would recompute"),
+        (dict(memory_opt_backend="tvm"), r"^`--memory_opt_backend` is 'tvm'; expected one of 'ort', 'torch'"),
+    ],
+)
+def test_what_the_torch_backend_refuses(kwargs, pattern):
+    kwargs = {"memory_opt_backend": "torch", **kwargs}
+    with pytest.raises(ValueError, match=pattern):
+        MemoptTrainingArguments(**BASE, **kwargs)
+
+
+def test_ort_environment_variables_are_not_read_by_the_torch_backend(monkeypatch):
+    monkeypatch.setenv("ORTMODULE_MEMORY_OPT_LEVEL", "1")
+    args = MemoptTrainingArguments(**BASE, memory_opt_backend="torch")
+    assert args.memory_opt.level == 0
+    assert any("$ORTMODULE_MEMORY_OPT_LEVEL set in the environment" in n for n in args.memory_opt_notes)
+
+
+# -- the table, from a real step -----------------------------------------------------------------------------------
+def test_table_bytes_are_the_saved_activations(tmp_path):
+    """BERT, batch 8, sequence 32: each layer's GELU output is 8 x 32 x 64 fp32 (autograd keeps it for the next
+    linear layer), and the query/key/value projections' and intermediate layer's outputs are kept by the matmuls."""
+    trainer = train(tmp_path, "bert", "--memory_opt_backend", "torch", "--memory_opt_config", "Gelu+:1:1", steps=2)
+    report = report_of(tmp_path)
+    plans = {p["config"]: p for p in report["plans"]}
+    assert report["backend"] == "torch" and report["dims"] == {"layers": 2, "batch": 8, "sequence": SEQ}
+    assert plans["Gelu+:1:-1"]["saving_bytes"] == 2 * 8 * SEQ * 64 * 4
+    assert plans["Gelu+:1:-1"]["enabled"] and plans["Gelu+:1:-1"]["applied_count"] == 1  # count 1: first layer
+    assert not plans["LayerNormalization+:1:-1"]["enabled"]
+    assert report["applied"] == ["Gelu+:1:1"]
+    cb = next(c for c in trainer.callback_handler.callbacks if type(c).__name__ == "PlanStatsCallback")
+    assert cb.report.saving_mb(enabled_only=False) > cb.report.saving_mb(enabled_only=True) > 0
+
+
+def test_unmatched_and_unknown_requests_are_warned_with_the_closest(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
+        train(
+            tmp_path,
+            "bert",
+            "--memory_opt_backend",
+            "torch",
+            "--memory_opt_config",
+            "BiasGelu+:1:-1,Softmax+:1:-1,Foo+:1:-1",
+            steps=1,
+        )
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "requested plan 'Foo+:1:-1' matches no plan the torch backend found ('Foo': no operator" in text
+    # sdpa attention: the softmax runs inside one kernel, so no Softmax output is kept at all
+    assert "requested plan 'Softmax+:1:-1' matches no plan the torch backend found" in text
+    assert "BiasGelu" not in text  # BiasGelu+ is Gelu+ here, and found
+    assert report_of(tmp_path)["applied"] == ["Gelu+:1:-1", "Softmax+:1:-1"]
+
+
+# -- losses equal plain PyTorch ----------------------------------------------------------------------------------
+def _plans_to_try(tmp_path, arch):
+    train(tmp_path, arch, "--memory_opt_backend", "torch", steps=1, name="table")
+    found = [p["config"] for p in report_of(tmp_path, "table")["plans"]]
+    assert found, "no plan found"
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["bert", "roberta", "deberta", "llama", "qwen2"])
+def test_every_plan_and_level_1_train_as_plain_pytorch(tmp_path, arch):
+    eager = train(tmp_path, arch, "--use_ort", "false", name="eager").losses
+    assert len(eager) == STEPS
+    found = _plans_to_try(tmp_path, arch)
+    configs = [[p] for p in found] + [[",".join(found)]]
+    for i, flags in enumerate([["--memory_opt_config", c[0]] for c in configs] + [["--memory_opt_level", "1"]]):
+        trainer = train(tmp_path, arch, "--memory_opt_backend", "torch", *flags, name=f"r{i}")
+        diff = max(abs(a - b) for a, b in zip(trainer.losses, eager))
+        assert len(trainer.losses) == STEPS and diff <= LOSS_ATOL, (arch, flags, diff)
+        report = report_of(tmp_path, f"r{i}")
+        on = {p["config"] for p in report["plans"] if p["enabled"]}
+        assert report["optimizer_enabled"] and on
+        if flags[0] == "--memory_opt_level":
+            assert on == {p["config"] for p in report["plans"]}
+        elif "," not in flags[1]:
+            assert on == {flags[1]}
+        else:
+            # Together, a plan may stop being recomputable once another frees its op's inputs (the table then
+            # says so, with the reason): what is on was asked for, and the rest is accounted for.
+            asked = set(flags[1].split(","))
+            assert on <= asked and on | {u["requested"] for u in report["unmatched"]} == asked
+
+
+@pytest.mark.slow
+def test_dropout_is_recomputed_with_its_random_state(tmp_path):
+    """With dropout on, a recomputed op downstream of the random mask gives the same values: losses equal plain
+    PyTorch's under the same seed (on CPU, dropout's output is a `mul` by the mask: plan `Mul+`)."""
+    eager = train(tmp_path, "bert", "--use_ort", "false", dropout=0.1, steps=8, name="eager").losses
+    run = train(
+        tmp_path,
+        "bert",
+        "--memory_opt_backend",
+        "torch",
+        "--memory_opt_config",
+        "Mul+:1:-1,Gelu+:1:-1",
+        dropout=0.1,
+        steps=8,
+    )
+    assert max(abs(a - b) for a, b in zip(run.losses, eager)) <= LOSS_ATOL
+    assert {p["config"] for p in report_of(tmp_path)["plans"] if p["enabled"]} == {"Mul+:1:-1", "Gelu+:1:-1"}
+
+
+# -- the saving shows in the memory phases --------------------------------------------------------------------------
+def _held_after_forward(path):
+    rows = [r for r in csv.DictReader(open(path)) if int(r["step"]) == 4]
+    by = {r["phase"]: float(r["in_use_mb"]) for r in rows}
+    return by["post_forward"] - by["pre_forward"]
+
+
+@pytest.mark.slow
+def test_phases_show_the_measured_saving(tmp_path):
+    """A larger BERT (4 layers, intermediate 1024, batch 16, sequence 128): the activations held after forward drop
+    by the GELU outputs' bytes (4 x 16 x 128 x 1024 x 4 B = 32 MiB) with `Gelu+`, and much more at level 1."""
+    cfg = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=1024,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        max_position_embeddings=128,
+    )
+
+    class Data(torch.utils.data.Dataset):
+        def __len__(self):
+            return 160
+
+        def __getitem__(self, i):
+            g = torch.Generator().manual_seed(i)
+            return {"input_ids": torch.randint(3, VOCAB, (128,), generator=g), "labels": torch.tensor(i % 2)}
+
+    held = {}
+    for name, flags in [
+        ("eager", ["--use_ort", "false"]),
+        ("gelu", ["--memory_opt_backend", "torch", "--memory_opt_config", "Gelu+:1:-1"]),
+        ("level1", ["--memory_opt_backend", "torch", "--memory_opt_level", "1"]),
+    ]:
+        args = make_args(
+            tmp_path / name, "--max_steps", "5", "--per_device_train_batch_size", "16", "--print_memory_stats", *flags
+        )
+        torch.manual_seed(0)
+        LossRecordingTrainer(model=BertForSequenceClassification(cfg), args=args, train_dataset=Data()).train()
+        held[name] = _held_after_forward(tmp_path / name / "memory_phases.csv")
+    gelu_mb = 4 * 16 * 128 * 1024 * 4 / 2**20
+    saved = held["eager"] - held["gelu"]
+    assert abs(saved - gelu_mb) < 0.1 * gelu_mb, held
+    assert held["level1"] < held["gelu"] / 2, held
+
+
+# -- resume and save/reload ------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_resume_and_reload_without_the_backend(tmp_path):
+    flags = ["--memory_opt_backend", "torch", "--memory_opt_config", "Gelu+:1:-1,LayerNormalization+:1:-1"]
+    whole = train(tmp_path, "deberta", *flags, steps=6, name="whole")
+    save = ["--save_strategy", "steps", "--save_steps", "3"]
+    first = make_args(tmp_path / "parts", "--max_steps", "6", "--logging_steps", "5", *flags, *save)
+    trainer = LossRecordingTrainer(model=build_model("deberta"), args=first, train_dataset=data_for("deberta"))
+    trainer.train()
+    resumed = LossRecordingTrainer(model=build_model("deberta", seed=1), args=first, train_dataset=data_for("deberta"))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "parts" / "checkpoint-3"))
+    assert len(resumed.losses) == 3
+    assert max(abs(a - b) for a, b in zip(resumed.losses, whole.losses[3:])) <= LOSS_ATOL
+    # the saved model is the plain Hugging Face model: it loads and predicts without the backend
+    resumed.save_model(str(tmp_path / "final"))
+    loaded = AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "final"))
+    assert "_memopt_recompute" not in vars(loaded)
+    batch = next(iter(torch.utils.data.DataLoader(data_for("deberta"), batch_size=4)))
+    resumed.plain_model.eval()
+    with torch.no_grad():
+        want = resumed.plain_model(**{k: v for k, v in batch.items() if k != "labels"}).logits
+        got = loaded(**{k: v for k, v in batch.items() if k != "labels"}).logits
+    assert torch.allclose(want, got, atol=1e-6)
+
+
+def test_count_applies_to_the_first_layers():
+    apply, unknown = tr._layer_apply([PlanEntry("Gelu+", 1, 1), PlanEntry("BiasSoftmax+", 1, -1)], 3)
+    assert apply == [{"Gelu", "Softmax"}, {"Softmax"}, {"Softmax"}] and unknown == []
