@@ -10,7 +10,8 @@ and the median time of a forward + backward step.
     python benchmarks/sac_vs_recipes.py            # about a minute on 2 CPU cores; prints a markdown table
 
 SAC policies measured:
-  * "others saved": GELU recomputed, every other op's output cached (the policy a plan maps to literally);
+  * "others saved": GELU recomputed, every other op's output cached (the policy a plan maps to literally; it needs
+    `allow_cache_entry_mutation=True`, as dropout on CPU fills a cached output in place);
   * "matmuls saved": GELU and every op other than a matmul recomputed (the usual selective-checkpointing recipe).
 """
 
@@ -107,7 +108,12 @@ def main(argv=None):
         (
             "SAC, GELU recomputed, others saved",
             lambda m: with_checkpoint(
-                m, lambda: create_selective_checkpoint_contexts(functools.partial(policy, True))
+                # without allow_cache_entry_mutation it stops at the first backward: dropout on CPU fills
+                # `empty_like`'s cached output in place (`bernoulli_`)
+                m,
+                lambda: create_selective_checkpoint_contexts(
+                    functools.partial(policy, True), allow_cache_entry_mutation=True
+                ),
             ),
         ),
         (

@@ -332,3 +332,75 @@ def test_resume_and_reload_without_the_backend(tmp_path):
 def test_count_applies_to_the_first_layers():
     apply, unknown = tr._layer_apply([PlanEntry("Gelu+", 1, 1), PlanEntry("BiasSoftmax+", 1, -1)], 3)
     assert apply == [{"Gelu", "Softmax"}, {"Softmax"}, {"Softmax"}] and unknown == []
+
+
+# -- the GLUE recipe, as a user runs it ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_glue_recipe_with_the_torch_backend(tmp_path):
+    """The issue's check: `--memory_opt_backend torch --memory_opt_config Gelu+:1:-1` on the recipe prints the plan
+    table with measured bytes, trains as eager does, and its phase CSV shows the saving."""
+    import os
+    import subprocess
+    import sys
+
+    glue = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "run_glue", "run_glue.py"
+    )
+    common = ["--max_steps", "4", "--per_device_train_batch_size", "16", "--max_seq_length", "64"]
+    common += ["--pad_to_max_length", "--report_to", "none", "--save_strategy", "no", "--use_cpu", "--seed", "42"]
+    common += ["--print_memory_stats", "--disable_tqdm", "true", "--log_level", "info"]
+    runs = {}
+    for name, flags in [
+        ("eager", ["--use_ort", "false"]),
+        ("gelu", ["--memory_opt_backend", "torch", "--memory_opt_config", "Gelu+:1:-1"]),
+    ]:
+        out = tmp_path / name
+        res = subprocess.run(
+            [sys.executable, glue, "--output_dir", str(out), "--do_train", "--do_eval", *common, *flags],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        )
+        assert res.returncode == 0, res.stderr[-4000:]
+        runs[name] = (out, res.stdout + res.stderr)
+    out, log = runs["gelu"]
+    assert "Memory optimizer (torch) ON: Gelu+:1:-1" in log and "Savings are measured in the first batch" in log
+    gelu = next(p for p in json.loads((out / "memory_plans.json").read_text())["plans"] if p["config"] == "Gelu+:1:-1")
+    assert gelu["enabled"] and gelu["saving_bytes"] > 0
+    eager_res = json.loads((runs["eager"][0] / "all_results.json").read_text())
+    gelu_res = json.loads((out / "all_results.json").read_text())
+    assert abs(eager_res["train_loss"] - gelu_res["train_loss"]) <= LOSS_ATOL
+    assert abs(eager_res["eval_loss"] - gelu_res["eval_loss"]) <= LOSS_ATOL
+    # held after forward, at step 3 (after the first step's recording): lower by the table's bytes, within 10%
+    held = {}
+    for name in runs:
+        rows = [r for r in csv.DictReader(open(runs[name][0] / "memory_phases.csv")) if r["step"] == "3"]
+        by = {r["phase"]: float(r["in_use_mb"]) for r in rows}
+        held[name] = by["post_forward"] - by["pre_forward"]
+    table_mb = gelu["saving_bytes"] / 2**20
+    assert abs((held["eager"] - held["gelu"]) - table_mb) <= 0.1 * table_mb, (held, table_mb)
+
+
+def test_a_model_trained_by_a_second_trainer_gets_that_trainers_plans(tmp_path):
+    model = build_model("bert")
+    data = data_for("bert")
+    first = make_args(
+        tmp_path / "a", "--max_steps", "1", "--memory_opt_backend", "torch", "--memory_opt_config", "Gelu+:1:-1"
+    )
+    LossRecordingTrainer(model=model, args=first, train_dataset=data).train()
+    second = make_args(
+        tmp_path / "b",
+        "--max_steps",
+        "1",
+        "--memory_opt_backend",
+        "torch",
+        "--memory_opt_config",
+        "LayerNormalization+:1:-1",
+    )
+    LossRecordingTrainer(model=model, args=second, train_dataset=data).train()
+    on = {p["config"] for p in report_of(tmp_path, "b")["plans"] if p["enabled"]}
+    assert on == {"LayerNormalization+:1:-1"}
+    state = model._memopt_recompute
+    for i, layer in enumerate(tr.find_layers(model)):  # one level of wrapping, the second trainer's
+        assert layer.forward.func == state.layer_forward and state.originals[i].__func__ is type(layer).forward

@@ -179,6 +179,12 @@ class _Recipe:
         self.pending = 0
 
     def outputs(self):
+        if self.value is None and self.args is None:
+            raise RuntimeError(
+                f"optimum-memopt torch backend: the output of {self.func} was recomputed and released already; a "
+                f"second backward through the same graph (retain_graph=True) is not supported with plans, use "
+                f"`--memory_opt_level 1` or no plans for it"
+            )
         if self.value is None:
             now = [t._version for t in _tensors((self.args, self.kwargs))]
             if now != self.versions:
@@ -386,6 +392,19 @@ class RecomputeState:
         self.records: Optional[List[LayerRecord]] = None  # filled by the first training forward
         self._recording: Optional[List[LayerRecord]] = None
         self.originals: List = [layer.forward for layer in layers]
+        self._own_forward = ["forward" in vars(layer) for layer in layers]  # set on the instance before us
+
+    def install(self) -> None:
+        for i, layer in enumerate(self.layers):
+            layer.forward = partial(self.layer_forward, i)
+
+    def uninstall(self) -> None:
+        """Give each layer its `forward` back (a model wrapped again, by another trainer, starts clean)."""
+        for layer, original, own in zip(self.layers, self.originals, self._own_forward):
+            if own:
+                layer.forward = original
+            else:
+                vars(layer).pop("forward", None)
 
     def layer_forward(self, index: int, *args, **kwargs):
         layer = self.layers[index]
@@ -453,6 +472,9 @@ def _layer_apply(entries: Sequence[PlanEntry], n_layers: int) -> Tuple[List[Set[
 class TorchBackend(Backend):
     name = "torch"
 
+    def __init__(self):
+        self._mine = weakref.WeakSet()  # the states this backend installed
+
     def problem(self) -> Optional[str]:
         return torch_problem()
 
@@ -466,18 +488,25 @@ class TorchBackend(Backend):
                 f"the torch backend recomputes inside transformer layers, but found no list of repeated layers in "
                 f"{type(model).__name__} (an nn.ModuleList of blocks); train it with `--use_ort false`"
             )
+        previous = vars(model).get("_memopt_recompute")
+        if isinstance(previous, RecomputeState):  # wrapped before (another trainer): start from the model itself
+            previous.uninstall()
+            layers = find_layers(model)
         apply, _ = _layer_apply(settings.entries, len(layers))
         state = RecomputeState(layers, apply, settings.level)
-        for i, layer in enumerate(layers):
-            layer.forward = partial(state.layer_forward, i)
+        state.install()
         model._memopt_recompute = state
+        self._mine.add(state)
         return model
 
     def find(self, model) -> Optional[nn.Module]:
+        """The model this backend wrapped, inside DDP / DeepSpeed wrappers; a model another trainer's backend
+        wrapped is not this one's."""
         for _ in range(8):
             if model is None:
                 return None
-            if isinstance(getattr(model, "__dict__", {}).get("_memopt_recompute"), RecomputeState):
+            state = getattr(model, "__dict__", {}).get("_memopt_recompute")
+            if isinstance(state, RecomputeState) and state in self._mine:
                 return model
             model = getattr(model, "module", None)
         return None
