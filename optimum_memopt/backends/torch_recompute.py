@@ -478,9 +478,6 @@ class TorchBackend(Backend):
     def problem(self) -> Optional[str]:
         return torch_problem()
 
-    def check(self, args) -> None:
-        pass
-
     def wrap(self, model: nn.Module, settings: WrapSettings) -> nn.Module:
         layers = find_layers(model)
         if not layers:
@@ -492,7 +489,7 @@ class TorchBackend(Backend):
         if isinstance(previous, RecomputeState):  # wrapped before (another trainer): start from the model itself
             previous.uninstall()
             layers = find_layers(model)
-        apply, _ = _layer_apply(settings.entries, len(layers))
+        apply, _ = _layer_apply(settings.entries, len(layers))  # unknown names: warned in the report
         state = RecomputeState(layers, apply, settings.level)
         state.install()
         model._memopt_recompute = state
