@@ -129,12 +129,32 @@ class _PeakSampler:
             self._thread = None
 
 
+READABLE_DEVICES = ("cuda", "cpu")
+
+
+def training_device(args=None, model=None) -> str:
+    """The kind of device the training runs on: where the model's parameters are, else the arguments' device.
+
+    Not `torch.cuda.is_available()`: a run with `--use_cpu` on a machine that has a GPU trains on the CPU, and
+    reading CUDA's counters there would report nothing held."""
+    if model is not None:
+        try:
+            return next(model.parameters()).device.type
+        except (StopIteration, AttributeError, TypeError):
+            pass
+    if args is not None and getattr(args, "device", None) is not None:
+        return torch.device(args.device).type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 class MemoryMeter:
     """Reads memory for one device kind; `reset_peak()` starts a new phase; `close()` stops the sampler."""
 
     def __init__(self, device: Optional[str] = None, sample: bool = True):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device not in READABLE_DEVICES:
+            raise ValueError(f"memory readings support {' and '.join(READABLE_DEVICES)}, not {device!r}")
         self.device = device
         self.resident_peak_resets = device == "cpu" and self._clear_refs()
         self.allocator = "cuda" if device == "cuda" else ("mallinfo2" if _MALLINFO2 is not None else None)

@@ -237,6 +237,35 @@ def test_phases_show_activations_held_after_forward_and_freed_after_backward(tmp
     assert (tmp_path / "memory_phases.png").stat().st_size > 1000
 
 
+def test_phases_read_the_device_the_model_trains_on(tmp_path, monkeypatch, caplog):
+    """A run on the CPU of a machine that has a GPU (`--use_cpu`) is read on the CPU, not from CUDA's counters,
+    which would show nothing held; a device the plugin cannot read records no phases and says why."""
+    model = _mlp().train()
+    args = make_args(tmp_path, "--logging_steps", "100")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cb = MemoryPhaseCallback(FakeTrainer(model), plot=False)
+    st = state(0)
+    cb.on_train_begin(args, st, TrainerControl(), model=model)
+    for _ in range(3):
+        _step(model, cb, args, st)
+    cb.on_train_end(args, st, TrainerControl())
+    with open(tmp_path / "memory_phases.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["step"] == "2"]
+    assert {r["device"] for r in rows} == {"cpu"}
+    by = {r["phase"]: float(r["in_use_mb"]) for r in rows}
+    assert by["post_forward"] - by["pre_forward"] > 20  # 48 MiB of activations (see the test above)
+
+    monkeypatch.undo()
+    meta = nn.Linear(4, 4, device="meta")
+    out = tmp_path / "meta"
+    cb = MemoryPhaseCallback(FakeTrainer(meta), plot=False)
+    with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
+        cb.on_train_begin(make_args(out), state(0), TrainerControl(), model=meta)
+    cb.on_train_end(args, state(0), TrainerControl())
+    assert "this run trains on 'meta'" in caplog.text and "no phases are recorded" in caplog.text
+    assert not (out / "memory_phases.csv").exists()
+
+
 def test_phases_with_a_custom_compute_loss_still_see_backward_start(tmp_path):
     # a custom compute_loss that never reaches the trainer's hook: backward is seen where it reaches the output
     model = _mlp().train()

@@ -25,8 +25,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from transformers import TrainerCallback
 
+from ..callbacks.base import current_model
 from ..compat import overwrite_output_dir_flag
-from ..memory import MemoryMeter
+from ..memory import MemoryMeter, training_device
 from ..plans import PlanReport
 
 WARMUP_STEPS = 2  # the first step includes ORT's export and session build
@@ -41,10 +42,10 @@ class MeasureCallback(TrainerCallback):
         self.times: List[float] = []
         self._t0 = None
 
-    def on_train_begin(self, args, state, control, **kwargs):
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        self.meter = MemoryMeter()
+        self.meter = MemoryMeter(training_device(args, current_model(self.trainer, model)))
         self.meter.reset_peak()
         self.baseline = self.meter.read()
 

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from ..memory import MemoryMeter
+from ..memory import READABLE_DEVICES, MemoryMeter, training_device
 from .base import CsvReport, MetricsCallback, current_model, hookable, logger
 
 PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
@@ -82,7 +82,15 @@ class MemoryPhaseCallback(MetricsCallback):
             return
         self._state = state
         self._logging_steps = int(args.logging_steps) if args.logging_strategy == "steps" else 0
-        self.meter = MemoryMeter()
+        device = training_device(args, current_model(self.trainer, model))
+        if device not in READABLE_DEVICES:
+            logger.warning(
+                "memory phases: this run trains on %r; the plugin reads memory on CUDA and on the CPU only, so no "
+                "phases are recorded",
+                device,
+            )
+            return
+        self.meter = MemoryMeter(device)
         self._reset_peaks = not (self.meter.device == "cuda" and not args.skip_memory_metrics)
         if not self._reset_peaks:
             logger.info(
