@@ -30,6 +30,22 @@ from .trainer_args import MemoptTrainingArguments
 logger = logging.getLogger(__name__)
 
 
+def _fire_pre_optimizer_step(trainer, optimizer) -> None:
+    """optimum's ORTTrainer runs a copy of an older training loop that fires no `on_pre_optimizer_step` (where the
+    memory phases take `post_backward`): fire it from the optimizer's own step pre-hook, as the loop would just
+    before `optimizer.step()`."""
+    inner = optimizer
+    while hasattr(inner, "optimizer"):  # accelerate's / DeepSpeed's wrappers
+        inner = inner.optimizer
+    if getattr(inner, "_memopt_pre_step_hook", None) is not None:
+        return
+
+    def pre_step(opt, args, kwargs):
+        trainer.control = trainer.callback_handler.on_pre_optimizer_step(trainer.args, trainer.state, trainer.control)
+
+    inner._memopt_pre_step_hook = inner.register_step_pre_hook(pre_step)
+
+
 class _OptimizerReady(TrainerCallback):
     """Gives the backend the optimizer once it exists (DeepSpeed builds it inside `accelerator.prepare`,
     after `_wrap_model`; `on_train_begin` is the first point where it does)."""
@@ -42,6 +58,8 @@ class _OptimizerReady(TrainerCallback):
         trainer = self.trainer
         # transformers 4.49 passes the optimizer given at __init__ (usually None) here: read the trainer's own.
         optimizer = trainer.optimizer if trainer.optimizer is not None else optimizer
+        if getattr(trainer, "_memopt_over_ort_trainer", False) and optimizer is not None:
+            _fire_pre_optimizer_step(trainer, optimizer)
         if self.message is not None or trainer.memopt_backend is None or optimizer is None:
             return
         self.message = trainer.memopt_backend.on_optimizer_ready(optimizer, args, trainer.is_deepspeed_enabled) or ""
@@ -49,10 +67,28 @@ class _OptimizerReady(TrainerCallback):
             logger.info("%s", self.message)
 
 
+def is_optimum_ort_trainer(cls) -> bool:
+    """Whether a Trainer class derives from optimum's `ORTTrainer` (optimum <= 1.27), which wraps the model in
+    ORTModule itself inside its own training loop."""
+    return any(c.__name__ == "ORTTrainer" and c.__module__.startswith("optimum.onnxruntime") for c in cls.__mro__)
+
+
+@contextlib.contextmanager
+def _attribute(obj, name, value):
+    old = getattr(obj, name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        setattr(obj, name, old)
+
+
 class MemoptTrainerMixin:
     """Trains through a memory-optimizer backend (ORTModule) with the settings of `MemoptTrainingArguments`.
 
     Put it first in the bases of any Trainer subclass: ``class MyTrainer(MemoptTrainerMixin, SFTTrainer)``.
+    Over optimum's `ORTTrainer` (``class MyTrainer(MemoptTrainerMixin, ORTTrainer)``) the model is still wrapped
+    once: where ORTTrainer builds its ORTModule, this backend builds it with the run's plans.
     It overrides `train` (resolves `--memory_opt_config auto` first), `_wrap_model` (wrap), `_save` and
     `_load_best_model` (the plain model), `training_step` / `compute_loss` (what the callbacks observe),
     `log` (the callbacks' metrics reach every reporter) and `get_optimizer_cls_and_kwargs` (`adamw_ort_fused`).
@@ -73,7 +109,11 @@ class MemoptTrainerMixin:
         problem = compat.accelerate_problem()
         if problem:
             raise RuntimeError(problem)
-        super().__init__(*args, **kwargs)
+        self._memopt_over_ort_trainer = is_optimum_ort_trainer(type(self))
+        if self._memopt_over_ort_trainer and isinstance(targs, MemoptTrainingArguments):
+            _check_ort_trainer_args(targs)
+        with self._memopt_optimum_args(targs):
+            super().__init__(*args, **kwargs)
         if not isinstance(self.args, MemoptTrainingArguments):
             raise TypeError(
                 f"{type(self).__name__} needs MemoptTrainingArguments, got {type(self.args).__name__}; build the "
@@ -158,7 +198,44 @@ class MemoptTrainerMixin:
                 raise RuntimeError(problem)
         if self.args.use_ort:
             self.resolve_memory_plan()
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if not self._memopt_over_ort_trainer:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        with self._memopt_optimum_args(self.args), self._memopt_builds_ort_trainers_module():
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+
+    # -- optimum's ORTTrainer underneath ----------------------------------------------------------------
+    def _memopt_optimum_args(self, targs):
+        """optimum's ORTTrainer reads `use_module_with_loss` itself, and its `ModuleWithLoss` cannot be built with
+        transformers >= 4.46 (docs/STACK.md); the arguments already turned that flag into the in-graph loss."""
+        if self._memopt_over_ort_trainer and getattr(targs, "use_module_with_loss", False):
+            return _attribute(targs, "use_module_with_loss", False)
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _memopt_builds_ort_trainers_module(self):
+        """While ORTTrainer trains, `torch_ort.ORTModule` (which its loop imports to wrap the model) builds the
+        module through this trainer's backend, with the run's plans; `isinstance` checks still see ORT's class."""
+        import torch_ort
+
+        real = torch_ort.ORTModule
+        trainer = self
+
+        class _Through(type):
+            def __instancecheck__(cls, obj):
+                return isinstance(obj, real)
+
+            def __call__(cls, module, debug_options=None):
+                # ORTTrainer's DebugOptions come from `--save_onnx` / `--onnx_prefix`, which the arguments turned
+                # into `--ort_save_onnx_dir`; the backend builds the same options from those.
+                if trainer.memopt_backend.find(module) is not None:
+                    return module  # already wrapped (a second train() call): wrapped once
+                return trainer._memopt_wrap(module)
+
+        torch_ort.ORTModule = _Through("ORTModule", (), {})
+        try:
+            yield
+        finally:
+            torch_ort.ORTModule = real
 
     def _load_rng_state(self, checkpoint):
         try:
@@ -218,20 +295,23 @@ class MemoptTrainerMixin:
             return super()._wrap_model(model, training=training, dataloader=dataloader)
         if backend is not None and backend.find(self.model) is None and model is self.model:
             # `model_init` builds a new model at train(): that is the one to prepare, wrap and save.
-            self._memopt_plain_model = self.model
-            self._memopt_prepare(self.model)
-            inner = self.model
-            if self.args.ort_loss_in_graph:
-                self._memopt_loss_wrapper = inner = LossInGraph(inner, self.args.label_smoothing_factor)
-            settings = self.memopt_wrap_settings()
-            wrapped = backend.wrap(inner, settings)
-            if self.is_world_process_zero():
-                logger.info(
-                    "Training through %s, memory optimizer: %s", backend.describe(wrapped), self._memopt_plan_summary()
-                )
             # The Trainer hands `self.model` to accelerate / DeepSpeed right after this call.
-            self.model = self.model_wrapped = model = wrapped
+            self.model = self.model_wrapped = model = self._memopt_wrap(self.model)
         return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    def _memopt_wrap(self, model):
+        backend = self.memopt_backend
+        self._memopt_plain_model = model
+        self._memopt_prepare(model)
+        inner = model
+        if self.args.ort_loss_in_graph:
+            self._memopt_loss_wrapper = inner = LossInGraph(inner, self.args.label_smoothing_factor)
+        wrapped = backend.wrap(inner, self.memopt_wrap_settings())
+        if self.is_world_process_zero():
+            logger.info(
+                "Training through %s, memory optimizer: %s", backend.describe(wrapped), self._memopt_plan_summary()
+            )
+        return wrapped
 
     # -- what the callbacks observe --------------------------------------------------------------------
     def _memopt_notify(self, method: str, *args):
@@ -308,6 +388,21 @@ class MemoptTrainerMixin:
                 logger.warning("%s", message) if "instead" in message else logger.info("%s", message)
             return cls, kwargs
         return Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+
+def _check_ort_trainer_args(args: MemoptTrainingArguments) -> None:
+    """What cannot hold when optimum's ORTTrainer runs the training loop (it always wraps in ORTModule)."""
+    if not args.use_ort:
+        raise ValueError(
+            "`--use_ort false` with optimum's ORTTrainer: ORTTrainer always trains through ORTModule; for a plain "
+            "PyTorch run put MemoptTrainerMixin over transformers' Trainer (`MemoptTrainer`) instead"
+        )
+    if args.memory_opt.backend != "ort":
+        raise ValueError(
+            f"`--memory_opt_backend {args.memory_opt.backend}` with optimum's ORTTrainer: ORTTrainer wraps the model "
+            f"in ORTModule itself, so only `--memory_opt_backend ort` applies there; for the torch backend use "
+            f"`MemoptTrainer`"
+        )
 
 
 class MemoptTrainer(MemoptTrainerMixin, Trainer):

@@ -9,11 +9,16 @@ environment's own, so nothing big is downloaded or built again.
 
     .venv/bin/python scripts/compat.py                       # every minor, writes docs/COMPATIBILITY.md
     .venv/bin/python scripts/compat.py --versions 4.57.6     # one release (what CI runs beside the pinned set)
+    .venv/bin/python scripts/compat.py --versions 4.46.3,4.57.6 --pythons python3.10,python3.12
+        # other interpreters: for each, scripts/setup_env.sh builds the pinned ORT stack in its own venv under
+        # .compat/ (torch, ORT and its extensions are per Python), and the slice runs there on those releases;
+        # their rows go to the "Other Python versions" section of docs/COMPATIBILITY.md, the rest is kept
 """
 
 import argparse
 import datetime
 import importlib.metadata as md
+import json
 import os
 import platform
 import subprocess
@@ -242,12 +247,100 @@ def render(results, cmd) -> str:
     return "\n".join(lines) + "\n"
 
 
+PY_START, PY_END = "<!-- pythons:start -->", "<!-- pythons:end -->"
+
+
+def _section(path: str):
+    """The other-Python section of an existing table file, markers included ('' if none)."""
+    try:
+        text = open(path).read()
+    except OSError:
+        return ""
+    if PY_START in text and PY_END in text:
+        return text[text.index(PY_START) : text.index(PY_END) + len(PY_END)]
+    return ""
+
+
+def _write(path: str, main_text: str = None, section: str = None) -> None:
+    """Write the main table and/or the other-Python section, keeping whichever is not given."""
+    old = open(path).read() if os.path.exists(path) else ""
+    if main_text is None:
+        main_text = old.replace(_section(path), "").rstrip() + "\n" if old else "# Compatibility\n"
+    if section is None:
+        section = _section(path)
+    with open(path, "w") as f:
+        f.write(main_text.rstrip() + "\n" + (f"\n{section}\n" if section else ""))
+
+
+def other_python(interp: str, versions: str, base: str) -> list:
+    """Build the pinned ORT stack for another interpreter with scripts/setup_env.sh and run the slice there."""
+    res = subprocess.run(
+        [interp, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True
+    )
+    if res.returncode:
+        return [{"python": interp, "version": versions, "ok": False, "summary": "interpreter not found",
+                 "failed": [], "minutes": 0.0, "extra": [], "setup_minutes": 0.0}]  # fmt: skip
+    full = res.stdout.strip()
+    short = ".".join(full.split(".")[:2])
+    venv = os.path.join(base, f"venv-py{short}")
+    t0 = time.time()
+    env = {**os.environ, "MEMOPT_STACK": "ort", "MEMOPT_PYTHON": interp, "MEMOPT_VENV": venv}
+    print(f"[compat] Python {full}: setting up {venv} (scripts/setup_env.sh)", flush=True)
+    setup = subprocess.run(
+        ["bash", "-c", f"source {ROOT}/scripts/setup_env.sh"], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    setup_minutes = (time.time() - t0) / 60
+    if setup.returncode:
+        tail = (setup.stderr or setup.stdout).strip().splitlines()[-3:]
+        return [{"python": full, "version": versions, "ok": False, "summary": "set-up failed: " + " / ".join(tail),
+                 "failed": [], "minutes": 0.0, "extra": [], "setup_minutes": setup_minutes}]  # fmt: skip
+    out = os.path.join(base, f"py{short}.json")
+    cmd = [os.path.join(venv, "bin", "python"), os.path.abspath(__file__), "--versions", versions]
+    cmd += ["--dir", os.path.join(base, f"py{short}"), "--no_write", "--json_out", out]
+    subprocess.run(cmd, cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    rows = json.load(open(out)) if os.path.exists(out) else []
+    for r in rows:
+        r["python"], r["setup_minutes"] = full, setup_minutes
+    return rows or [{"python": full, "version": versions, "ok": False, "summary": "the slice did not run",
+                     "failed": [], "minutes": 0.0, "extra": [], "setup_minutes": setup_minutes}]  # fmt: skip
+
+
+def render_pythons(rows, cmd) -> str:
+    lines = [
+        PY_START,
+        "## Other Python versions",
+        "",
+        "The same slice at the oldest and newest transformers of the range, each interpreter with its own venv of "
+        "the pinned ORT stack (`constraints.txt`) built by `scripts/setup_env.sh` (torch, onnxruntime-training and "
+        "ORTModule's extensions are built per Python).",
+        "",
+        f"Run {datetime.date.today().isoformat()} with `{cmd}`.",
+        "",
+        "| Python | transformers | result | tests | set-up minutes | slice minutes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        what = "pass" if r["ok"] else ("FAIL: " + ", ".join(r["failed"][:4]) if r["failed"] else "FAIL")
+        lines.append(
+            f"| {r['python']} | {r['version']} | {what} | {r['summary']} | {r['setup_minutes']:.1f} | "
+            f"{r['minutes']:.1f} |"
+        )
+    return "\n".join(lines + ["", PY_END])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--versions", default=",".join(LATEST_PATCHES))
     p.add_argument("--dir", default=os.path.join(ROOT, ".compat"))
     p.add_argument("--out", default=os.path.join(ROOT, "docs", "COMPATIBILITY.md"))
     p.add_argument("--no_write", action="store_true", help="print the table only")
+    p.add_argument("--json_out", help="also write the rows as JSON here")
+    p.add_argument(
+        "--pythons",
+        default="",
+        help="other interpreters (names or paths, comma-separated): build the pinned stack for each and run the "
+        "slice there on --versions; writes the 'Other Python versions' section only",
+    )
     p.add_argument("--newest", action="store_true", help="print the newest release in the matrix and exit")
     p.add_argument(
         "--fresh_install",
@@ -259,6 +352,20 @@ def main(argv=None):
         print(LATEST_PATCHES[-1])
         return 0
     os.makedirs(a.dir, exist_ok=True)
+    cmd = "python scripts/compat.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
+    if a.pythons:
+        rows = []
+        for interp in [x.strip() for x in a.pythons.split(",") if x.strip()]:
+            rows += other_python(interp, a.versions, a.dir)
+            r = rows[-1]
+            print(f"[compat] Python {r['python']}: {'pass' if all(x['ok'] for x in rows) else 'FAIL'}", flush=True)
+        section = render_pythons(rows, cmd)
+        print(section)
+        if not a.no_write:
+            _write(a.out, section=section)
+        return 0 if all(r["ok"] for r in rows) else 1
     results = []
     for version in [v.strip() for v in a.versions.split(",") if v.strip()]:
         print(f"[compat] transformers {version}: preparing", flush=True)
@@ -284,9 +391,6 @@ def main(argv=None):
             f"[compat] transformers {version}: {'pass' if r['ok'] else 'FAIL'} ({r['summary']}; log {r['log']})",
             flush=True,
         )
-    cmd = "python scripts/compat.py" + (
-        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)
-    )
     text = render(results, cmd)
     fresh = None
     if a.fresh_install:
@@ -307,9 +411,11 @@ def main(argv=None):
                 f"{fresh['error']}\n```\n"
             )
     print(text)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(results, f, indent=2)
     if not a.no_write:
-        with open(a.out, "w") as f:
-            f.write(text)
+        _write(a.out, main_text=text)
     return 0 if all(r["ok"] for r in results) and (fresh is None or fresh["ok"]) else 1
 
 

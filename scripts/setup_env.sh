@@ -27,7 +27,7 @@ if [ ! -x "$PY" ]; then
   "$MEMOPT_PYTHON" -m venv "$VENV"
 fi
 
-want="$(cat "$CONSTRAINTS" "$ROOT/setup.cfg" | sha256sum | cut -d' ' -f1)"
+want="$(cat "$CONSTRAINTS" "$ROOT/setup.cfg" "$ROOT/scripts/setup_env.sh" | sha256sum | cut -d' ' -f1)"
 stamp="$VENV/.memopt-installed"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[setup] installing the pinned $STACK stack (first time: a few minutes)"
@@ -37,6 +37,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # without isolation against this torch instead of pulling the newest one into a build env.
   "$PY" -m pip install -q -c "$CONSTRAINTS" torch
   DS_BUILD_OPS=0 "$PY" -m pip install -q --no-build-isolation -c "$CONSTRAINTS" -e "$ROOT[$EXTRAS]"
+  if [ "$STACK" = ort ]; then
+    # optimum's ORTTrainer imports ORTModule from torch-ort, which declares the CUDA build `onnxruntime-training`;
+    # the CPU build installed here provides the same module, so torch-ort goes in without its requirements.
+    "$PY" -m pip install -q --no-deps -c "$CONSTRAINTS" torch-ort
+  fi
   echo "$want" > "$stamp"
 fi
 
