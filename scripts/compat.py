@@ -272,19 +272,39 @@ def _write(path: str, main_text: str = None, section: str = None) -> None:
         f.write(main_text.rstrip() + "\n" + (f"\n{section}\n" if section else ""))
 
 
+# What makes the ORT stack (constraints.txt's versions of these are kept for the other Pythons; the rest of that
+# file is the verified set for Python 3.11 and may not exist for another, e.g. pandas 3 needs Python >= 3.11).
+STACK_PINS = {
+    "pip", "setuptools", "wheel", "ninja", "torch", "onnxruntime-training-cpu", "transformers", "accelerate",
+    "deepspeed", "numpy", "tokenizers", "safetensors", "trl", "optimum", "torch-ort", "datasets",
+}  # fmt: skip
+
+
+def stack_pins(path: str) -> str:
+    """A constraints file with constraints.txt's pins of the stack's own packages only."""
+    with open(os.path.join(ROOT, "constraints.txt")) as f:
+        keep = [line for line in f if "==" in line and line.split("==")[0].strip().lower() in STACK_PINS]
+    with open(path, "w") as f:
+        f.write("# constraints.txt's pins of the ORT stack's own packages (scripts/compat.py --pythons)\n")
+        f.writelines(keep)
+    return path
+
+
 def other_python(interp: str, versions: str, base: str) -> list:
     """Build the pinned ORT stack for another interpreter with scripts/setup_env.sh and run the slice there."""
     res = subprocess.run(
         [interp, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True
     )
     if res.returncode:
-        return [{"python": interp, "version": versions, "ok": False, "summary": "interpreter not found",
+        why = (res.stderr or res.stdout).strip().splitlines()[:1] or [f"exit {res.returncode}"]
+        return [{"python": interp, "version": versions, "ok": False, "summary": f"cannot run it: {why[0]}",
                  "failed": [], "minutes": 0.0, "extra": [], "setup_minutes": 0.0}]  # fmt: skip
     full = res.stdout.strip()
     short = ".".join(full.split(".")[:2])
     venv = os.path.join(base, f"venv-py{short}")
     t0 = time.time()
     env = {**os.environ, "MEMOPT_STACK": "ort", "MEMOPT_PYTHON": interp, "MEMOPT_VENV": venv}
+    env["MEMOPT_CONSTRAINTS"] = stack_pins(os.path.join(base, f"constraints-py{short}.txt"))
     print(f"[compat] Python {full}: setting up {venv} (scripts/setup_env.sh)", flush=True)
     setup = subprocess.run(
         ["bash", "-c", f"source {ROOT}/scripts/setup_env.sh"], capture_output=True, text=True, env=env, cwd=ROOT
@@ -311,8 +331,12 @@ def render_pythons(rows, cmd) -> str:
         "## Other Python versions",
         "",
         "The same slice at the oldest and newest transformers of the range, each interpreter with its own venv of "
-        "the pinned ORT stack (`constraints.txt`) built by `scripts/setup_env.sh` (torch, onnxruntime-training and "
-        "ORTModule's extensions are built per Python).",
+        "the ORT stack built by `scripts/setup_env.sh` (torch, onnxruntime-training and ORTModule's extensions are "
+        "built per Python), with `constraints.txt`'s pins of "
+        + ", ".join(sorted(STACK_PINS - {"pip", "setuptools", "wheel", "ninja"}))
+        + "; their other requirements resolved by pip for that Python (`constraints.txt` is the verified set for "
+        "Python 3.11, and some of its pins, such as networkx 3.6 and pandas 3, need 3.11). Set-up minutes are this "
+        "run's own: a venv left by an earlier run is reused, and only what changed is installed.",
         "",
         f"Run {datetime.date.today().isoformat()} with `{cmd}`.",
         "",

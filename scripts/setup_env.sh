@@ -6,12 +6,14 @@
 #                               the ORT backend by default), and ORTModule's C++ extensions built once.
 #   MEMOPT_STACK=torch:         .venv-torch, constraints-torch.txt, current torch and transformers 5.x, no ORT:
 #                               the torch backend (`--memory_opt_backend torch`, the default there).
+#   MEMOPT_PYTHON, MEMOPT_VENV, MEMOPT_CONSTRAINTS: another interpreter, venv or constraints file (scripts/compat.py
+#                               --pythons uses them for the other Python versions).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${MEMOPT_STACK:-ort}"
 case "$STACK" in
-  ort) VENV="${MEMOPT_VENV:-$ROOT/.venv}"; CONSTRAINTS="$ROOT/constraints.txt"; EXTRAS="cpu,deepspeed,dev,dev-ort" ;;
-  torch) VENV="${MEMOPT_VENV:-$ROOT/.venv-torch}"; CONSTRAINTS="$ROOT/constraints-torch.txt"; EXTRAS="torch,deepspeed,dev" ;;
+  ort) VENV="${MEMOPT_VENV:-$ROOT/.venv}"; CONSTRAINTS="${MEMOPT_CONSTRAINTS:-$ROOT/constraints.txt}"; EXTRAS="cpu,deepspeed,dev,dev-ort" ;;
+  torch) VENV="${MEMOPT_VENV:-$ROOT/.venv-torch}"; CONSTRAINTS="${MEMOPT_CONSTRAINTS:-$ROOT/constraints-torch.txt}"; EXTRAS="torch,deepspeed,dev" ;;
   *) echo "[setup] MEMOPT_STACK is '$STACK'; expected 'ort' or 'torch'" >&2; exit 2 ;;
 esac
 # The wheels of onnxruntime-training 1.19.2 exist for CPython 3.8-3.12; the modern stack's torch file on this
