@@ -200,13 +200,17 @@ class MemoptTrainerMixin:
             self.resolve_memory_plan()
         if not self._memopt_over_ort_trainer:
             return super().train(resume_from_checkpoint, *args, **kwargs)
-        with self._memopt_optimum_args(self.args), self._memopt_builds_ort_trainers_module():
+        # With `use_module_with_loss`, ORTTrainer.train() trains `self._training_model` (its ModuleWithLoss, not
+        # built here): the model itself, whose loss the backend computes in the graph.
+        self._training_model = self.model
+        with self._memopt_builds_ort_trainers_module():
             return super().train(resume_from_checkpoint, *args, **kwargs)
 
     # -- optimum's ORTTrainer underneath ----------------------------------------------------------------
     def _memopt_optimum_args(self, targs):
-        """optimum's ORTTrainer reads `use_module_with_loss` itself, and its `ModuleWithLoss` cannot be built with
-        transformers >= 4.46 (docs/STACK.md); the arguments already turned that flag into the in-graph loss."""
+        """optimum's ORTTrainer builds its `ModuleWithLoss` in `__init__` when `use_module_with_loss` is set, and that
+        class cannot be built with transformers >= 4.46 (docs/STACK.md); the arguments already turned the flag into
+        the in-graph loss, so ORTTrainer's `__init__` sees it off (the arguments keep it as given)."""
         if self._memopt_over_ort_trainer and getattr(targs, "use_module_with_loss", False):
             return _attribute(targs, "use_module_with_loss", False)
         return contextlib.nullcontext()

@@ -106,7 +106,7 @@ def make_args(output_dir, *flags):
     return args
 
 
-class LossRecordingTrainer(MemoptTrainer):
+class LossRecordingMixin:
     """Keeps every step's loss unrounded (the log history rounds to 4 digits)."""
 
     def __init__(self, *a, **kw):
@@ -117,6 +117,10 @@ class LossRecordingTrainer(MemoptTrainer):
         loss = super().training_step(model, inputs, *args, **kwargs)
         self.losses.append(float(loss.detach()))
         return loss
+
+
+class LossRecordingTrainer(LossRecordingMixin, MemoptTrainer):
+    pass
 
 
 class EventRecorder(TrainerCallback):

@@ -7,7 +7,7 @@ import csv
 import json
 
 import pytest
-from helpers import ClsData, make_args, tiny_model
+from helpers import ClsData, LossRecordingMixin, make_args, tiny_model
 
 from optimum_memopt.trainer import MemoptTrainerMixin, is_optimum_ort_trainer
 
@@ -17,15 +17,8 @@ ort_trainer = pytest.importorskip("optimum.onnxruntime.trainer", reason="needs o
 pytest.importorskip("torch_ort", reason="needs torch-ort (optimum's ORTTrainer imports ORTModule from it)")
 
 
-class OptimumTrainer(MemoptTrainerMixin, ort_trainer.ORTTrainer):
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.losses = []
-
-    def training_step(self, model, inputs, *args, **kwargs):
-        loss = super().training_step(model, inputs, *args, **kwargs)
-        self.losses.append(float(loss.detach()))
-        return loss
+class OptimumTrainer(LossRecordingMixin, MemoptTrainerMixin, ort_trainer.ORTTrainer):
+    pass
 
 
 def _train(cls, out, *flags, steps=6):
