@@ -58,13 +58,29 @@ def text_lines(n: int, seed: int = 0) -> List[str]:
 
 
 def train_tokenizer(corpus: List[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """A WordPiece tokenizer trained on the generated corpus, with BERT-style specials."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    """A WordPiece tokenizer for the generated corpus, with BERT-style specials: the specials, every character (alone
+    and as a `##` continuation), then the corpus's words, most frequent first (ties by spelling), up to `vocab_size`.
 
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=SPECIALS))
+    Built from counted words rather than with the tokenizers library's WordPiece trainer: that trainer breaks ties
+    in an order that changes from process to process, so the same command got a different vocabulary, different
+    token ids and losses differing by ~1e-5 from run to run (docs/STACK.md)."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    normalizer = normalizers.BertNormalizer(lowercase=True)
+    pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    counts = Counter(
+        word for line in corpus for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(line))
+    )
+    chars = sorted({c for word in counts for c in word})
+    tokens = SPECIALS + chars + ["##" + c for c in chars]
+    known = set(tokens)
+    words = [w for w, _ in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])) if w not in known]
+    tokens += words[: max(0, vocab_size - len(tokens))]
+    tok = Tokenizer(models.WordPiece(vocab={t: i for i, t in enumerate(tokens)}, unk_token="[UNK]"))
+    tok.normalizer = normalizer
+    tok.pre_tokenizer = pre_tokenizer
     cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
