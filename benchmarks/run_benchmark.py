@@ -280,10 +280,25 @@ def render(results, a, cmd, elapsed, host):
     return "\n".join(out) + "\n"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def rows_json(rows) -> dict:
+    """Each mode's measurement at the base batch and at its largest fitting batch, as JSON."""
+    return {
+        k: {
+            "base": v["base"].as_dict(),
+            "max_batch": v.get("max_batch"),
+            "at_max": v["at_max"].as_dict() if v.get("at_max") else None,
+        }
+        for k, v in rows.items()
+    }
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """The options both benchmarks share (this one and torch_backend.py)."""
+    from optimum_memopt.offline import SIZES
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default="deberta-v2,roberta")
-    p.add_argument("--size", default="small", choices=["tiny", "small", "deberta-base-shape", "large"])
+    p.add_argument("--size", default="small", choices=list(SIZES))
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=6)
@@ -293,13 +308,18 @@ def main(argv=None):
     p.add_argument(
         "--headroom", type=float, default=0.05, help="budget = PyTorch eager peak at the base batch x (1 + this)"
     )
+    p.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    return p
+
+
+def main(argv=None):
+    p = base_parser(__doc__)
     p.add_argument(
         "--no_exhaustive",
         dest="exhaustive",
         action="store_false",
         help="skip the run of every subset of the probed plans",
     )
-    p.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
     a = p.parse_args(argv)
     import torch
 
@@ -323,14 +343,7 @@ def main(argv=None):
             "auto": r["auto_note"],
             "advice": r["advice"].to_dict(),
             "exhaustive": [{"label": x["label"], "fits": x["fits"], **x["m"].as_dict()} for x in r["exhaustive"]],
-            "rows": {
-                k: {
-                    "base": v["base"].as_dict(),
-                    "max_batch": v.get("max_batch"),
-                    "at_max": v["at_max"].as_dict() if v.get("at_max") else None,
-                }
-                for k, v in r["rows"].items()
-            },
+            "rows": rows_json(r["rows"]),
         }
         for r in results
     ]

@@ -18,7 +18,6 @@ benchmarks/torch_backend.json.
     MEMOPT_STACK=torch bash -c 'source scripts/setup_env.sh && $MEMOPT_VENV/bin/python benchmarks/torch_backend.py'
 """
 
-import argparse
 import json
 import os
 import sys
@@ -28,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from run_benchmark import machine  # noqa: E402
+from run_benchmark import base_parser, machine, rows_json  # noqa: E402
 
 from optimum_memopt.advisor import advise, format_table, max_batch_size, memory_flags, run_child  # noqa: E402
 
@@ -206,18 +205,8 @@ def write_section(path, section):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--archs", default="deberta-v2,roberta")
-    p.add_argument("--size", default="small", choices=["tiny", "small", "deberta-base-shape", "large"])
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--samples", type=int, default=600)
-    p.add_argument("--max_plans", type=int, default=4)
-    p.add_argument("--max_batch", type=int, default=128)
-    p.add_argument("--headroom", type=float, default=0.05)
+    p = base_parser(__doc__)
     p.add_argument("--compile_budget", type=float, default=0.5)
-    p.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"))
     a = p.parse_args(argv)
     t0 = time.time()
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -233,14 +222,7 @@ def main(argv=None):
             "at_2b": {k: v.as_dict() for k, v in r["at_2b"].items()},
             "advice_mid": r["advice_mid"].to_dict(),
             "at_mid": {k: v.as_dict() for k, v in r["at_mid"].items()},
-            "rows": {
-                k: {
-                    "base": v["base"].as_dict(),
-                    "max_batch": v.get("max_batch"),
-                    "at_max": v["at_max"].as_dict() if v.get("at_max") else None,
-                }
-                for k, v in r["rows"].items()
-            },
+            "rows": rows_json(r["rows"]),
         }
         for r in results
     ]

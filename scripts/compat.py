@@ -290,15 +290,22 @@ def stack_pins(path: str) -> str:
     return path
 
 
+def _failed(python: str, versions: str, summary: str, setup_minutes: float) -> dict:
+    return {"python": python, "version": versions, "ok": False, "summary": summary, "failed": [], "minutes": 0.0,
+            "extra": [], "setup_minutes": setup_minutes}  # fmt: skip
+
+
 def other_python(interp: str, versions: str, base: str) -> list:
     """Build the pinned ORT stack for another interpreter with scripts/setup_env.sh and run the slice there."""
-    res = subprocess.run(
-        [interp, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True
-    )
+    try:
+        res = subprocess.run(
+            [interp, "-c", "import platform; print(platform.python_version())"], capture_output=True, text=True
+        )
+    except OSError as e:  # not there, or not a program
+        return [_failed(interp, versions, f"cannot run it: {e}", 0.0)]
     if res.returncode:
         why = (res.stderr or res.stdout).strip().splitlines()[:1] or [f"exit {res.returncode}"]
-        return [{"python": interp, "version": versions, "ok": False, "summary": f"cannot run it: {why[0]}",
-                 "failed": [], "minutes": 0.0, "extra": [], "setup_minutes": 0.0}]  # fmt: skip
+        return [_failed(interp, versions, f"cannot run it: {why[0]}", 0.0)]
     full = res.stdout.strip()
     short = ".".join(full.split(".")[:2])
     venv = os.path.join(base, f"venv-py{short}")
@@ -312,8 +319,7 @@ def other_python(interp: str, versions: str, base: str) -> list:
     setup_minutes = (time.time() - t0) / 60
     if setup.returncode:
         tail = (setup.stderr or setup.stdout).strip().splitlines()[-3:]
-        return [{"python": full, "version": versions, "ok": False, "summary": "set-up failed: " + " / ".join(tail),
-                 "failed": [], "minutes": 0.0, "extra": [], "setup_minutes": setup_minutes}]  # fmt: skip
+        return [_failed(full, versions, "set-up failed: " + " / ".join(tail), setup_minutes)]
     out = os.path.join(base, f"py{short}.json")
     cmd = [os.path.join(venv, "bin", "python"), os.path.abspath(__file__), "--versions", versions]
     cmd += ["--dir", os.path.join(base, f"py{short}"), "--no_write", "--json_out", out]
@@ -321,8 +327,7 @@ def other_python(interp: str, versions: str, base: str) -> list:
     rows = json.load(open(out)) if os.path.exists(out) else []
     for r in rows:
         r["python"], r["setup_minutes"] = full, setup_minutes
-    return rows or [{"python": full, "version": versions, "ok": False, "summary": "the slice did not run",
-                     "failed": [], "minutes": 0.0, "extra": [], "setup_minutes": setup_minutes}]  # fmt: skip
+    return rows or [_failed(full, versions, "the slice did not run", setup_minutes)]
 
 
 def render_pythons(rows, cmd) -> str:
@@ -382,9 +387,10 @@ def main(argv=None):
     if a.pythons:
         rows = []
         for interp in [x.strip() for x in a.pythons.split(",") if x.strip()]:
-            rows += other_python(interp, a.versions, a.dir)
-            r = rows[-1]
-            print(f"[compat] Python {r['python']}: {'pass' if all(x['ok'] for x in rows) else 'FAIL'}", flush=True)
+            these = other_python(interp, a.versions, a.dir)
+            rows += these
+            ok = all(x["ok"] for x in these)
+            print(f"[compat] Python {these[0]['python']}: {'pass' if ok else 'FAIL'}", flush=True)
         section = render_pythons(rows, cmd)
         print(section)
         if not a.no_write:
