@@ -17,13 +17,12 @@ import os
 import sys
 from typing import List, Optional
 
+import transformers
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from . import _deepspeed, compat
-from .backends import Backend, WrapSettings, get_backend
-from .backends.ort import ORT_FUSED, OrtBackend, import_quietly
-from .backends.ort import is_installed as ort_is_installed
+from . import compat
+from .backends import Backend, WrapSettings, get_backend, optimizer_for
 from .losses import LossInGraph
 from .trainer_args import MemoptTrainingArguments
 
@@ -96,16 +95,14 @@ class MemoptTrainerMixin:
 
     def __init__(self, *args, **kwargs):
         targs = kwargs.get("args", args[1] if len(args) > 1 else None)
-        if (
-            isinstance(targs, MemoptTrainingArguments)
-            and targs.use_ort
-            and targs.memory_opt.backend == "ort"
-            and not _deepspeed.requested(targs.deepspeed)
-            and ort_is_installed()
-        ):
-            # torch._dynamo imports onnxruntime inside Trainer.__init__, and ORT imports DeepSpeed where it is
-            # installed; imported first here, without the banners of a DeepSpeed this run does not use.
-            import_quietly(targs.ort_log_level)
+        if not callable(getattr(Trainer, "_wrap_model", None)):
+            raise RuntimeError(
+                f"optimum-memopt wraps the model in `Trainer._wrap_model`, which transformers "
+                f"{transformers.__version__} does not have: the run would train without the recompute asked for. "
+                f"Use a transformers release optimum-memopt supports (setup.cfg), or pass `--use_ort false`"
+            )
+        if isinstance(targs, MemoptTrainingArguments) and targs.use_ort:
+            get_backend(targs.memory_opt.backend).before_trainer(targs)
         problem = compat.accelerate_problem()
         if problem:
             raise RuntimeError(problem)
@@ -138,6 +135,7 @@ class MemoptTrainerMixin:
             self.memopt_backend = backend
         self._memopt_plain_model = self.model
         self._memopt_prepared = None
+        self._memopt_wrap_seen = False
         self._memopt_loss_wrapper: Optional[LossInGraph] = None
         if a.use_ort and a.ort_loss_in_graph:
             # The loss is computed in the graph from the labels alone: the Trainer scales it for gradient
@@ -256,9 +254,15 @@ class MemoptTrainerMixin:
         return self._memopt_plain_model
 
     @property
-    def ort_model(self):
-        """The backend's module once training started, else None."""
+    def backend_model(self):
+        """The backend's module once training started (ORTModule, or the model whose layers the torch backend
+        runs), else None."""
         return self.memopt_backend.find(self.model) if self.memopt_backend is not None else None
+
+    @property
+    def ort_model(self):
+        """The name `backend_model` had when ORT was the only backend."""
+        return self.backend_model
 
     def _memopt_prepare(self, model):
         if self.memopt_backend is None or model is self._memopt_prepared:
@@ -275,13 +279,7 @@ class MemoptTrainerMixin:
             entries=entries,
             level=level,
             measure_memory=bool(a.print_memory_stats or a.memory_measure_out),
-            options={
-                "log_level": a.ort_log_level,
-                "fallback_policy": a.ort_fallback_policy,
-                "save_onnx_dir": a.ort_save_onnx_dir,
-                "cache_dir": a.ort_cache_dir,
-                "onnx_prefix": a.onnx_prefix,
-            },
+            options=self.memopt_backend.options(a) if self.memopt_backend is not None else {},
         )
 
     def _memopt_plan_summary(self) -> str:
@@ -324,7 +322,23 @@ class MemoptTrainerMixin:
             if fn is not None:
                 fn(*args)
 
+    def _memopt_check_wrapped(self, model) -> None:
+        """A configured backend must be in the model the Trainer trains: never train silently without it."""
+        backend = self.memopt_backend
+        if backend is None or self._memopt_wrap_seen:
+            return
+        if backend.find(model) is None and backend.find(self.model) is None:
+            raise RuntimeError(
+                f"optimum-memopt: `--memory_opt_backend {backend.name}` is configured, but the model this Trainer "
+                f"trains ({type(model).__name__}) holds no module of that backend: transformers "
+                f"{transformers.__version__} trained a model that did not pass through `Trainer._wrap_model`, where "
+                f"the backend wraps it, so the run would go on without the recompute asked for. Use a transformers "
+                f"release optimum-memopt supports (setup.cfg), or pass `--use_ort false` to train without it"
+            )
+        self._memopt_wrap_seen = True
+
     def training_step(self, model, inputs, *args, **kwargs):
+        self._memopt_check_wrapped(model)
         # Every micro-batch, before the loss is computed (a label smoother or a custom compute_loss may pop labels).
         self._memopt_notify("observe_batch", inputs, self.state)
         return super().training_step(model, inputs, *args, **kwargs)
@@ -386,8 +400,9 @@ class MemoptTrainerMixin:
     # -- optimizer -----------------------------------------------------------------------------------
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
-        if getattr(args, "optim", None) == ORT_FUSED:
-            cls, kwargs, message = OrtBackend().optimizer(args)
+        chosen = optimizer_for(args)  # a backend's own `--optim` name (`adamw_ort_fused`)
+        if chosen is not None:
+            cls, kwargs, message = chosen
             if args.process_index == 0:
                 logger.warning("%s", message) if "instead" in message else logger.info("%s", message)
             return cls, kwargs

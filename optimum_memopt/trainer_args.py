@@ -6,7 +6,6 @@ value and shows an accepted form. Installation, device and precision checks run 
 built (`MemoptTrainerMixin`).
 """
 
-import json
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -15,76 +14,24 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from . import _deepspeed, compat
-from .backends.ort import FALLBACK_POLICIES, LOG_LEVELS, ORT_FUSED
-from .config import BACKEND_FLAG, BACKENDS, CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
+from .backends import NAMES, NONE, BackendFlags, all_backends, backend_flags, get_backend, optimizer_names
+from .config import BACKEND_FLAG, CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
 from .plans import EXAMPLE
 
 compat.check_arguments_types()
 
-ENV_CONFIG = "ORTMODULE_MEMORY_OPT_CONFIG"
-ENV_LEVEL = "ORTMODULE_MEMORY_OPT_LEVEL"
-# Flags that only mean something when the model trains through ORTModule, with their defaults.
-ORT_ONLY_FLAGS = {
+# The memory flags every backend reads, with their defaults; with `--use_ort false` (no backend) they are refused,
+# as are the backends' own flags (`backends.backend_flags()`).
+SHARED_FLAGS = {
     "memory_opt_backend": None,
     "memory_opt_config": None,
     "memory_opt_level": None,
     "memory_budget_mb": None,
-    "ort_loss_in_graph": False,
-    "ort_save_onnx_dir": None,
-    "ort_cache_dir": None,
-    "ort_log_level": "WARNING",
-    "ort_fallback_policy": "disable",
-    # optimum ORTTrainer's names for some of them
-    "use_module_with_loss": False,
-    "save_onnx": False,
-    "onnx_prefix": None,
-    "onnx_log_level": None,
 }
-# Of those, the ones that configure ONNX Runtime itself: refused with the torch backend.
-_SHARED = ("memory_opt_backend", "memory_opt_config", "memory_opt_level", "memory_budget_mb")
-ORT_BACKEND_FLAGS = {k: v for k, v in ORT_ONLY_FLAGS.items() if k not in _SHARED}
-
-
-def _zero_stage(config) -> Optional[float]:
-    """The ZeRO stage of a DeepSpeed config (dict or JSON path); None when it sets none."""
-    if isinstance(config, str):
-        try:
-            with open(config, encoding="utf-8") as f:
-                config = json.load(f)
-        except (OSError, ValueError):
-            return None  # DeepSpeed reports a missing or broken file itself
-    if not isinstance(config, dict):
-        return None
-    zero = config.get("zero_optimization")
-    if not isinstance(zero, dict):
-        return None
-    stage = zero.get("stage")
-    try:
-        return float(stage)
-    except (TypeError, ValueError):
-        return None
-
-
-def _check_dir_flag(flag: str, path: Optional[str]) -> None:
-    if not path:
-        return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(
-            f"`{flag}` is {path!r}, which is a file; expected a directory (created when missing), as in "
-            f"`{flag} outputs/ort`"
-        )
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"`{flag}` is {path!r}, but {parent!r} cannot be written; give a writable directory, as in "
-            f"`{flag} outputs/ort`"
-        )
 
 
 @dataclass
-class MemoptTrainingArguments(TrainingArguments):
+class MemoptTrainingArguments(BackendFlags, TrainingArguments):
     """
     `TrainingArguments` for training through ONNX Runtime Training's ORTModule with its memory optimizer.
 
@@ -137,7 +84,7 @@ class MemoptTrainingArguments(TrainingArguments):
         metadata={
             "help": "The optimizer to use; `adamw_ort_fused` is ONNX Runtime's FusedAdam (CUDA; elsewhere the fused "
             "torch AdamW is used instead, and the log says so).",
-            "choices": [o.value for o in OptimizerNames] + [ORT_FUSED],
+            "choices": [o.value for o in OptimizerNames] + list(optimizer_names()),
         },
     )
     use_ort: bool = field(
@@ -150,9 +97,10 @@ class MemoptTrainingArguments(TrainingArguments):
     memory_opt_backend: Optional[str] = field(
         default=None,
         metadata={
-            "help": "What applies the plans: `ort` (ONNX Runtime Training's ORTModule; torch <= 2.4) or `torch` "
-            "(current PyTorch, torch >= 2.5). Default: `ort` where onnxruntime-training is installed, else `torch`.",
-            "choices": [None, *BACKENDS],
+            "help": "What applies the plans: `ort` (ONNX Runtime Training's ORTModule; torch <= 2.4), `torch` "
+            "(current PyTorch, torch >= 2.5) or `none` (plain PyTorch, as `--use_ort false`). Default: `ort` where "
+            "onnxruntime-training is installed, else `torch`.",
+            "choices": [None, *NAMES, NONE],
         },
     )
     memory_opt_config: Optional[str] = field(
@@ -182,10 +130,6 @@ class MemoptTrainingArguments(TrainingArguments):
     memory_probe_steps: int = field(
         default=6, metadata={"help": "With --memory_opt_config auto: training steps per measured configuration."}
     )
-    ort_log_level: str = field(
-        default="WARNING",
-        metadata={"help": "ORTModule log level. INFO and below add ORT's own output.", "choices": list(LOG_LEVELS)},
-    )
     log_memory_plans: bool = field(
         default=True,
         metadata={"help": "After the first step, log the recompute plans found and write memory_plans.json."},
@@ -203,49 +147,12 @@ class MemoptTrainingArguments(TrainingArguments):
     input_density_table_steps: int = field(
         default=10, metadata={"help": "With --print_input_density, log a density table every this many steps."}
     )
-    ort_fallback_policy: str = field(
-        default="disable",
-        metadata={
-            "help": "disable: an ORT failure stops training; default: ORT's policy, which may fall back to PyTorch.",
-            "choices": list(FALLBACK_POLICIES),
-        },
-    )
-    ort_save_onnx_dir: Optional[str] = field(
-        default=None, metadata={"help": "Save the ONNX graphs ORTModule exports into this directory (debugging)."}
-    )
-    ort_cache_dir: Optional[str] = field(
-        default=None, metadata={"help": "Cache the exported ONNX model here to skip the export on later runs."}
-    )
-    ort_loss_in_graph: bool = field(
-        default=False,
-        metadata={
-            "help": "Only the loss leaves ORT's graph (logits stay inside), so label-sparsity optimizations apply."
-        },
-    )
     memory_measure_out: Optional[str] = field(
         default=None,
         metadata={
             "help": "Used by the advisor's measuring runs: write peak memory, step times and the plan report "
             "to this JSON file, and do not save the model."
         },
-    )
-    # The names optimum's ORTTrainingArguments (1.27) used, so a script moves here by changing its imports.
-    use_module_with_loss: bool = field(
-        default=False, metadata={"help": "optimum ORTTrainer's name for --ort_loss_in_graph (accepted, said once)."}
-    )
-    save_onnx: bool = field(
-        default=False,
-        metadata={
-            "help": "optimum ORTTrainer's switch for saving ORT's graphs: here --ort_save_onnx_dir "
-            "($ORTMODULE_SAVE_ONNX_PATH, else --output_dir); needs --onnx_prefix, as there."
-        },
-    )
-    onnx_prefix: Optional[str] = field(
-        default=None, metadata={"help": "With --save_onnx: the prefix of the saved graphs' file names."}
-    )
-    onnx_log_level: Optional[str] = field(
-        default=None,
-        metadata={"help": "optimum ORTTrainer's name for --ort_log_level.", "choices": [None, *LOG_LEVELS]},
     )
     # Derived: the validated memory settings, built from the flags above (and ORT's variables) in __post_init__,
     # and one line per ORTTrainer name that was translated (logged once, on rank 0, when the trainer is built).
@@ -254,31 +161,32 @@ class MemoptTrainingArguments(TrainingArguments):
     memory_opt_notes: List[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self):
-        self._check_ort_only()
+        if self.memory_opt_backend == NONE:
+            self.use_ort = False  # `--memory_opt_backend none` is what `--use_ort false` says
+        self._check_no_backend_flags()
         self._resolve_backend()
-        self._translate_ort_trainer_names()
         self._check_choices()
         self.memory_opt = self._build_memory_config()
-        if self.use_ort and self.memory_opt.backend == "torch":
-            self._check_torch_conflicts()
-        elif self.use_ort:
-            self._check_ort_conflicts()
-        # transformers no longer lists `adamw_ort_fused`: the parent validates a stand-in, and the value is put back.
+        # The chosen backend checks its own flags and what it cannot run with (before the parent's __post_init__,
+        # which would start the distributed set-up); its notes are logged once, on rank 0, by the trainer.
+        self.ort_trainer_notes = get_backend(self.memory_opt.backend).check_args(self) if self.use_ort else []
         if _deepspeed.requested(self.deepspeed):
             _deepspeed.import_early()
+        # transformers does not list the backends' optimizers: the parent validates a stand-in, and the value is put
+        # back; the optimizer it stands for is decided when the optimizer is built.
         asked = getattr(self.optim, "value", self.optim)
-        if asked == ORT_FUSED:
+        if asked in optimizer_names():
             self.optim = "adamw_torch"
         super().__post_init__()
-        if asked == ORT_FUSED:
-            self.optim = ORT_FUSED
+        if asked in optimizer_names():
+            self.optim = asked
 
     def _resolve_backend(self):
         notes = []
-        if self.memory_opt_backend is not None and self.memory_opt_backend not in BACKENDS:
+        if self.memory_opt_backend is not None and self.memory_opt_backend not in (*NAMES, NONE):
             raise ValueError(
-                f"`{BACKEND_FLAG}` is {self.memory_opt_backend!r}; expected one of {', '.join(map(repr, BACKENDS))}, "
-                f"as in `{BACKEND_FLAG} torch`"
+                f"`{BACKEND_FLAG}` is {self.memory_opt_backend!r}; expected one of "
+                f"{', '.join(map(repr, (*NAMES, NONE)))}, as in `{BACKEND_FLAG} torch`"
             )
         if self.use_ort and self.memory_opt_backend is None:
             from .backends import default_backend
@@ -289,108 +197,54 @@ class MemoptTrainingArguments(TrainingArguments):
                     f"memory optimizer: the torch backend (onnxruntime-training is not installed; `{BACKEND_FLAG} "
                     f"ort` needs it, with torch <= 2.4)"
                 )
-        if self.use_ort and self.memory_opt_backend == "torch":
-            given = [f"--{k}" for k, default in ORT_BACKEND_FLAGS.items() if getattr(self, k) != default]
-            if getattr(self.optim, "value", self.optim) == ORT_FUSED:
-                given.append(f"--optim {ORT_FUSED}")
-            if given:
-                raise ValueError(
-                    f"`{'`, `'.join(given)}` configure ONNX Runtime, but `{BACKEND_FLAG} torch` trains without it; "
-                    f"drop them (for the optimizer: `--optim adamw_torch_fused`), or use `{BACKEND_FLAG} ort`"
-                )
-            ignored = [v for v in (ENV_CONFIG, ENV_LEVEL) if os.environ.get(v)]
-            if ignored:
-                notes.append(
-                    f"${' and $'.join(ignored)} set in the environment: ONNX Runtime's variables, not read by the "
-                    f"torch backend; give `{CONFIG_FLAG}` / `{LEVEL_FLAG}` instead"
-                )
+        if self.use_ort:
+            chosen = get_backend(self.memory_opt_backend)
+            optim = getattr(self.optim, "value", self.optim)
+            for other in all_backends():
+                if other.name == chosen.name:
+                    continue
+                given = [f"--{k}" for k, default in other.flags.items() if getattr(self, k) != default]
+                if optim in other.optimizers:
+                    given.append(f"--optim {optim}")
+                if given:
+                    raise ValueError(
+                        f"`{'`, `'.join(given)}` configure {other.title}, but `{BACKEND_FLAG} {chosen.name}` trains "
+                        f"without it; drop them (for the optimizer: `--optim adamw_torch_fused`), or use "
+                        f"`{BACKEND_FLAG} {other.name}`"
+                    )
+                ignored = [v for v in (other.env_plans, other.env_level) if v and os.environ.get(v)]
+                if ignored:
+                    notes.append(
+                        f"${' and $'.join(ignored)} set in the environment: {other.title}'s variables, not read by "
+                        f"{chosen.title}; give `{CONFIG_FLAG}` / `{LEVEL_FLAG}` instead"
+                    )
         self.memory_opt_notes = notes
-
-    def _check_torch_conflicts(self):
-        if self.gradient_checkpointing:
-            raise ValueError(
-                "`--gradient_checkpointing` with the torch backend would recompute the same layers twice over; use "
-                f"the backend's whole-layer recompute instead, as in `{LEVEL_FLAG} 1`, or pass `--use_ort false`"
-            )
-        if self.torch_compile:
-            raise ValueError(
-                "`--torch_compile` with the torch backend: its recompute runs in Python hooks (a dispatch mode and "
-                "saved-tensor hooks) that torch.compile would trace or break around; drop `--torch_compile`, or pass "
-                "`--use_ort false` to compile plain PyTorch"
-            )
-        stage = _zero_stage(self.deepspeed) if self.deepspeed else None
-        if stage == 3:
-            raise ValueError(
-                "`--deepspeed` selects ZeRO stage 3 with the torch backend, which is not tested with it (ZeRO-3 "
-                "gathers parameters inside the layers the backend recomputes); use ZeRO stage 1 or 2 "
-                "(examples/configs/ds_zero2.json), or `--use_ort false`"
-            )
-
-    def _translate_ort_trainer_names(self):
-        notes = []
-        if self.use_module_with_loss:
-            self.ort_loss_in_graph = True
-            notes.append(
-                "`--use_module_with_loss` (optimum's ORTTrainer) is `--ort_loss_in_graph` here: the loss is "
-                "computed inside ORT's graph"
-            )
-        if self.onnx_log_level is not None:
-            if self.ort_log_level not in ("WARNING", self.onnx_log_level):
-                raise ValueError(
-                    f"`--onnx_log_level {self.onnx_log_level}` and `--ort_log_level {self.ort_log_level}` "
-                    f"disagree; give one of them, as in `--ort_log_level {self.onnx_log_level}`"
-                )
-            self.ort_log_level = self.onnx_log_level
-            notes.append(f"`--onnx_log_level {self.onnx_log_level}` (optimum's ORTTrainer) is `--ort_log_level` here")
-        if self.save_onnx:
-            if not self.onnx_prefix:
-                raise ValueError(
-                    "`--save_onnx` needs `--onnx_prefix`, as in optimum's ORTTrainer (`--save_onnx "
-                    "--onnx_prefix my_model`); or give the directory alone, as in `--ort_save_onnx_dir "
-                    "outputs/onnx`"
-                )
-            if not self.ort_save_onnx_dir:
-                self.ort_save_onnx_dir = os.environ.get("ORTMODULE_SAVE_ONNX_PATH") or self.output_dir
-            notes.append(
-                f"`--save_onnx` (optimum's ORTTrainer) is `--ort_save_onnx_dir {self.ort_save_onnx_dir}` "
-                f"here, file names prefixed {self.onnx_prefix!r}"
-            )
-        elif self.onnx_prefix and not self.ort_save_onnx_dir:
-            notes.append(
-                f"`--onnx_prefix {self.onnx_prefix}` has no effect without `--save_onnx` (or `--ort_save_onnx_dir`)"
-            )
-        self.ort_trainer_notes = notes
 
     # -- checks that need nothing but the values -------------------------------------------------------
     def _check_choices(self):
-        """The constructor checks what the command line's `choices` check."""
-        for name, allowed in (("ort_log_level", LOG_LEVELS), ("ort_fallback_policy", FALLBACK_POLICIES)):
-            value = getattr(self, name)
-            if value not in allowed:
-                near = [a for a in allowed if isinstance(value, str) and a.lower() == value.strip().lower()]
-                hint = f"; did you mean {near[0]!r}?" if near else ""
-                raise ValueError(
-                    f"`--{name}` is {value!r}; expected one of {', '.join(map(repr, allowed))}, as in "
-                    f"`--{name} {allowed[0]}`{hint}"
-                )
-        # the budget and the probe limits are MemoryOptConfig's to check
+        """The constructor checks what the command line's `choices` check (the backends check their own flags);
+        the budget and the probe limits are MemoryOptConfig's to check."""
         value = self.input_density_table_steps
         if type(value) is not int or value < 1:
             raise ValueError(
                 f"`--input_density_table_steps` is {value!r}; expected a positive integer, as in "
                 f"`--input_density_table_steps 10`"
             )
-        _check_dir_flag("--ort_save_onnx_dir", self.ort_save_onnx_dir)
-        _check_dir_flag("--ort_cache_dir", self.ort_cache_dir)
 
-    def _check_ort_only(self):
+    def _check_no_backend_flags(self):
         if self.use_ort:
             return
-        given = [f"--{k}" for k, default in ORT_ONLY_FLAGS.items() if getattr(self, k) != default]
+        flags = {**SHARED_FLAGS, **backend_flags()}
+        given = [
+            f"--{k}"
+            for k, default in flags.items()
+            if getattr(self, k) != default and not (k == "memory_opt_backend" and getattr(self, k) == NONE)
+        ]
         if given:
+            off = f"`{BACKEND_FLAG} none`" if self.memory_opt_backend == NONE else "`--use_ort false`"
             raise ValueError(
-                f"`{'`, `'.join(given)}` configure ONNX Runtime's memory optimizer, but `--use_ort false` trains in "
-                f"plain PyTorch; drop `--use_ort false`, or drop those flags"
+                f"`{'`, `'.join(given)}` configure ONNX Runtime's memory optimizer, but {off} trains in "
+                f"plain PyTorch; drop {off}, or drop those flags"
             )
 
     def _build_memory_config(self) -> MemoryOptConfig:
@@ -398,20 +252,24 @@ class MemoptTrainingArguments(TrainingArguments):
         # and only when training through ORT.
         sources = {}
         plans = self.memory_opt_config
-        ort = self.use_ort and self.memory_opt_backend == "ort"
-        if plans is None and ort and os.environ.get(ENV_CONFIG):
-            plans, sources["plans"] = os.environ[ENV_CONFIG], f"${ENV_CONFIG}"
+        backend = self.memory_opt_backend if self.memory_opt_backend in NAMES else "ort"
+        env_plans, env_level = (None, None)
+        if self.use_ort:
+            chosen = get_backend(backend)
+            env_plans, env_level = chosen.env_plans, chosen.env_level
+        if plans is None and env_plans and os.environ.get(env_plans):
+            plans, sources["plans"] = os.environ[env_plans], f"${env_plans}"
         level = self.memory_opt_level
-        if level is None and ort and os.environ.get(ENV_LEVEL):
-            text = os.environ[ENV_LEVEL].strip()
-            sources["level"] = f"${ENV_LEVEL}"
+        if level is None and env_level and os.environ.get(env_level):
+            text = os.environ[env_level].strip()
+            sources["level"] = f"${env_level}"
             level = int(text) if text in ("0", "1", "2") else text
         if level is None:
             level = 0
         config = MemoryOptConfig(
             plans=plans,
             level=level,
-            backend=self.memory_opt_backend or "ort",
+            backend=backend,
             budget_mb=self.memory_budget_mb,
             probe_max_plans=self.memory_probe_max_plans,
             probe_steps=self.memory_probe_steps,
@@ -426,50 +284,11 @@ class MemoptTrainingArguments(TrainingArguments):
             )
         return config
 
-    def _check_ort_conflicts(self):
-        stage = _zero_stage(self.deepspeed) if self.deepspeed else None
-        via = "`--deepspeed`"
-        if (
-            stage is None
-            and not self.deepspeed
-            and os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes")
-        ):
-            path = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
-            if path and path != "none":
-                stage, via = _zero_stage(path), f"accelerate's deepspeed_config_file {path!r}"
-            if stage is None:
-                try:
-                    stage, via = (
-                        float(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")),
-                        "accelerate's zero_stage",
-                    )
-                except ValueError:
-                    stage = None
-        if stage == 3:
-            # Checked before the parent's __post_init__, which would start DeepSpeed's distributed setup.
-            raise ValueError(
-                f"{via} selects ZeRO stage 3, which ORTModule cannot run with the pinned stack: ORT 1.19's stage-3 "
-                f"support imports `_apply_to_tensors_only` from deepspeed.runtime.zero.parameter_offload, which "
-                f"DeepSpeed 0.15 renamed (ImportError). Use ZeRO stage 1 or 2 (examples/configs/ds_zero2.json), or "
-                f"`--use_ort false`"
-            )
-        if self.gradient_checkpointing:
-            raise ValueError(
-                "`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's "
-                f"recompute instead, as in `{LEVEL_FLAG} 1`, or pass `--use_ort false`"
-            )
-        if self.torch_compile:
-            raise ValueError(
-                "`--torch_compile` with ORTModule: dynamo traces ORT's own export (75-105 s before the first step on "
-                "the small recipe model) and speeds nothing up, since ORT runs the graph; drop `--torch_compile`, or "
-                "pass `--use_ort false`"
-            )
-
     # -- what the run was asked to do ------------------------------------------------------------------
     @property
     def memory_opt_summary(self) -> str:
         if not self.use_ort:
-            return "plain PyTorch (ORTModule off)"
+            return "plain PyTorch (ORTModule off)" if self.memory_opt_backend != NONE else "plain PyTorch (no backend)"
         return self.memory_opt.summary() + (" (torch backend)" if self.memory_opt.backend == "torch" else "")
 
     def to_dict(self):

@@ -10,7 +10,7 @@ os.environ.setdefault("WANDB_DISABLED", "true")
 import pytest  # noqa: E402
 
 from optimum_memopt.backends import ort as _ort  # noqa: E402
-from optimum_memopt.backends import torch_recompute as _torch_backend  # noqa: E402
+from optimum_memopt.backends import torch as _torch_backend  # noqa: E402
 
 # Two stacks (README "Two stacks"): the ORT stack (torch 2.4, onnxruntime-training) and the modern stack (torch
 # >= 2.5, no ORT). Tests marked `ort` need ONNX Runtime Training or its defaults; `torch_backend` tests need torch

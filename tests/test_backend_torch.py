@@ -19,7 +19,9 @@ from transformers import (
 )
 
 from optimum_memopt import MemoptTrainingArguments
-from optimum_memopt.backends import torch_recompute as tr
+from optimum_memopt.backends.torch.layers import find_layers
+from optimum_memopt.backends.torch.names import canonical_ops
+from optimum_memopt.backends.torch.policy import RecomputePolicy
 from optimum_memopt.plans import PlanEntry
 
 pytestmark = pytest.mark.torch_backend
@@ -100,20 +102,20 @@ def report_of(tmp_path, name="run"):
     ],
 )
 def test_plan_names_map_ort_operators_to_torch_ops(subgraph, names, unknown):
-    assert tr.canonical_ops(subgraph) == (names, unknown)
+    assert canonical_ops(subgraph) == (names, unknown)
 
 
 @pytest.mark.parametrize(
     "arch,cls", [("bert", "BertLayer"), ("llama", "LlamaDecoderLayer"), ("qwen2", "Qwen2DecoderLayer")]
 )
 def test_layers_are_found(arch, cls):
-    layers = tr.find_layers(build_model(arch))
+    layers = find_layers(build_model(arch))
     assert [type(m).__name__ for m in layers] == [cls, cls]
 
 
 @pytest.mark.parametrize("arch", ["deberta", "roberta"])
 def test_layers_are_found_in_encoders(arch):
-    layers = tr.find_layers(tiny_model(arch))
+    layers = find_layers(tiny_model(arch))
     assert len(layers) == 2 and type(layers[0]).__name__.endswith("Layer")
 
 
@@ -334,8 +336,9 @@ def test_resume_and_reload_without_the_backend(tmp_path):
 
 
 def test_count_applies_to_the_first_layers():
-    apply, unknown = tr._layer_apply([PlanEntry("Gelu+", 1, 1), PlanEntry("BiasSoftmax+", 1, -1)], 3)
-    assert apply == [{"Gelu", "Softmax"}, {"Softmax"}, {"Softmax"}] and unknown == []
+    policy = RecomputePolicy.from_plans([PlanEntry("Gelu+", 1, 1), PlanEntry("BiasSoftmax+", 1, -1)], 0, 3)
+    assert [set(p.ops) for p in policy.layers] == [{"Gelu", "Softmax"}, {"Softmax"}, {"Softmax"}]
+    assert [r.unknown for r in policy.requests] == [(), ()]
 
 
 # -- the GLUE recipe, as a user runs it ------------------------------------------------------------------------------
@@ -408,5 +411,5 @@ def test_a_model_trained_by_a_second_trainer_gets_that_trainers_plans(tmp_path):
     on = {p["config"] for p in report_of(tmp_path, "b")["plans"] if p["enabled"]}
     assert on == {"LayerNormalization+:1:-1"}
     state = model._memopt_recompute
-    for i, layer in enumerate(tr.find_layers(model)):  # one level of wrapping, the second trainer's
+    for i, layer in enumerate(find_layers(model)):  # one level of wrapping, the second trainer's
         assert layer.forward.func == state.layer_forward and state.originals[i].__func__ is type(layer).forward

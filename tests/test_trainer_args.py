@@ -12,9 +12,9 @@ import pytest
 from transformers import HfArgumentParser
 
 from optimum_memopt import MemoptTrainingArguments
+from optimum_memopt._deepspeed import stage_of_config as _zero_stage
 from optimum_memopt.backends import ort
 from optimum_memopt.config import MemoryOptConfig
-from optimum_memopt.trainer_args import _zero_stage
 
 BASE = ["--output_dir", "unused_out", "--report_to", "none", "--use_cpu"]
 

@@ -1,8 +1,12 @@
 """The backend seam: what the trainer hook asks of a memory-optimizer backend.
 
 A backend turns validated settings into a wrapped model that recomputes what the plans say, and
-reports, after the first training step, what it found and applied (`PlanReport`). The hook
-(`optimum_memopt.trainer`) calls only the methods below, in this order:
+reports, after the first training step, what it found and applied (`PlanReport`). The arguments
+(`optimum_memopt.trainer_args`) and the hook (`optimum_memopt.trainer`) call only the methods below, in this order:
+
+0. `check_args(args)` while the arguments are built (before the Trainer's own set-up): the backend's own flags and
+   the conflicts it cannot run with, raised as `ValueError` naming the flag; returns notes to log once;
+   `before_trainer(args)` just before `Trainer.__init__`;
 
 1. `problem()` when the trainer is built: why the backend cannot run here, with the command that
    fixes it (None when it can);
@@ -10,18 +14,20 @@ reports, after the first training step, what it found and applied (`PlanReport`)
    precision, a launch) and that the arguments alone could not decide;
 3. `prepare(model)` before wrapping (and again for each model `model_init` builds): in-place
    changes the backend needs, returned as one log line each;
-4. `wrap(model, settings)` inside `Trainer._wrap_model`, before DDP / DeepSpeed wrap the result;
+4. `wrap(model, settings)` inside `Trainer._wrap_model`, before DDP / DeepSpeed wrap the result (`options(args)`
+   builds the backend's part of the settings);
 5. `find(model)`: the backend's module inside DDP / DeepSpeed wrappers, or None;
 6. `plan_report(wrapped, settings)` after the first training step;
 7. `optimizer(args)` when the optimizer is built: a backend-specific optimizer for `args.optim`, or None;
 8. `on_optimizer_ready(optimizer, args, deepspeed)` once the optimizer exists: backend-specific changes
    to it, returned as one honest log line (or None).
 
-A new backend is one module implementing this class, registered in `optimum_memopt.backends`.
+A new backend is one module implementing this class, registered in `optimum_memopt.backends`; its own flags
+(if any) are a dataclass joined into `optimum_memopt.backends.BackendFlags`.
 """
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -40,9 +46,23 @@ class WrapSettings:
 
 class Backend:
     name = "base"
+    title = "the base backend"  # how messages name what the backend runs
+    flags: Dict[str, object] = {}  # the backend's own flags with their defaults (refused with another backend)
+    optimizers: Tuple[str, ...] = ()  # `--optim` names the backend provides (`optimizer(args)` builds them)
+    env_plans: Optional[str] = None  # environment variables read when `--memory_opt_config` / `_level` are absent
+    env_level: Optional[str] = None
 
     def problem(self) -> Optional[str]:
         raise NotImplementedError
+
+    def check_args(self, args) -> List[str]:
+        return []
+
+    def options(self, args) -> dict:
+        return {}
+
+    def before_trainer(self, args) -> None:
+        pass
 
     def check(self, args) -> None:
         pass

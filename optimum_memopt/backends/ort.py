@@ -34,16 +34,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from .. import _deepspeed
 from .. import plans as grammar
 from ..model_compat import use_eager_attention
 from ..plans import FoundPlan, PlanReport
+from . import ort_flags
 from .base import Backend, WrapSettings
+from .ort_flags import ENV_CONFIG, ENV_LEVEL, FALLBACK_POLICIES, LOG_LEVELS, ORT_FUSED  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
-
-LOG_LEVELS = ("WARNING", "INFO", "DEVINFO", "VERBOSE", "ERROR", "FATAL")
-FALLBACK_POLICIES = ("disable", "default")
-ORT_FUSED = "adamw_ort_fused"
 
 INSTALL_HINT = (
     "pip install 'optimum-memopt[cpu]' (CPU build: onnxruntime-training-cpu==1.19.2) or "
@@ -255,9 +254,53 @@ def _without_cpu_arena(manager) -> None:
 
 class OrtBackend(Backend):
     name = "ort"
+    title = "ONNX Runtime"
+    flags = ort_flags.FLAGS
+    optimizers = (ORT_FUSED,)
+    env_plans, env_level = ENV_CONFIG, ENV_LEVEL
 
     def problem(self) -> Optional[str]:
         return problem()
+
+    def check_args(self, args) -> List[str]:
+        notes = ort_flags.translate_optimum_names(args)
+        ort_flags.check_choices(args)
+        stage, via = _deepspeed.zero_stage(args.deepspeed)
+        if stage == 3:
+            # Checked before the Trainer's own set-up, which would start DeepSpeed's distributed setup.
+            raise ValueError(
+                f"{via} selects ZeRO stage 3, which ORTModule cannot run with the pinned stack: ORT 1.19's stage-3 "
+                f"support imports `_apply_to_tensors_only` from deepspeed.runtime.zero.parameter_offload, which "
+                f"DeepSpeed 0.15 renamed (ImportError). Use ZeRO stage 1 or 2 (examples/configs/ds_zero2.json), or "
+                f"`--use_ort false`"
+            )
+        if args.gradient_checkpointing:
+            raise ValueError(
+                "`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's "
+                "recompute instead, as in `--memory_opt_level 1`, or pass `--use_ort false`"
+            )
+        if args.torch_compile:
+            raise ValueError(
+                "`--torch_compile` with ORTModule: dynamo traces ORT's own export (75-105 s before the first step on "
+                "the small recipe model) and speeds nothing up, since ORT runs the graph; drop `--torch_compile`, or "
+                "pass `--use_ort false`"
+            )
+        return notes
+
+    def options(self, args) -> dict:
+        return {
+            "log_level": args.ort_log_level,
+            "fallback_policy": args.ort_fallback_policy,
+            "save_onnx_dir": args.ort_save_onnx_dir,
+            "cache_dir": args.ort_cache_dir,
+            "onnx_prefix": args.onnx_prefix,
+        }
+
+    def before_trainer(self, args) -> None:
+        if not _deepspeed.requested(args.deepspeed) and is_installed():
+            # torch._dynamo imports onnxruntime inside Trainer.__init__, and ORT imports DeepSpeed where it is
+            # installed; imported first here, without the banners of a DeepSpeed this run does not use.
+            import_quietly(args.ort_log_level)
 
     def check(self, args) -> None:
         if args.fp16 and args.device.type == "cpu":

@@ -1,0 +1,51 @@
+"""Every private PyTorch access of the torch backend, in one place.
+
+Each name below reaches into something torch does not promise to keep (an underscore module, attribute or
+function). tests/test_torch_api.py checks each against the installed torch, so a release that moves one fails
+CI, not a user's run; where a public fallback exists, it is used when the private path is gone.
+"""
+
+import torch
+
+try:  # torch >= 2.0: the base class of Python dispatch modes (the tracker subclasses it at import)
+    from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401 (re-exported for the tracker)
+except ImportError as e:  # pragma: no cover - checked by tests/test_torch_api.py
+    raise ImportError(
+        f"optimum-memopt's torch backend needs torch.utils._python_dispatch.TorchDispatchMode, which torch "
+        f"{torch.__version__} does not have ({e}); use the torch version of constraints-torch.txt"
+    ) from e
+
+# Ops whose outputs alias an input, for torches whose op schemas cannot be read (the fallback of `returns_alias`).
+_ALIASING = frozenset(
+    "view _unsafe_view alias as_strided t transpose permute expand slice select unsqueeze squeeze reshape "
+    "unbind split chunk narrow diagonal view_as unflatten flatten detach".split()
+)
+
+
+def top_saved_tensors_hooks():
+    """The (pack, unpack) saved-tensor hooks active now (torch.utils.checkpoint's, inside a checkpointed layer), or
+    None. Private: `torch._C._autograd._top_saved_tensors_default_hooks`; without it, None (nothing to chain)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return None
+    return top(False)
+
+
+def returns_alias(func) -> bool:
+    """Whether an aten op's outputs alias its inputs (views, in-place and out= ops), read from its schema (private
+    `OpOverload._schema`); without a schema, from its name (views listed above, in-place ops end in `_`)."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return any(r.alias_info is not None for r in schema.returns)
+    name = op_name(func)
+    return name.endswith("_") or name in _ALIASING
+
+
+def op_name(func) -> str:
+    """The overload packet's name of an aten op (`gelu` for `aten.gelu.default`)."""
+    return func.overloadpacket.__name__
+
+
+def version(t: torch.Tensor) -> int:
+    """Autograd's version counter of a tensor (private `Tensor._version`): bumped by every in-place change."""
+    return t._version

@@ -1,0 +1,96 @@
+"""`TorchBackend`: the seam's face of the torch backend. It imports the engine only when it wraps a model, so that
+building the arguments (which asks backends to check their flags) loads no dispatch mode or hook machinery."""
+
+import weakref
+from typing import List, Optional
+
+from torch import nn
+
+from ... import _deepspeed
+from ...plans import PlanReport
+from ..base import Backend, WrapSettings
+from . import torch_problem
+from .layers import find_layers
+from .policy import RecomputePolicy
+
+STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    title = "the torch backend"
+
+    def __init__(self):
+        self._mine = weakref.WeakSet()  # the states this backend installed
+
+    def problem(self) -> Optional[str]:
+        return torch_problem()
+
+    def check_args(self, args) -> List[str]:
+        if args.gradient_checkpointing:
+            raise ValueError(
+                "`--gradient_checkpointing` with the torch backend would recompute the same layers twice over; use "
+                "the backend's whole-layer recompute instead, as in `--memory_opt_level 1`, or pass `--use_ort false`"
+            )
+        if args.torch_compile:
+            raise ValueError(
+                "`--torch_compile` with the torch backend: its recompute runs in Python hooks (a dispatch mode and "
+                "saved-tensor hooks) that torch.compile would trace or break around; drop `--torch_compile`, or pass "
+                "`--use_ort false` to compile plain PyTorch"
+            )
+        stage, via = _deepspeed.zero_stage(args.deepspeed)
+        if stage == 3:
+            raise ValueError(
+                f"{via} selects ZeRO stage 3 with the torch backend, which is not tested with it (ZeRO-3 "
+                f"gathers parameters inside the layers the backend recomputes); use ZeRO stage 1 or 2 "
+                f"(examples/configs/ds_zero2.json), or `--use_ort false`"
+            )
+        return []
+
+    def wrap(self, model: nn.Module, settings: WrapSettings) -> nn.Module:
+        layers = find_layers(model)
+        if not layers:
+            raise ValueError(
+                f"the torch backend recomputes inside transformer layers, but found no list of repeated layers in "
+                f"{type(model).__name__} (an nn.ModuleList of blocks); train it with `--use_ort false`"
+            )
+        return self.apply_policy(model, RecomputePolicy.from_plans(settings.entries, settings.level, len(layers)))
+
+    def apply_policy(self, model: nn.Module, policy: RecomputePolicy) -> nn.Module:
+        """Install `policy` on the model's layers (a model wrapped before, by another trainer, starts clean)."""
+        from .engine import RecomputeState
+
+        previous = vars(model).get(STATE)
+        if isinstance(previous, RecomputeState):
+            previous.uninstall()
+        state = RecomputeState(find_layers(model), policy)
+        state.install()
+        setattr(model, STATE, state)
+        self._mine.add(state)
+        return model
+
+    def find(self, model) -> Optional[nn.Module]:
+        """The model this backend wrapped, inside DDP / DeepSpeed wrappers; a model another trainer's backend
+        wrapped is not this one's."""
+        for _ in range(8):
+            if model is None:
+                return None
+            state = getattr(model, "__dict__", {}).get(STATE)
+            if state is not None and state in self._mine:
+                return model
+            model = getattr(model, "module", None)
+        return None
+
+    def describe(self, wrapped: nn.Module) -> str:
+        state = getattr(wrapped, STATE)
+        return (
+            f"{type(wrapped).__name__} with the torch backend ({len(state.layers)} layers, {state.policy.describe()})"
+        )
+
+    def plan_report(self, wrapped: nn.Module, settings: WrapSettings) -> Optional[PlanReport]:
+        from .report import plan_report
+
+        state = getattr(wrapped, STATE)
+        if state.profile is None:
+            return None
+        return plan_report(state.policy, state.profile)

@@ -1,0 +1,70 @@
+"""The engine: each layer's forward run under its `LayerPolicy` (kept, planned ops recomputed from recipes, or the
+whole layer checkpointed), and the first training step profiled into a `ModelProfile`."""
+
+from functools import partial
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from .checkpoint import checkpointed
+from .hooks import finish, tracked
+from .layers import LayerForwards
+from .policy import LAYER, OPS, RecomputePolicy
+from .profile import LayerProfile, ModelProfile
+from .recipe import tensors_in
+from .tracking import LayerRun
+
+
+class RecomputeState:
+    """Attached to the model as `_memopt_recompute`: the layers, the policy they run under, what step one measured."""
+
+    def __init__(self, layers: List[nn.Module], policy: RecomputePolicy):
+        if len(policy.layers) != len(layers):
+            raise ValueError(f"a policy for {len(policy.layers)} layers given to a model with {len(layers)} layers")
+        self.layers = layers
+        self.policy = policy
+        self.profile: Optional[ModelProfile] = None  # filled by the first training forward
+        self._recording: Optional[List[LayerProfile]] = None
+        self._forwards = LayerForwards(layers)
+
+    @property
+    def originals(self):
+        return self._forwards.originals
+
+    def install(self) -> None:
+        self._forwards.install(lambda i: partial(self.layer_forward, i))
+
+    def uninstall(self) -> None:
+        self._forwards.uninstall()
+
+    def set_policy(self, policy: RecomputePolicy) -> None:
+        """Run the layers under another policy from the next forward on (call it between steps)."""
+        if len(policy.layers) != len(self.layers):
+            raise ValueError(f"a policy for {len(policy.layers)} layers given to a model with {len(self.layers)}")
+        self.policy = policy
+
+    def layer_forward(self, index: int, *args, **kwargs):
+        layer = self.layers[index]
+        original = self.originals[index]
+        if not (layer.training and torch.is_grad_enabled()):
+            return original(*args, **kwargs)
+        if index == 0 and self.profile is None and self._recording is None:
+            self._recording = [LayerProfile() for _ in self.layers]
+        record = self._recording[index] if self._recording is not None else None
+        if record is not None and not record.shape:
+            first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+            record.shape = tuple(first.shape) if first is not None else ()
+        policy = self.policy.layers[index]
+        if policy.mode == LAYER:
+            out = checkpointed(original, record, args, kwargs)
+        elif policy.mode == OPS or record is not None:
+            run = LayerRun(policy.ops, record)
+            with tracked(run):
+                out = original(*args, **kwargs)
+            finish(run, out, (args, kwargs))
+        else:
+            out = original(*args, **kwargs)
+        if record is not None and index == len(self.layers) - 1:
+            self.profile, self._recording = ModelProfile(self._recording), None
+        return out

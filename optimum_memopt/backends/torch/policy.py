@@ -1,0 +1,102 @@
+"""What each layer recomputes: one policy model, built once (from the plan grammar, later from the solver) and
+stored with the wrapped model; the engine executes it and the report reads it.
+
+A `LayerPolicy` is one of three modes: `keep` (nothing recomputed), `ops` (the outputs of the named ops are
+recomputed from kept inputs) or `layer` (the whole layer is checkpointed). Each op name remembers the request it
+came from, so the report never parses the arguments again. Pure: no torch state.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, FrozenSet, List, Sequence, Tuple
+
+from ...plans import PlanEntry
+from .names import canonical_ops
+
+KEEP, OPS, LAYER = "keep", "ops", "layer"
+MODES = (KEEP, OPS, LAYER)
+
+
+@dataclass(frozen=True)
+class LayerPolicy:
+    mode: str = KEEP
+    ops: FrozenSet[str] = frozenset()
+    origin: Tuple[Tuple[str, str], ...] = ()  # (plan name, the request that asked for it), one per op
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"layer policy mode {self.mode!r}; expected one of {', '.join(map(repr, MODES))}")
+        if self.mode == OPS and not self.ops:
+            raise ValueError("layer policy mode 'ops' needs at least one op name")
+        if self.mode != OPS and self.ops:
+            raise ValueError(f"layer policy mode {self.mode!r} takes no op names (got {sorted(self.ops)})")
+
+    @classmethod
+    def of_ops(cls, ops: Dict[str, str]) -> "LayerPolicy":
+        """Recompute these ops ({plan name: request}); no ops is `keep`."""
+        if not ops:
+            return cls()
+        return cls(OPS, frozenset(ops), tuple(sorted(ops.items())))
+
+
+@dataclass(frozen=True)
+class Request:
+    """One enabled plan entry as given, and what it stands for here."""
+
+    entry: PlanEntry
+    names: Tuple[str, ...]  # plan names of the operators it names
+    unknown: Tuple[str, ...]  # parts that name no operator the backend knows
+
+    @property
+    def canonical(self) -> List[PlanEntry]:
+        e = self.entry
+        return [PlanEntry(f"{nm}+", e.optimization_type, e.apply_count) for nm in self.names]
+
+
+@dataclass
+class RecomputePolicy:
+    layers: List[LayerPolicy]
+    requests: List[Request] = field(default_factory=list)
+
+    @classmethod
+    def from_plans(cls, entries: Sequence[PlanEntry], level: int, n_layers: int) -> "RecomputePolicy":
+        """From the plan grammar: level 1 checkpoints every layer; level 0 recomputes each enabled entry's ops in the
+        first `RequestApplyCount` layers (-1: all)."""
+        requests = []
+        for entry in entries:
+            if entry.enabled:
+                names, unknown = canonical_ops(entry.subgraph)
+                requests.append(Request(entry, tuple(names), tuple(unknown)))
+        if level == 1:
+            return cls([LayerPolicy(LAYER) for _ in range(n_layers)], requests)
+        ops: List[Dict[str, str]] = [{} for _ in range(n_layers)]
+        for r in requests:
+            count = n_layers if r.entry.apply_count == -1 else min(r.entry.apply_count, n_layers)
+            for i in range(count):
+                for name in r.names:
+                    ops[i].setdefault(name, str(r.entry))
+        return cls([LayerPolicy.of_ops(o) for o in ops], requests)
+
+    @property
+    def level(self) -> int:
+        """1 when every layer is checkpointed whole (what `--memory_opt_level 1` asks), else 0."""
+        return 1 if self.layers and all(p.mode == LAYER for p in self.layers) else 0
+
+    @property
+    def active(self) -> bool:
+        return any(p.mode != KEEP for p in self.layers)
+
+    @property
+    def whole_layers(self) -> List[int]:
+        return [i for i, p in enumerate(self.layers) if p.mode == LAYER]
+
+    def ops_at(self, index: int) -> FrozenSet[str]:
+        return self.layers[index].ops
+
+    def describe(self) -> str:
+        if self.level == 1:
+            return "whole layers checkpointed"
+        if self.whole_layers:
+            return (
+                f"layers {', '.join(map(str, self.whole_layers))} checkpointed whole, planned ops recomputed elsewhere"
+            )
+        return "planned ops recomputed from kept inputs"

@@ -1,0 +1,93 @@
+"""Recipes: how to recompute one op's outputs in backward (the op, its inputs, the RNG state of a random op), and
+the stand-in autograd holds instead of a planned output."""
+
+from typing import List, Optional
+
+import torch
+
+from . import _torch_api
+from .names import plan_name
+
+
+def tensors_in(value) -> List[torch.Tensor]:
+    """The tensors in an op's arguments (nested lists, tuples and dicts)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_in(v)]
+    return []
+
+
+def rng_state(func, args, kwargs) -> Optional[tuple]:
+    """For a random op (dropout, bernoulli): the CPU and device generator states it will start from, else None."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return None
+    device = next((t.device for t in tensors_in((args, kwargs)) if t.device.type != "cpu"), None)
+    device_state = torch.get_device_module(device.type).get_rng_state(device) if device is not None else None
+    return (torch.get_rng_state(), device, device_state)
+
+
+class Recipe:
+    """How to recompute one op's outputs: the op, its inputs (kept alive by autograd anyway), the RNG state."""
+
+    __slots__ = ("func", "args", "kwargs", "rng", "versions", "value", "pending", "__weakref__")
+
+    def __init__(self, func, args, kwargs, rng):
+        self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
+        self.versions = [_torch_api.version(t) for t in tensors_in((args, kwargs))]
+        self.value = None
+        self.pending = 0
+
+    def outputs(self):
+        if self.value is None and self.args is None:
+            raise RuntimeError(
+                f"optimum-memopt torch backend: the output of {self.func} was recomputed and released already; a "
+                f"second backward through the same graph (retain_graph=True) is not supported with plans, use "
+                f"`--memory_opt_level 1` or no plans for it"
+            )
+        if self.value is None:
+            now = [_torch_api.version(t) for t in tensors_in((self.args, self.kwargs))]
+            if now != self.versions:
+                raise RuntimeError(
+                    f"optimum-memopt torch backend: an input of {self.func} was modified in place after the forward "
+                    f"pass, so its output cannot be recomputed for backward; drop the plan for "
+                    f"{plan_name(_torch_api.op_name(self.func))!r}"
+                )
+            with torch.no_grad():
+                if self.rng is None:
+                    self.value = self.func(*self.args, **self.kwargs)
+                else:
+                    cpu_state, device, device_state = self.rng
+                    devices = [device] if device is not None else []
+                    with torch.random.fork_rng(devices=devices, device_type=device.type if device else "cuda"):
+                        torch.set_rng_state(cpu_state)
+                        if device is not None:
+                            torch.get_device_module(device.type).set_rng_state(device_state, device)
+                        self.value = self.func(*self.args, **self.kwargs)
+        return self.value
+
+    def release(self):
+        self.pending -= 1
+        if self.pending <= 0:
+            self.value = None
+            self.args = self.kwargs = None
+
+
+class Stashed:
+    """What autograd holds instead of a planned output: the recipe and the saved tensor's geometry."""
+
+    __slots__ = ("recipe", "index", "size", "stride", "offset")
+
+    def __init__(self, recipe, index, t):
+        self.recipe, self.index = recipe, index
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+    def materialize(self) -> torch.Tensor:
+        outs = self.recipe.outputs()
+        out = outs[self.index] if isinstance(outs, (tuple, list)) else outs
+        if out.size() != self.size or out.stride() != self.stride or out.storage_offset() != self.offset:
+            out = out.as_strided(self.size, self.stride, self.offset)
+        self.recipe.release()
+        return out

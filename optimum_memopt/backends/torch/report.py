@@ -1,0 +1,122 @@
+"""The plan table from the step-one profile and the policy that ran: plans grouped by operator (frequency = layers
+that keep it, bytes for that batch), which are on, requests that matched nothing and why. Pure."""
+
+from typing import Dict, List
+
+from ...plans import FoundPlan, PlanReport, Unmatched, match_requests
+from .policy import LAYER, RecomputePolicy
+from .profile import ModelProfile
+
+BACKEND = "torch"
+
+
+def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
+    totals: Dict[str, int] = {}
+    freq: Dict[str, int] = {}
+    applied_layers: Dict[str, int] = {}
+    blocked: Dict[str, int] = {}
+    for layer_policy, rec in zip(policy.layers, profile.layers):
+        whole = layer_policy.mode == LAYER
+        # A layer checkpointed whole frees everything it keeps, recomputable alone or not.
+        kept = dict(rec.recomputable)
+        if whole:
+            for name, b in rec.not_recomputable.items():
+                kept[name] = kept.get(name, 0) + b
+        else:
+            for name, b in rec.not_recomputable.items():
+                blocked[name] = blocked.get(name, 0) + b
+        for name, b in kept.items():
+            totals[name] = totals.get(name, 0) + b
+            freq[name] = freq.get(name, 0) + 1
+            if whole or name in rec.applied:
+                applied_layers[name] = applied_layers.get(name, 0) + 1
+    plans = [
+        FoundPlan(
+            config=f"{name}+:1:-1",
+            enabled=name in applied_layers,
+            frequency=freq[name],
+            saving_bytes=float(totals[name]),
+            saving_symbolic="",
+            applied_count=applied_layers.get(name, 0),
+        )
+        for name in sorted(totals, key=lambda k: -totals[k])
+    ]
+    canonical = [e for r in policy.requests for e in r.canonical]
+    level = policy.level
+    notes = []
+    if level == 1:
+        notes.append(
+            "level 1: every layer is checkpointed whole (torch.utils.checkpoint); the table shows what the layers "
+            "would otherwise keep for backward"
+        )
+    elif policy.whole_layers:
+        whole = policy.whole_layers
+        notes.append(
+            f"{'layers' if len(whole) > 1 else 'layer'} {', '.join(map(str, whole))} "
+            f"{'are' if len(whole) > 1 else 'is'} checkpointed whole (torch.utils.checkpoint): everything kept there "
+            f"is counted as applied"
+        )
+    if blocked:
+        listed = ", ".join(f"{k} {blocked[k] / 2**20:.2f}" for k in sorted(blocked, key=lambda k: -blocked[k]))
+        notes.append(
+            f"kept for backward but not recomputable from tensors kept anyway (an input of the op that made them "
+            f"is not kept, or they were changed in place since), MiB over all layers: {listed}"
+        )
+    shape = profile.shape
+    dims = {"layers": len(profile.layers)}
+    if len(shape) >= 2:
+        dims.update({"batch": int(shape[0]), "sequence": int(shape[1])})
+    report = PlanReport(
+        backend=BACKEND,
+        optimizer_enabled=policy.active,
+        level=level,
+        requested=[str(r.entry) for r in policy.requests],
+        applied=[str(e) for e in canonical] if level == 0 else [p.config for p in plans],
+        plans=plans,
+        dims=dims,
+        notes=notes,
+    )
+    if level == 0:
+        report.unmatched = _unknown(policy, plans) + _unmatched(policy, canonical, plans, blocked)
+    return report
+
+
+def _unknown(policy: RecomputePolicy, plans: List[FoundPlan]) -> List[Unmatched]:
+    return [
+        Unmatched(
+            str(r.entry),
+            [p.config for p in plans[:3]],
+            similar=False,
+            reason=f"{', '.join(map(repr, r.unknown))}: no operator the torch backend knows (an ONNX Runtime "
+            f"name of its table in docs/DESIGN.md, or an aten op name)",
+        )
+        for r in policy.requests
+        if r.unknown
+    ]
+
+
+def _unmatched(policy, canonical, plans, blocked) -> List[Unmatched]:
+    origin = {}
+    for r in policy.requests:
+        for nm in r.names:
+            origin[f"{nm}+:{r.entry.optimization_type}"] = str(r.entry)
+    unmatched = match_requests(canonical, plans)
+    for u in unmatched:
+        head, opt, count = u.requested.rsplit(":", 2)
+        key = f"{head}:{opt}"
+        if origin.get(key, u.requested) != u.requested:
+            u.reason = f"{head} here"
+            u.requested = origin[key]
+        name = head.rstrip("+")
+        if name in blocked:
+            u.reason = ", ".join(
+                filter(
+                    None,
+                    [
+                        u.reason,
+                        f"its {blocked[name] / 2**20:.2f} MiB are kept for backward but cannot be recomputed "
+                        f"from tensors kept anyway",
+                    ],
+                )
+            )
+    return unmatched

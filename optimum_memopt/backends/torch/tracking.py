@@ -1,0 +1,135 @@
+"""The tracker: a dispatch mode that sees each aten op of a layer's forward and the storages its outputs create.
+
+`LayerRun` is what the tracker and the saved-tensor hooks (`hooks`) share for one layer's forward pass: the
+storages made (by which op, from which inputs, at which version), which of them autograd keeps as they are, and,
+for ops the policy recomputes, the call to turn into a recipe. While step one is profiled, each op is timed.
+"""
+
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Dict, FrozenSet, List, Optional
+
+import torch
+from torch import nn
+
+from . import _torch_api
+from .names import plan_name
+from .profile import LayerProfile
+from .recipe import Recipe, rng_state, tensors_in
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of a tensor's storage: its address (0 for tensor subclasses without a storage)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:
+        return 0
+
+
+def storage_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().nbytes()
+    except Exception:
+        return 0
+
+
+def is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
+
+
+class Call:
+    """An op call the policy recomputes: one recipe for all of its outputs (dropout's output and mask), built when
+    autograd first keeps one of them."""
+
+    __slots__ = ("func", "args", "kwargs", "rng", "recipe")
+
+    def __init__(self, func, args, kwargs, rng):
+        self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
+        self.recipe: Optional[Recipe] = None
+
+    def to_recipe(self) -> Recipe:
+        if self.recipe is None:
+            self.recipe = Recipe(self.func, self.args, self.kwargs, self.rng)
+            self.args = self.kwargs = None  # the recipe holds the inputs now
+        return self.recipe
+
+
+@dataclass
+class Made:
+    """A storage an op created during this layer's forward."""
+
+    plan: str
+    ref: object  # weakref to the output tensor
+    nbytes: int
+    version: int
+    index: int
+    inputs: List[Optional[object]]  # a weak reference to each tensor input; None for parameters
+    call: Optional[Call] = None  # when the op belongs to a plan applied here
+    recipe: Optional[Recipe] = None
+    recomputable: Optional[bool] = None  # decided when autograd first keeps it
+    why_not: str = ""
+    seconds: float = 0.0  # the op's time, when profiled
+
+
+class LayerRun:
+    """One layer's forward pass under the backend."""
+
+    def __init__(self, apply: FrozenSet[str], record: Optional[LayerProfile], outer_hooks=None):
+        self.apply = apply
+        self.record = record
+        self.made: Dict[int, Made] = {}
+        # storages autograd keeps as they are, with a weak reference to the tensor kept: a node freed during the
+        # forward (an unused output's) frees what it kept, and its address may be reused by a later storage
+        self.kept: Dict[int, object] = {}
+        self.counted: List[Made] = []  # each storage autograd kept, once, as it was first kept
+        self.outer = outer_hooks  # level 1: checkpoint's own hooks, to which ours hand every tensor
+
+    def on_op(self, func, args, kwargs, out, rng, seconds: float = 0.0) -> None:
+        if self.record is not None:
+            self.record.op_seconds += seconds
+        name = plan_name(_torch_api.op_name(func))
+        applying = name in self.apply
+        if not (applying or self.record is not None):
+            return
+        if _torch_api.returns_alias(func):
+            return  # views and in-place ops create no storage
+        inputs = [None if is_param(t) else weakref.ref(t) for t in tensors_in((args, kwargs))]
+        call = Call(func, args, kwargs, rng) if applying else None
+        for i, t in enumerate(tensors_in(out)):
+            ptr = storage_key(t)
+            if not ptr:
+                continue
+            known = self.made.get(ptr)
+            if known is not None and known.ref() is not None and storage_key(known.ref()) == ptr:
+                continue  # an op that returns an alias without saying so in its schema (`_unsafe_view`)
+            made = Made(name, weakref.ref(t), storage_bytes(t), _torch_api.version(t), i, inputs, call)
+            made.seconds = seconds
+            self.made[ptr] = made
+
+
+def _synchronize(args, kwargs) -> None:
+    device = next((t.device for t in tensors_in((args, kwargs)) if t.device.type != "cpu"), None)
+    if device is not None:
+        torch.get_device_module(device.type).synchronize(device)
+
+
+class TrackingMode(_torch_api.TorchDispatchMode):
+    def __init__(self, run: LayerRun):
+        super().__init__()
+        self.run = run
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rng = rng_state(func, args, kwargs) if plan_name(_torch_api.op_name(func)) in self.run.apply else None
+        if self.run.record is None:
+            out = func(*args, **kwargs)
+            self.run.on_op(func, args, kwargs, out, rng)
+            return out
+        # profiling step one: each op timed (devices synchronized around it, so the time is the op's own)
+        _synchronize(args, kwargs)
+        start = time.perf_counter()
+        out = func(*args, **kwargs)
+        _synchronize(args, kwargs)
+        self.run.on_op(func, args, kwargs, out, rng, time.perf_counter() - start)
+        return out

@@ -1,0 +1,187 @@
+"""The backend seam: the trainer and the arguments speak no ORT, each backend checks its own flags, one ZeRO-stage
+reader serves every route, parsing loads no recompute engine, the torch backend's package keeps its shape, and a
+configured backend that is missing from the trained model stops the run."""
+
+import ast
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import ClsData, make_args, tiny_model
+from transformers import Trainer
+
+from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
+from optimum_memopt._deepspeed import zero_stage
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PKG = os.path.join(ROOT, "optimum_memopt")
+TORCH_PKG = os.path.join(PKG, "backends", "torch")
+
+
+def _imports(path):
+    tree = ast.parse(open(path).read())
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            out += [base] + [f"{base}.{a.name}" if node.module else f"{base}{a.name}" for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("module", ["trainer.py", "trainer_args.py"])
+def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
+    imported = _imports(os.path.join(PKG, module))
+    assert not [n for n in imported if ".backends.ort" in n or ".backends.torch" in n or "onnxruntime" in n]
+
+
+def test_the_torch_backend_is_a_package_of_small_modules():
+    sizes = {n: sum(1 for _ in open(os.path.join(TORCH_PKG, n))) for n in os.listdir(TORCH_PKG) if n.endswith(".py")}
+    want = {"names", "policy", "layers", "tracking", "recipe", "hooks", "checkpoint", "profile", "report"}
+    want |= {"_torch_api", "solver", "engine", "backend", "__init__"}
+    assert {n[:-3] for n in sizes} == want
+    assert max(sizes.values()) <= 300, sizes
+    assert not os.path.exists(os.path.join(PKG, "backends", "torch_recompute.py"))
+
+
+def test_private_torch_names_are_reached_from_one_module_only():
+    """`torch._C`, `torch.utils._python_dispatch`, `._schema`, `._version`: only `_torch_api.py` touches them."""
+    import re
+
+    private = re.compile(r"torch\._C\b|_python_dispatch|\._schema\b|\._version\b|_top_saved_tensors_default_hooks")
+    for name in os.listdir(TORCH_PKG):
+        if not name.endswith(".py") or name == "_torch_api.py":
+            continue
+        assert not private.findall(open(os.path.join(TORCH_PKG, name)).read()), name
+
+
+def test_building_the_arguments_loads_no_recompute_engine():
+    code = (
+        "import json, sys\n"
+        "from optimum_memopt import MemoptTrainingArguments\n"
+        "MemoptTrainingArguments(output_dir='unused', report_to='none', use_cpu=True, memory_opt_backend='torch',"
+        " memory_opt_config='Gelu+:1:-1')\n"
+        "print(json.dumps(sorted(m for m in sys.modules if m.startswith('optimum_memopt.backends'))))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if res.returncode != 0 and "torch >= 2.5" in res.stderr:
+        pytest.skip("the torch backend needs the modern stack")
+    assert res.returncode == 0, res.stderr
+    loaded = json.loads(res.stdout.strip().splitlines()[-1])
+    engine = {"tracking", "hooks", "recipe", "engine", "checkpoint", "_torch_api"}
+    assert not [m for m in loaded if m.rsplit(".", 1)[-1] in engine], loaded
+
+
+# -- one ZeRO-stage reader, every route ------------------------------------------------------------------------
+@pytest.fixture
+def no_accelerate_env(monkeypatch):
+    for var in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE", "ACCELERATE_DEEPSPEED_ZERO_STAGE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _zero3_file(tmp_path):
+    path = tmp_path / "ds_zero3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}, "train_batch_size": "auto"}))
+    return str(path)
+
+
+ROUTES = ["deepspeed path", "deepspeed dict", "accelerate config file", "accelerate zero_stage"]
+
+
+def _route(route, tmp_path, monkeypatch):
+    """The `--deepspeed` value for a route (None for accelerate's), with accelerate's environment set as `accelerate
+    launch --config_file` sets it; and how the message names the route."""
+    if route == "deepspeed path":
+        return _zero3_file(tmp_path), "`--deepspeed`"
+    if route == "deepspeed dict":
+        return {"zero_optimization": {"stage": 3}}, "`--deepspeed`"
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    if route == "accelerate config file":
+        path = _zero3_file(tmp_path)
+        monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", path)
+        return None, f"accelerate's deepspeed_config_file '{path}'"
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    return None, "accelerate's zero_stage"
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_the_zero_stage_is_read_from_every_route(route, tmp_path, monkeypatch, no_accelerate_env):
+    deepspeed, via = _route(route, tmp_path, monkeypatch)
+    assert zero_stage(deepspeed) == (3.0, via)
+
+
+def test_no_deepspeed_is_no_stage(no_accelerate_env):
+    assert zero_stage(None) == (None, "")
+
+
+@pytest.mark.torch_backend
+@pytest.mark.parametrize("route", ROUTES)
+def test_zero3_is_refused_by_the_torch_backend_whatever_the_route(route, tmp_path, monkeypatch, no_accelerate_env):
+    deepspeed, via = _route(route, tmp_path, monkeypatch)
+    kwargs = {"deepspeed": deepspeed} if deepspeed is not None else {}
+    with pytest.raises(ValueError, match=rf"^{_re(via)} selects ZeRO stage 3 with the torch backend"):
+        MemoptTrainingArguments(
+            output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, memory_opt_backend="torch", **kwargs
+        )
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_zero3_is_refused_by_the_ort_backend_whatever_the_route(route, tmp_path, monkeypatch, no_accelerate_env):
+    deepspeed, via = _route(route, tmp_path, monkeypatch)
+    kwargs = {"deepspeed": deepspeed} if deepspeed is not None else {}
+    with pytest.raises(ValueError, match=rf"^{_re(via)} selects ZeRO stage 3, which ORTModule cannot run"):
+        MemoptTrainingArguments(
+            output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, memory_opt_backend="ort", **kwargs
+        )
+
+
+def _re(text):
+    import re
+
+    return re.escape(text)
+
+
+# -- names that say what they mean -------------------------------------------------------------------------------
+def test_backend_none_is_plain_pytorch_like_use_ort_false():
+    args = MemoptTrainingArguments(output_dir="unused", report_to="none", use_cpu=True, memory_opt_backend="none")
+    assert not args.use_ort and args.memory_opt_summary == "plain PyTorch (no backend)"
+    with pytest.raises(
+        ValueError, match=r"^`--memory_opt_config` configure .* but `--memory_opt_backend none` trains"
+    ):
+        MemoptTrainingArguments(
+            output_dir="unused",
+            report_to="none",
+            use_cpu=True,
+            memory_opt_backend="none",
+            memory_opt_config="Gelu+:1:-1",
+        )
+
+
+# -- never train silently without the backend ----------------------------------------------------------------------
+class SkipsTheWrap(MemoptTrainer):
+    """What a transformers release that stopped calling `_wrap_model` the way the hook expects would do."""
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return Trainer._wrap_model(self, model, training=training, dataloader=dataloader)
+
+
+@pytest.mark.torch_backend
+def test_a_model_the_backend_never_wrapped_stops_training_with_the_reason(tmp_path):
+    import transformers
+
+    args = make_args(tmp_path, "--max_steps", "1", "--memory_opt_backend", "torch", "--memory_opt_level", "1")
+    trainer = SkipsTheWrap(model=tiny_model("bert"), args=args, train_dataset=ClsData())
+    with pytest.raises(RuntimeError, match=rf"transformers {_re(transformers.__version__)} trained a model that did"):
+        trainer.train()
+    assert trainer.backend_model is None and trainer.ort_model is None
+
+
+@pytest.mark.torch_backend
+def test_backend_model_is_the_wrapped_model(tmp_path):
+    args = make_args(tmp_path, "--max_steps", "1", "--memory_opt_backend", "torch", "--memory_opt_level", "1")
+    trainer = MemoptTrainer(model=tiny_model("bert"), args=args, train_dataset=ClsData())
+    trainer.train()
+    assert trainer.backend_model is trainer.plain_model and trainer.ort_model is trainer.backend_model

@@ -1,0 +1,59 @@
+"""Each private torch access of the torch backend (`backends/torch/_torch_api.py`) against the installed torch:
+when a torch release moves one, this fails in CI, before a user's run does."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.torch_backend
+
+
+def test_the_dispatch_mode_base_class_is_where_the_backend_imports_it():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    assert _torch_api.TorchDispatchMode is TorchDispatchMode
+
+
+def test_the_active_saved_tensor_hooks_can_be_read():
+    from optimum_memopt.backends.torch import _torch_api
+
+    assert hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")  # else the fallback gives None
+
+    def pack(x):
+        return x
+
+    def unpack(x):
+        return x
+
+    assert _torch_api.top_saved_tensors_hooks() is None
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        assert _torch_api.top_saved_tensors_hooks() == (pack, unpack)
+
+
+def test_op_schemas_say_which_outputs_alias_and_the_name_fallback_agrees():
+    from optimum_memopt.backends.torch import _torch_api
+
+    aten = torch.ops.aten
+    assert hasattr(aten.gelu.default, "_schema") and hasattr(aten.gelu.default._schema.returns[0], "alias_info")
+    cases = {aten.gelu.default: False, aten.mm.default: False, aten.view.default: True, aten.add_.Tensor: True}
+    cases.update({aten.t.default: True, aten._unsafe_view.default: False})  # _unsafe_view: a fresh alias, unsaid
+    for func, aliases in cases.items():
+        assert _torch_api.returns_alias(func) is aliases, func
+
+    class NoSchema:  # what the fallback sees if `_schema` goes away
+        def __init__(self, func):
+            self.overloadpacket = func.overloadpacket
+
+    for func in (aten.gelu.default, aten.mm.default, aten.view.default, aten.add_.Tensor, aten.t.default):
+        assert _torch_api.returns_alias(NoSchema(func)) is cases[func], func
+
+
+def test_version_counters_count_in_place_changes():
+    from optimum_memopt.backends.torch import _torch_api
+
+    t = torch.zeros(2)
+    before = _torch_api.version(t)
+    t.add_(1)
+    assert _torch_api.version(t) == before + 1
+    assert _torch_api.op_name(torch.ops.aten.gelu.default) == "gelu"

@@ -1,0 +1,77 @@
+"""The torch engine's policy model: built once from the plan grammar, per layer (keep / ops / whole layer, each op
+with the request it came from), and executed as given, mixed per-layer policies included."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch_engine import engine, pair, step
+
+from optimum_memopt.backends.torch.policy import KEEP, LAYER, OPS, LayerPolicy, RecomputePolicy
+from optimum_memopt.backends.torch.report import plan_report
+from optimum_memopt.plans import parse_plans
+
+pytestmark = pytest.mark.torch_backend
+
+
+def test_plans_become_one_policy_per_layer_with_their_origin():
+    policy = RecomputePolicy.from_plans(parse_plans("BiasGelu+:1:2,Reshape+Where+BiasSoftmax+:1:-1,Foo+:1:-1"), 0, 3)
+    assert [p.mode for p in policy.layers] == [OPS, OPS, OPS]
+    assert policy.layers[0].ops == {"Gelu", "Where", "Softmax"} and policy.layers[2].ops == {"Where", "Softmax"}
+    assert dict(policy.layers[0].origin)["Gelu"] == "BiasGelu+:1:2"
+    assert dict(policy.layers[0].origin)["Softmax"] == "Reshape+Where+BiasSoftmax+:1:-1"
+    assert [r.unknown for r in policy.requests] == [(), (), ("Foo",)]
+    assert policy.level == 0 and policy.active
+
+
+def test_level_1_is_every_layer_whole_and_no_plans_is_keep():
+    assert RecomputePolicy.from_plans([], 1, 2).layers == [LayerPolicy(LAYER)] * 2
+    assert RecomputePolicy.from_plans([], 1, 2).level == 1
+    off = RecomputePolicy.from_plans(parse_plans("Gelu+:0:-1"), 0, 2)
+    assert off.layers == [LayerPolicy(KEEP)] * 2 and not off.active
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(mode="some"), "layer policy mode 'some'"),
+        (dict(mode=OPS), "mode 'ops' needs at least one op name"),
+        (dict(mode=LAYER, ops=frozenset({"Gelu"})), "mode 'layer' takes no op names"),
+    ],
+)
+def test_a_layer_policy_that_cannot_work_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LayerPolicy(**kwargs)
+
+
+def mlp(block, x):
+    return F.gelu(x @ block.w) @ block.w.t()
+
+
+def test_a_mixed_policy_runs_each_layer_as_its_policy_says():
+    """Three layers: the first checkpointed whole, the second with GELU recomputed, the third kept: gradients are
+    bitwise the plain model's, and the profile and table say what each layer did."""
+    plain, model = pair(mlp, n=3)
+    policy = RecomputePolicy([LayerPolicy(LAYER), LayerPolicy.of_ops({"Gelu": "Gelu+:1:-1"}), LayerPolicy()])
+    state = engine(model, policy)
+    x = torch.randn(4, 8)
+    got, want = step(model, x), step(plain, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    layers = state.profile.layers
+    assert [bool(rec.applied) for rec in layers] == [False, True, False]
+    report = plan_report(state.policy, state.profile)
+    gelu = next(p for p in report.plans if p.config == "Gelu+:1:-1")
+    assert gelu.frequency == 3 and gelu.applied_count == 2  # layer 0 whole, layer 1 by plan
+    assert report.level == 0 and report.optimizer_enabled
+    assert any(n.startswith("layer 0 is checkpointed whole") for n in report.notes)
+
+
+def test_a_policy_swapped_between_steps_applies_from_the_next_step():
+    plain, model = pair(mlp, n=2)
+    state = engine(model, RecomputePolicy([LayerPolicy(), LayerPolicy()]))
+    x = torch.randn(4, 8)
+    step(model, x), step(plain, x)
+    state.set_policy(RecomputePolicy([LayerPolicy(LAYER), LayerPolicy.of_ops({"Gelu": "Gelu+:1:-1"})]))
+    got, want = step(model, x, seed=1), step(plain, x, seed=1)
+    assert all(torch.allclose(a, b, atol=0, rtol=0) for a, b in zip(got, want))
+    with pytest.raises(ValueError, match="a policy for 1 layers given to a model with 2"):
+        state.set_policy(RecomputePolicy([LayerPolicy()]))
