@@ -75,3 +75,27 @@ def test_a_policy_swapped_between_steps_applies_from_the_next_step():
     assert all(torch.allclose(a, b, atol=0, rtol=0) for a, b in zip(got, want))
     with pytest.raises(ValueError, match="a policy for 1 layers given to a model with 2"):
         state.set_policy(RecomputePolicy([LayerPolicy()]))
+
+
+def test_a_layer_checkpointed_whole_leaves_the_kv_cache_alone(monkeypatch):
+    """In training a Llama builds a KV cache (config.use_cache); a checkpointed layer recomputed in backward would
+    append its keys a second time. Whole layers run without the cache, as transformers' checkpointing runs them."""
+    from transformers import LlamaConfig, LlamaForCausalLM, cache_utils
+
+    updates = []
+    real = cache_utils.DynamicLayer.update
+    monkeypatch.setattr(
+        cache_utils.DynamicLayer, "update", lambda self, *a, **k: updates.append(1) or real(self, *a, **k)
+    )
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(cfg).train()
+    model = LlamaForCausalLM(cfg).train()
+    model.load_state_dict(plain.state_dict())
+    engine(model, RecomputePolicy.from_plans([], 1, 2))
+    ids = torch.randint(0, 100, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert updates == []  # neither in forward nor in the recompute
+    plain(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name

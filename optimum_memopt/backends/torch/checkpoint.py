@@ -1,6 +1,13 @@
 """Whole-layer recompute: `torch.utils.checkpoint` (non-reentrant, RNG state preserved) around a layer, for the
 layers whose policy says `layer`. In step one the layer's first forward is also profiled, its tracker handing every
-saved tensor on to checkpoint's own hooks."""
+saved tensor on to checkpoint's own hooks.
+
+A checkpointed layer runs without the model's KV cache: in training, transformers' decoders build a `DynamicCache`
+(`config.use_cache` is on by default) that each layer appends to; a layer recomputed in backward would append its
+keys and values a second time (the cache's keys double, and the recompute attends over both copies), and the cache
+would hold every layer's keys and values that checkpointing frees. transformers' own checkpointed layers drop the
+cache for the same reason, unless the layer class says it only reads it (`_can_checkpoint_with_cache`).
+"""
 
 from typing import Optional
 
@@ -11,8 +18,24 @@ from .hooks import finish, tracked
 from .profile import LayerProfile
 from .tracking import LayerRun
 
+CACHE_KWARGS = ("past_key_values", "layer_past")
 
-def checkpointed(original, record: Optional[LayerProfile], args, kwargs):
+
+def without_cache(layer, kwargs: dict) -> dict:
+    """The layer's keyword arguments with its KV cache dropped (see the module's docstring)."""
+    if getattr(type(layer), "_can_checkpoint_with_cache", False):
+        return kwargs
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    for name in CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            kwargs[name] = None
+    return kwargs
+
+
+def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs):
+    kwargs = without_cache(layer, kwargs)
     if record is None:
         return checkpoint(original, *args, use_reentrant=False, **kwargs)
     first = [True]

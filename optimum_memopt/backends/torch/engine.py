@@ -57,7 +57,7 @@ class RecomputeState:
             record.shape = tuple(first.shape) if first is not None else ()
         policy = self.policy.layers[index]
         if policy.mode == LAYER:
-            out = checkpointed(original, record, args, kwargs)
+            out = checkpointed(layer, original, record, args, kwargs)
         elif policy.mode == OPS or record is not None:
             run = LayerRun(policy.ops, record)
             with tracked(run):

@@ -1,0 +1,69 @@
+#!/usr/bin/env python
+"""A Llama-style decoder trained through `MemoptTrainer` on generated tokens: the model of the level-1 benchmark
+(benchmarks/level1_vs_checkpointing.py), built from a config in code, SDPA attention, CPU by default. Takes every
+Trainer and memory flag, so the advisor's `run_child` measures it like any training script.
+
+    python benchmarks/decoder.py --output_dir out --max_steps 4 --per_device_train_batch_size 16 \\
+        --memory_opt_backend torch --memory_opt_level 1
+"""
+
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from transformers import HfArgumentParser, LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from optimum_memopt import MemoptTrainer, MemoptTrainingArguments  # noqa: E402
+
+
+@dataclass
+class DecoderArguments:
+    layers: int = field(default=4, metadata={"help": "Decoder layers."})
+    hidden: int = field(default=256, metadata={"help": "Hidden size."})
+    intermediate: int = field(default=768, metadata={"help": "MLP intermediate size."})
+    heads: int = field(default=4, metadata={"help": "Attention heads."})
+    seq: int = field(default=512, metadata={"help": "Sequence length of every sample."})
+    vocab: int = field(default=1000, metadata={"help": "Vocabulary size."})
+    samples: int = field(default=256, metadata={"help": "Generated training samples."})
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n, seq, vocab):
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def build_model(d: DecoderArguments) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=d.vocab,
+        hidden_size=d.hidden,
+        intermediate_size=d.intermediate,
+        num_hidden_layers=d.layers,
+        num_attention_heads=d.heads,
+        num_key_value_heads=d.heads,
+        max_position_embeddings=d.seq,
+        attn_implementation="sdpa",
+    )
+    return LlamaForCausalLM(config)
+
+
+def main(argv=None):
+    parser = HfArgumentParser((DecoderArguments, MemoptTrainingArguments))
+    d, args = parser.parse_args_into_dataclasses(argv)
+    torch.manual_seed(args.seed)
+    model = build_model(d)
+    trainer = MemoptTrainer(model=model, args=args, train_dataset=Tokens(d.samples, d.seq, d.vocab))
+    trainer.train()
+
+
+if __name__ == "__main__":
+    main()
