@@ -24,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-from optimum_memopt.compat import overwrite_output_dir_flag
+from optimum_memopt.transformers_releases import overwrite_output_dir_flag
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "examples", "run_glue", "run_glue.py")

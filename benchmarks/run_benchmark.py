@@ -294,7 +294,7 @@ def rows_json(rows) -> dict:
 
 def base_parser(description: str) -> argparse.ArgumentParser:
     """The options both benchmarks share (this one and torch_backend.py)."""
-    from optimum_memopt.offline import SIZES
+    from optimum_memopt.offline_defaults import SIZES
 
     p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--archs", default="deberta-v2,roberta")

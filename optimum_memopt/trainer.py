@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from . import compat
+from . import transformers_releases
 from .backends import Backend, WrapSettings, get_backend, optimizer_for
 from .losses import LossInGraph
 from .trainer_args import MemoptTrainingArguments
@@ -103,7 +103,7 @@ class MemoptTrainerMixin:
             )
         if isinstance(targs, MemoptTrainingArguments) and targs.use_ort:
             get_backend(targs.memory_opt.backend).before_trainer(targs)
-        problem = compat.accelerate_problem()
+        problem = transformers_releases.accelerate_problem()
         if problem:
             raise RuntimeError(problem)
         self._memopt_over_ort_trainer = is_optimum_ort_trainer(type(self))
@@ -191,7 +191,7 @@ class MemoptTrainerMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint:
-            problem = compat.resume_refusal()
+            problem = transformers_releases.resume_refusal()
             if problem:
                 raise RuntimeError(problem)
         if self.args.use_ort:
@@ -242,9 +242,9 @@ class MemoptTrainerMixin:
     def _load_rng_state(self, checkpoint):
         try:
             return super()._load_rng_state(checkpoint)
-        except compat.UNPICKLING_ERRORS:
+        except transformers_releases.UNPICKLING_ERRORS:
             # transformers 4.51-4.52 with torch 2.4: the numpy types in the RNG state need allowlisting
-            with compat.numpy_safe_globals():
+            with transformers_releases.numpy_safe_globals():
                 return super()._load_rng_state(checkpoint)
 
     # -- wrapping ------------------------------------------------------------------------------------

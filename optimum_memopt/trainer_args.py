@@ -13,12 +13,12 @@ from typing import List, Optional
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
-from . import _deepspeed, compat
+from . import _deepspeed, transformers_releases
 from .backends import NAMES, NONE, BackendFlags, all_backends, backend_flags, get_backend, optimizer_names
 from .config import BACKEND_FLAG, CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
 from .plans import EXAMPLE
 
-compat.check_arguments_types()
+transformers_releases.check_arguments_types()
 
 # The memory flags every backend reads, with their defaults; with `--use_ort false` (no backend) they are refused,
 # as are the backends' own flags (`backends.backend_flags()`).

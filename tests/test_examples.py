@@ -75,7 +75,7 @@ def test_glue_offline(tmp_path, extra, ort_on):
 
 
 def test_glue_from_local_csv_and_local_model(tmp_path):
-    from optimum_memopt.offline import classification_rows
+    from optimum_memopt.offline_defaults import classification_rows
 
     for split, seed in (("train", 0), ("dev", 1)):
         with open(tmp_path / f"{split}.csv", "w", newline="") as f:
@@ -123,7 +123,7 @@ def test_glue_missing_file_is_named(tmp_path):
 
 
 def test_mlm_from_local_text_file(tmp_path):
-    from optimum_memopt.offline import text_lines
+    from optimum_memopt.offline_defaults import text_lines
 
     (tmp_path / "train.txt").write_text("\n".join(text_lines(200, seed=0)))
     (tmp_path / "valid.txt").write_text("\n".join(text_lines(40, seed=1)))

@@ -6,8 +6,8 @@ from helpers import ClsData, make_args, tiny_model
 from transformers import RobertaConfig, RobertaForSequenceClassification
 from transformers.trainer_pt_utils import LabelSmoother
 
+from optimum_memopt.eager_attention import use_eager_attention
 from optimum_memopt.losses import LossInGraph, smoothed_cross_entropy
-from optimum_memopt.model_compat import use_eager_attention
 from optimum_memopt.trainer import MemoptTrainer
 
 
@@ -140,7 +140,7 @@ def test_mixin_with_trls_sft_trainer(tmp_path):
     from trl import SFTConfig, SFTTrainer
 
     from optimum_memopt import MemoptTrainerMixin, MemoptTrainingArguments
-    from optimum_memopt.offline import classification_rows, train_tokenizer
+    from optimum_memopt.offline_defaults import classification_rows, train_tokenizer
 
     class MemoptSFTTrainer(MemoptTrainerMixin, SFTTrainer):
         pass

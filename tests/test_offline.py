@@ -4,11 +4,11 @@ token ids (the tokenizers library's WordPiece trainer gave a different vocabular
 import subprocess
 import sys
 
-from optimum_memopt.offline import SPECIALS, classification_rows, train_tokenizer
+from optimum_memopt.offline_defaults import SPECIALS, classification_rows, train_tokenizer
 
 CODE = (
     "import json\n"
-    "from optimum_memopt.offline import classification_rows, train_tokenizer\n"
+    "from optimum_memopt.offline_defaults import classification_rows, train_tokenizer\n"
     "tok = train_tokenizer([r['sentence'] for r in classification_rows(300)])\n"
     "print(json.dumps(sorted(tok.get_vocab().items())))\n"
 )

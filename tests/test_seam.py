@@ -185,3 +185,19 @@ def test_backend_model_is_the_wrapped_model(tmp_path):
     trainer = MemoptTrainer(model=tiny_model("bert"), args=args, train_dataset=ClsData())
     trainer.train()
     assert trainer.backend_model is trainer.plain_model and trainer.ort_model is trainer.backend_model
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("compat", "transformers_releases"), ("model_compat", "eager_attention"), ("offline", "offline_defaults")],
+)
+def test_renamed_modules_stay_importable_under_their_old_names(old, new):
+    import importlib
+
+    renamed = importlib.import_module(f"optimum_memopt.{new}")
+    assert importlib.import_module(f"optimum_memopt.{old}") is renamed
+    names = [n for n in vars(renamed) if not n.startswith("_") and callable(getattr(renamed, n))]
+    assert names, new
+    module = {}
+    exec(f"from optimum_memopt.{old} import {names[0]} as found", module)
+    assert module["found"] is getattr(renamed, names[0])

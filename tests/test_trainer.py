@@ -20,7 +20,7 @@ from helpers import (
     train,
 )
 
-from optimum_memopt import compat
+from optimum_memopt import transformers_releases
 from optimum_memopt.plans import PlanReport
 from optimum_memopt.trainer import MemoptTrainer
 
@@ -116,7 +116,7 @@ def test_resume_continues_with_uninterrupted_losses(tmp_path):
     ckpt = tmp_path / "part" / "checkpoint-5"
     assert (ckpt / "model.safetensors").exists()
     resumed = LossRecordingTrainer(model=tiny_model(seed=123), args=args, train_dataset=ClsData())
-    refusal = compat.resume_refusal()
+    refusal = transformers_releases.resume_refusal()
     if refusal:  # transformers >= 4.53 on torch 2.4: said before training, with what to do instead
         with pytest.raises(RuntimeError, match=r"^resuming from a checkpoint: transformers .* refuses torch.load"):
             resumed.train(resume_from_checkpoint=str(ckpt))

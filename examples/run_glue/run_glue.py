@@ -28,8 +28,8 @@ from transformers import (
 )
 
 from optimum_memopt import MemoptTrainingArguments
-from optimum_memopt.compat import overwrite_output_dir_flag
 from optimum_memopt.trainer import MemoptTrainer
+from optimum_memopt.transformers_releases import overwrite_output_dir_flag
 
 logger = logging.getLogger("run_glue")
 
@@ -147,7 +147,7 @@ def load_raw(data_args, model_args):
         if ext not in ("csv", "json", "jsonl"):
             raise ValueError(f"`--train_file` / `--validation_file` must be .csv or .json, got {ext!r}")
         return datasets.load_dataset("json" if ext.startswith("json") else "csv", data_files=files)
-    from optimum_memopt.offline import classification_rows
+    from optimum_memopt.offline_defaults import classification_rows
 
     n = data_args.offline_train_samples
     return datasets.DatasetDict(
@@ -190,7 +190,7 @@ def build_model(model_args, data_args, raw, num_labels):
             attn_implementation=model_args.attn_implementation,
         )
         return tokenizer, model
-    from optimum_memopt.offline import model_config, train_tokenizer
+    from optimum_memopt.offline_defaults import model_config, train_tokenizer
 
     s1, s2 = text_keys(raw, data_args)
     corpus = list(raw["train"][s1]) + (list(raw["train"][s2]) if s2 else [])

@@ -29,8 +29,8 @@ from transformers import (
 )
 
 from optimum_memopt import MemoptTrainingArguments
-from optimum_memopt.compat import overwrite_output_dir_flag
 from optimum_memopt.trainer import MemoptTrainer
+from optimum_memopt.transformers_releases import overwrite_output_dir_flag
 
 logger = logging.getLogger("run_mlm")
 
@@ -136,7 +136,7 @@ def load_raw(data_args, model_args):
         if builder is None:
             raise ValueError(f"`--train_file` / `--validation_file` must be .txt, .csv or .json, got {ext!r}")
         return datasets.load_dataset(builder, data_files=files)
-    from optimum_memopt.offline import text_lines
+    from optimum_memopt.offline_defaults import text_lines
 
     n = data_args.offline_lines
     return datasets.DatasetDict(
@@ -162,7 +162,7 @@ def build_model(model_args, data_args, raw):
             attn_implementation=model_args.attn_implementation,
         )
         return tokenizer, model
-    from optimum_memopt.offline import model_config, train_tokenizer
+    from optimum_memopt.offline_defaults import model_config, train_tokenizer
 
     tokenizer = (
         AutoTokenizer.from_pretrained(model_args.tokenizer_name)

@@ -26,9 +26,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 from transformers import TrainerCallback
 
 from ..callbacks.base import current_model
-from ..compat import overwrite_output_dir_flag
 from ..memory import MemoryMeter, training_device
 from ..plans import PlanReport
+from ..transformers_releases import overwrite_output_dir_flag
 
 WARMUP_STEPS = 2  # the first step includes ORT's export and session build
 

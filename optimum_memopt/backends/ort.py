@@ -36,7 +36,7 @@ from torch import nn
 
 from .. import _deepspeed
 from .. import plans as grammar
-from ..model_compat import use_eager_attention
+from ..eager_attention import use_eager_attention
 from ..plans import FoundPlan, PlanReport
 from . import ort_flags
 from .base import Backend, WrapSettings
