@@ -14,6 +14,7 @@ __all__ = [
     "PlanEntry",
     "PlanReport",
     "parse_plans",
+    "with_memory_flags",
 ]
 
 _LAZY = {
@@ -24,6 +25,7 @@ _LAZY = {
     "PlanEntry": "plans",
     "PlanReport": "plans",
     "parse_plans": "plans",
+    "with_memory_flags": "trainer_args",
 }
 
 

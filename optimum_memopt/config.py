@@ -82,6 +82,11 @@ class MemoryOptConfig:
         if self.auto:
             self.plans = grammar.AUTO
         else:
+            if value is not None and not isinstance(value, (str, list, tuple)):
+                raise ValueError(
+                    f"{_where(config_src, CONFIG_FLAG)} is {value!r} ({type(value).__name__}); expected plans as text "
+                    f"or a list of them, as in `{CONFIG_FLAG} {grammar.EXAMPLE}`, or `auto`"
+                )
             try:
                 if value and not isinstance(value, str):
                     value = [str(v) for v in value]

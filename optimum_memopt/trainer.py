@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 from transformers import Trainer, TrainerCallback
 
-from . import transformers_releases
+from . import checkpoints, transformers_releases
 from .backends import Backend, WrapSettings, get_backend, optimizer_for
 from .losses import LossInGraph
 from .trainer_args import MemoptTrainingArguments
@@ -191,6 +191,10 @@ class MemoptTrainerMixin:
 
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if resume_from_checkpoint:
+            # a save cut short (a kill while `checkpoint-N/` was written) is skipped, not crashed on
+            resume_from_checkpoint, notes = checkpoints.resolve(resume_from_checkpoint, self.args.output_dir)
+            for note in notes:
+                logger.warning("%s", note)
             problem = transformers_releases.resume_refusal()
             if problem:
                 raise RuntimeError(problem)

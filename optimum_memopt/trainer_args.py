@@ -6,6 +6,7 @@ value and shows an accepted form. Installation, device and precision checks run 
 built (`MemoptTrainerMixin`).
 """
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -14,7 +15,16 @@ from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
 
 from . import _deepspeed, transformers_releases
-from .backends import NAMES, NONE, BackendFlags, all_backends, backend_flags, get_backend, optimizer_names
+from .backends import (
+    CLASS_DEFAULTS,
+    NAMES,
+    NONE,
+    BackendFlags,
+    all_backends,
+    backend_flags,
+    get_backend,
+    optimizer_names,
+)
 from .config import BACKEND_FLAG, CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
 from .plans import EXAMPLE
 
@@ -28,6 +38,18 @@ SHARED_FLAGS = {
     "memory_opt_level": None,
     "memory_budget_mb": None,
 }
+
+
+OPTIM_METADATA = {
+    "help": "The optimizer to use; `adamw_ort_fused` is ONNX Runtime's FusedAdam (CUDA; elsewhere the fused torch "
+    "AdamW is used instead, and the log says so).",
+    "choices": [o.value for o in OptimizerNames] + list(optimizer_names()),
+}
+
+
+def _default_optim(config_cls) -> str:
+    default = {f.name: f for f in dataclasses.fields(config_cls)}["optim"].default
+    return getattr(default, "value", default)
 
 
 @dataclass
@@ -77,16 +99,10 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             this JSON file at the end of training (and skip saving the model).
     """
 
-    # Redeclared so argparse accepts `adamw_ort_fused`, which transformers 4.46 no longer lists. The value
-    # stays as written; the optimizer it stands for is decided when the optimizer is built.
-    optim: str = field(
-        default="adamw_torch",
-        metadata={
-            "help": "The optimizer to use; `adamw_ort_fused` is ONNX Runtime's FusedAdam (CUDA; elsewhere the fused "
-            "torch AdamW is used instead, and the log says so).",
-            "choices": [o.value for o in OptimizerNames] + list(optimizer_names()),
-        },
-    )
+    # Redeclared so argparse accepts `adamw_ort_fused`, which transformers 4.46 no longer lists, with the installed
+    # transformers' default (4.46: `adamw_torch`; 5.x: `adamw_torch_fused`). The value stays as written; the
+    # optimizer it stands for is decided when the optimizer is built.
+    optim: str = field(default=_default_optim(TrainingArguments), metadata=OPTIM_METADATA)
     use_ort: bool = field(
         default=True,
         metadata={
@@ -297,3 +313,55 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
         d["optim"] = getattr(self.optim, "value", self.optim)
         d["memory_opt"] = self.memory_opt.to_dict() if self.use_ort else None
         return d
+
+
+_COMBINED: dict = {}
+
+
+def with_memory_flags(config_cls: type, name: Optional[str] = None) -> type:
+    """`config_cls` (a `TrainingArguments` subclass with defaults of its own, such as TRL's `SFTConfig`) with the
+    memory flags added, its defaults kept.
+
+        SFTArgs = with_memory_flags(SFTConfig)
+        args = HfArgumentParser(SFTArgs).parse_args_into_dataclasses()[0]
+
+    The class subclasses both (`isinstance(args, SFTConfig)` and `isinstance(args, MemoptTrainingArguments)`), so
+    both trainers accept it; one class per config class (asking again gives the same one), and its instances pickle
+    (the Trainer saves them beside each checkpoint). Where `config_cls` changes a `TrainingArguments` default, the
+    new class keeps its value and remembers whose it is, so a refusal can say where it came from (TRL turns
+    `gradient_checkpointing` on). Writing `class Args(MemoptTrainingArguments, SFTConfig)` instead would reset
+    those defaults to transformers' own.
+    """
+    if not (isinstance(config_cls, type) and issubclass(config_cls, TrainingArguments)):
+        raise TypeError(f"with_memory_flags({config_cls!r}): expected a TrainingArguments subclass, as in SFTConfig")
+    if issubclass(config_cls, MemoptTrainingArguments):
+        return config_cls
+    name = name or f"Memopt{config_cls.__name__}"
+    if (config_cls, name) in _COMBINED:
+        return _COMBINED[config_cls, name]
+    base = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    changed = {}
+    for f in dataclasses.fields(config_cls):
+        if f.name in base and f.default is not dataclasses.MISSING and f.default != base[f.name].default:
+            changed[f.name] = (config_cls.__name__, f.default)
+
+    def __reduce__(self):
+        return _rebuild, (config_cls, name, self.__dict__)
+
+    optim = field(default=_default_optim(config_cls), metadata=OPTIM_METADATA)
+    cls = dataclasses.make_dataclass(
+        name,
+        [("optim", str, optim)],
+        bases=(config_cls, MemoptTrainingArguments),
+        namespace={"__module__": __name__, CLASS_DEFAULTS: changed, "__reduce__": __reduce__},
+    )
+    cls.__doc__ = f"{config_cls.__name__} with optimum-memopt's memory flags (`with_memory_flags`)."
+    _COMBINED[config_cls, name] = cls
+    return cls
+
+
+def _rebuild(config_cls: type, name: str, state: dict):
+    """Unpickling an instance of a `with_memory_flags` class: the class made again, the instance's fields set."""
+    obj = object.__new__(with_memory_flags(config_cls, name))
+    obj.__dict__.update(state)
+    return obj

@@ -13,7 +13,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STACK="${MEMOPT_STACK:-ort}"
 case "$STACK" in
   ort) VENV="${MEMOPT_VENV:-$ROOT/.venv}"; CONSTRAINTS="${MEMOPT_CONSTRAINTS:-$ROOT/constraints.txt}"; EXTRAS="cpu,deepspeed,dev,dev-ort" ;;
-  torch) VENV="${MEMOPT_VENV:-$ROOT/.venv-torch}"; CONSTRAINTS="${MEMOPT_CONSTRAINTS:-$ROOT/constraints-torch.txt}"; EXTRAS="torch,deepspeed,dev" ;;
+  torch) VENV="${MEMOPT_VENV:-$ROOT/.venv-torch}"; CONSTRAINTS="${MEMOPT_CONSTRAINTS:-$ROOT/constraints-torch.txt}"; EXTRAS="torch,deepspeed,dev,dev-torch" ;;
   *) echo "[setup] MEMOPT_STACK is '$STACK'; expected 'ort' or 'torch'" >&2; exit 2 ;;
 esac
 # The wheels of onnxruntime-training 1.19.2 exist for CPython 3.8-3.12; the modern stack's torch file on this
@@ -43,6 +43,10 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # optimum's ORTTrainer imports ORTModule from torch-ort, which declares the CUDA build `onnxruntime-training`;
     # the CPU build installed here provides the same module, so torch-ort goes in without its requirements.
     "$PY" -m pip install -q --no-deps -c "$CONSTRAINTS" torch-ort
+  else
+    # TRL 1.16 declares datasets>=4.7; with the pinned datasets 3.6 its SFTTrainer runs (docs/STACK.md), so it goes
+    # in without its requirements (the rest of them are in the constraints).
+    "$PY" -m pip install -q --no-deps -c "$CONSTRAINTS" trl
   fi
   echo "$want" > "$stamp"
 fi

@@ -8,6 +8,7 @@ import logging
 import pytest
 import torch
 from helpers import SEQ, VOCAB, ClsData, LossRecordingTrainer, MlmData, make_args, tiny_model
+from torch_engine import Counting
 from transformers import (
     AutoModelForSequenceClassification,
     BertConfig,
@@ -155,6 +156,20 @@ def test_default_backend_is_torch_where_ort_is_missing_and_said_once():
             r"^`--optim adamw_ort_fused` configure ONNX Runtime.*`--optim adamw_torch_fused`",
         ),
         (dict(gradient_checkpointing=True), r"^`--gradient_checkpointing` with the torch backend would recompute"),
+        (dict(activation_checkpointing=True), r"^`--activation_checkpointing` with the torch backend would recompute"),
+        (
+            dict(memory_opt_config="Reshape+:1:-1"),
+            r"^`--memory_opt_config` has 'Reshape\+:1:-1', which names only view operators \(Reshape\): in PyTorch",
+        ),
+        (
+            dict(memory_opt_config="mul+:1:-1,Mul+:1:2"),
+            r"^`--memory_opt_config` names the op 'Mul' twice \('mul\+:1:-1' and 'Mul\+:1:2'\)",
+        ),
+        (
+            dict(memory_opt_config="Gelu+:1:-1,FastGelu+:1:-1"),
+            r"^`--memory_opt_config` names the op 'Gelu' twice \('Gelu\+:1:-1' and 'FastGelu\+:1:-1'\)",
+        ),
+        (dict(memory_opt_config="MatMul+:1:-1,Gemm+:1:3"), r"names the op 'MatMul' twice"),
         (dict(memory_opt_backend="tvm"), r"^`--memory_opt_backend` is 'tvm'; expected one of 'ort', 'torch'"),
     ],
 )
@@ -258,6 +273,66 @@ def test_dropout_is_recomputed_with_its_random_state(tmp_path):
     )
     assert max(abs(a - b) for a, b in zip(run.losses, eager)) <= LOSS_ATOL
     assert {p["config"] for p in report_of(tmp_path)["plans"] if p["enabled"]} == plans
+
+
+# -- autograd's checks and the user's saved-tensor hooks, through the Trainer ------------------------------------------
+def _gated_changing_in_place(mlp):
+    """A Llama MLP that changes `up_proj`'s output in place after `g * u` saved it (plain PyTorch raises)."""
+
+    def forward(x):
+        u = mlp.up_proj(x)
+        h = mlp.act_fn(mlp.gate_proj(x)) * u
+        u.add_(0.5)
+        return mlp.down_proj(h)
+
+    return forward
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--memory_opt_backend", "none"],
+        ["--memory_opt_backend", "torch", "--memory_opt_config", "Mul+:1:-1,silu+:1:-1"],
+        ["--memory_opt_backend", "torch", "--memory_opt_config", "MatMul+:1:-1"],
+        ["--memory_opt_backend", "torch"],
+        ["--memory_opt_backend", "torch", "--memory_opt_level", "1"],
+    ],
+    ids=["plain", "Mul+silu", "MatMul", "no-plan", "level1"],
+)
+def test_an_in_place_change_after_saving_stops_training_as_in_plain_pytorch(tmp_path, flags):
+    model = build_model("llama")
+    for layer in model.model.layers:
+        layer.mlp.forward = _gated_changing_in_place(layer.mlp)
+    args = make_args(tmp_path, "--max_steps", "2", *flags)
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=data_for("llama"))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        trainer.train()
+
+
+class CountingTrainer(LossRecordingTrainer):
+    """Each training step under a user's saved-tensor hooks (what `save_on_cpu` and TRL's offloading are)."""
+
+    def training_step(self, *args, **kwargs):
+        with self.outer:
+            return super().training_step(*args, **kwargs)
+
+
+def test_a_users_saved_tensor_hooks_see_all_but_the_planned_outputs(tmp_path):
+    seen, runs = {}, {}
+    for name, flags in [
+        ("plain", ["--memory_opt_backend", "none"]),
+        ("planned", ["--memory_opt_backend", "torch", "--memory_opt_config", "Mul+:1:-1,silu+:1:-1"]),
+    ]:
+        args = make_args(tmp_path / name, "--max_steps", "3", *flags)
+        trainer = CountingTrainer(model=build_model("llama"), args=args, train_dataset=data_for("llama"))
+        trainer.outer = seen[name] = Counting()
+        trainer.train()
+        runs[name] = trainer
+    assert runs["planned"].losses == runs["plain"].losses
+    profile = runs["planned"].backend_model._memopt_recompute.profile
+    stashed = sum(b for layer in profile.layers for b in layer.applied.values())
+    assert stashed > 0 and set().union(*(layer.applied for layer in profile.layers)) == {"Mul", "silu"}
+    assert seen["planned"].nbytes == seen["plain"].nbytes - 3 * stashed, (seen["plain"].nbytes, stashed)
 
 
 # -- the saving shows in the memory phases --------------------------------------------------------------------------

@@ -120,8 +120,9 @@ def test_fp16_with_ort_on_cpu_is_refused_before_training(tmp_path):
 
 
 def test_mixin_with_trls_sft_trainer(tmp_path):
-    """README's promise: `class MyTrainer(MemoptTrainerMixin, SFTTrainer)` trains a small causal LM through ORTModule,
-    with TRL's own dataset preparation and our reports."""
+    """README's promise: `class MyTrainer(MemoptTrainerMixin, SFTTrainer)` with `with_memory_flags(SFTConfig)` trains
+    a small causal LM through the stack's backend (ORTModule with TRL 0.12, the torch backend with TRL 1.16), with
+    TRL's own dataset preparation, its defaults, and our reports."""
     trl = pytest.importorskip("trl")
     import importlib.metadata as md
 
@@ -133,24 +134,21 @@ def test_mixin_with_trls_sft_trainer(tmp_path):
         pytest.skip(
             f"the installed TRL {trl.__version__} declares {declared[0]}; transformers is {transformers.__version__}"
         )
-    from dataclasses import dataclass
-
     import datasets
     from transformers import GPT2Config, GPT2LMHeadModel
     from trl import SFTConfig, SFTTrainer
 
-    from optimum_memopt import MemoptTrainerMixin, MemoptTrainingArguments
+    from optimum_memopt import MemoptTrainerMixin, with_memory_flags
     from optimum_memopt.offline_defaults import classification_rows, train_tokenizer
 
     class MemoptSFTTrainer(MemoptTrainerMixin, SFTTrainer):
         pass
 
-    @dataclass
-    class Args(MemoptTrainingArguments, SFTConfig):  # both sets of fields, as a user's script declares them
-        pass
+    Args = with_memory_flags(SFTConfig)  # both sets of fields, TRL's defaults kept
 
     texts = [r["sentence"] for r in classification_rows(64, seed=0)]
     tokenizer = train_tokenizer(texts, vocab_size=200)
+    tokenizer.eos_token = "[SEP]"  # TRL 1.x appends the EOS token to each text
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
         GPT2Config(
@@ -174,8 +172,9 @@ def test_mixin_with_trls_sft_trainer(tmp_path):
         memory_opt_level=1,
         print_input_density=True,
         dataset_text_field="text",
-        max_seq_length=32,
         disable_tqdm=True,
+        gradient_checkpointing=False,  # TRL's default; the backend's level 1 recomputes the layers instead
+        **({"max_seq_length": 32} if hasattr(SFTConfig, "max_seq_length") else {"max_length": 32}),  # TRL 0.12 / 1.x
     )
     trainer = MemoptSFTTrainer(
         model=model,
@@ -184,8 +183,10 @@ def test_mixin_with_trls_sft_trainer(tmp_path):
         train_dataset=datasets.Dataset.from_list([{"text": t} for t in texts]),
     )
     trainer.train()
-    assert type(trainer.ort_model).__name__ == "ORTModule"
-    report = trainer.memopt_backend.plan_report(trainer.ort_model, trainer.memopt_wrap_settings())
+    assert args.learning_rate == SFTConfig.learning_rate  # TRL's default, not transformers'
+    if args.memory_opt.backend == "ort":
+        assert type(trainer.backend_model).__name__ == "ORTModule"
+    report = trainer.memopt_backend.plan_report(trainer.backend_model, trainer.memopt_wrap_settings())
     assert report.level == 1 and report.plans_on
     assert (tmp_path / "memory_plans.json").exists() and (tmp_path / "input_density.csv").exists()
     logged = [h for h in trainer.state.log_history if "loss" in h]

@@ -57,3 +57,21 @@ def test_version_counters_count_in_place_changes():
     t.add_(1)
     assert _torch_api.version(t) == before + 1
     assert _torch_api.op_name(torch.ops.aten.gelu.default) == "gelu"
+
+
+def test_op_schemas_say_which_arguments_an_op_writes_and_the_name_fallback_agrees():
+    from optimum_memopt.backends.torch import _torch_api
+
+    aten = torch.ops.aten
+    a, b, out = torch.zeros(2), torch.ones(2), torch.empty(2)
+    assert _torch_api.written_args(aten.add_.Tensor, (a, b), {}) == [a]
+    assert _torch_api.written_args(aten.add.out, (a, b), {"out": out}) == [out]
+    assert _torch_api.written_args(aten.add.Tensor, (a, b), {}) == []
+    assert aten.add_.Tensor._schema.arguments[0].alias_info.is_write
+
+    class NoSchema:
+        def __init__(self, func):
+            self.overloadpacket = func.overloadpacket
+
+    assert _torch_api.written_args(NoSchema(aten.mul_.Tensor), (a, b), {}) == [a]
+    assert _torch_api.written_args(NoSchema(aten.mul.Tensor), (a, b), {}) == []

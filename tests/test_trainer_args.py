@@ -142,7 +142,7 @@ BAD = [
     (
         "cli",
         ["--gradient_checkpointing"],
-        r"^`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, as in `--memory_opt_level 1`",
+        r"^`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, as in `--memory_opt_level 1 --gradient_checkpointing false`, or pass `--use_ort false`$",
     ),
     (
         "cli",
@@ -178,6 +178,11 @@ BAD = [
         r"^`--memory_budget_mb` is '4000'; expected a positive, finite number",
     ),
     ("kw", dict(input_density_table_steps=2.5), r"^`--input_density_table_steps` is 2.5; expected a positive integer"),
+    (
+        "kw",
+        dict(memory_opt_config=5),
+        r"^`--memory_opt_config` is 5 \(int\); expected plans as text or a list of them, as in `--memory_opt_config ",
+    ),
     (
         "kw",
         dict(memory_opt_config=["Gelu+:1:-1", "Gelu+:2:-1"]),

@@ -7,6 +7,7 @@ declares (`BackendFlags`, which the arguments inherit), the `--optim` names they
 
 from typing import Dict, List, Optional, Tuple
 
+from .base import CLASS_DEFAULTS as CLASS_DEFAULTS
 from .base import Backend, WrapSettings
 from .ort_flags import OrtFlags
 

@@ -33,6 +33,22 @@ from torch import nn
 
 from ..plans import PlanEntry, PlanReport
 
+CLASS_DEFAULTS = "_memopt_class_defaults"  # on an arguments class from `with_memory_flags`: {field: config class}
+
+
+def checkpointing_asked(args) -> Optional[Tuple[str, str]]:
+    """How transformers' own activation checkpointing is on for this run, or None: (the field, in words). Read before
+    `TrainingArguments.__post_init__` joins `gradient_checkpointing` (the deprecated 4.x name) to
+    `activation_checkpointing` (5.x); a default of the config class the flags were added to (TRL's `SFTConfig` turns
+    it on) is named as such, not as a flag the user passed."""
+    for name in ("activation_checkpointing", "gradient_checkpointing"):
+        if getattr(args, name, None):
+            owner = getattr(type(args), CLASS_DEFAULTS, {}).get(name)
+            if owner is not None and getattr(args, name) == owner[1]:
+                return name, f"`{name}=True` ({owner[0]}'s default, unless you passed it)"
+            return name, f"`--{name}`"
+    return None
+
 
 @dataclass
 class WrapSettings:

@@ -39,7 +39,7 @@ from .. import plans as grammar
 from ..eager_attention import use_eager_attention
 from ..plans import FoundPlan, PlanReport
 from . import ort_flags
-from .base import Backend, WrapSettings
+from .base import Backend, WrapSettings, checkpointing_asked
 from .ort_flags import ENV_CONFIG, ENV_LEVEL, FALLBACK_POLICIES, LOG_LEVELS, ORT_FUSED  # noqa: F401 (re-exported)
 
 logger = logging.getLogger(__name__)
@@ -274,10 +274,12 @@ class OrtBackend(Backend):
                 f"DeepSpeed 0.15 renamed (ImportError). Use ZeRO stage 1 or 2 (examples/configs/ds_zero2.json), or "
                 f"`--use_ort false`"
             )
-        if args.gradient_checkpointing:
+        asked = checkpointing_asked(args)
+        if asked:
+            name, what = asked
             raise ValueError(
-                "`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's "
-                "recompute instead, as in `--memory_opt_level 1`, or pass `--use_ort false`"
+                f"{what} uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, "
+                f"as in `--memory_opt_level 1 --{name} false`, or pass `--use_ort false`"
             )
         if args.torch_compile:
             raise ValueError(

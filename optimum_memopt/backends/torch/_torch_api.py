@@ -41,6 +41,28 @@ def returns_alias(func) -> bool:
     return name.endswith("_") or name in _ALIASING
 
 
+_WRITES: dict = {}
+
+
+def written_args(func, args, kwargs) -> list:
+    """The tensor arguments an aten op writes to (in-place and out= ops), read from its schema (private
+    `OpOverload._schema`, cached per op); without a schema, the first argument of an op whose name ends in `_`."""
+    where = _WRITES.get(func)
+    if where is None:
+        schema = getattr(func, "_schema", None)
+        if schema is None:
+            where = ((0,), ()) if op_name(func).endswith("_") else ((), ())
+        else:
+            written = [(i, a.name) for i, a in enumerate(schema.arguments) if a.alias_info and a.alias_info.is_write]
+            where = (tuple(i for i, _ in written), tuple(n for _, n in written))
+        _WRITES[func] = where
+    positions, names = where
+    if not positions and not names:
+        return []
+    found = [args[i] for i in positions if i < len(args)] + [kwargs[n] for n in names if n in kwargs]
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
 def op_name(func) -> str:
     """The overload packet's name of an aten op (`gelu` for `aten.gelu.default`)."""
     return func.overloadpacket.__name__

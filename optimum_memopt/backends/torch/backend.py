@@ -8,10 +8,10 @@ from torch import nn
 
 from ... import _deepspeed
 from ...plans import PlanReport
-from ..base import Backend, WrapSettings
+from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
 from .layers import find_layers
-from .policy import RecomputePolicy
+from .policy import RecomputePolicy, check_requests
 
 STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state
 
@@ -27,10 +27,13 @@ class TorchBackend(Backend):
         return torch_problem()
 
     def check_args(self, args) -> List[str]:
-        if args.gradient_checkpointing:
+        asked = checkpointing_asked(args)
+        if asked:
+            name, what = asked
             raise ValueError(
-                "`--gradient_checkpointing` with the torch backend would recompute the same layers twice over; use "
-                "the backend's whole-layer recompute instead, as in `--memory_opt_level 1`, or pass `--use_ort false`"
+                f"{what} with the torch backend would recompute the same layers twice over; use the backend's "
+                f"whole-layer recompute instead, as in `--memory_opt_level 1 --{name} false`, or pass `--use_ort "
+                f"false` to keep transformers' checkpointing"
             )
         if args.torch_compile:
             raise ValueError(
@@ -38,6 +41,7 @@ class TorchBackend(Backend):
                 "saved-tensor hooks) that torch.compile would trace or break around; drop `--torch_compile`, or pass "
                 "`--use_ort false` to compile plain PyTorch"
             )
+        check_requests(args.memory_opt.enabled_entries)
         stage, via = _deepspeed.zero_stage(args.deepspeed)
         if stage == 3:
             raise ValueError(

@@ -1,6 +1,8 @@
 """Whole-layer recompute: `torch.utils.checkpoint` (non-reentrant, RNG state preserved) around a layer, for the
-layers whose policy says `layer`. In step one the layer's first forward is also profiled, its tracker handing every
-saved tensor on to checkpoint's own hooks.
+layers whose policy says `layer`. The layer's first forward runs under the backend's hooks, which hand every saved
+tensor on to checkpoint's own and check at backward that the recomputed tensor is at the version it was saved at
+(a recompute that replays an in-place change made after the save would give backward the changed values; torch's
+checkpoint does not check this). In step one that forward is also profiled.
 
 A checkpointed layer runs without the model's KV cache: in training, transformers' decoders build a `DynamicCache`
 (`config.use_cache` is on by default) that each layer appends to; a layer recomputed in backward would append its
@@ -14,7 +16,7 @@ from typing import Optional
 from torch.utils.checkpoint import checkpoint
 
 from . import _torch_api
-from .hooks import finish, tracked
+from .hooks import finish, hooked, tracked
 from .profile import LayerProfile
 from .tracking import LayerRun
 
@@ -36,21 +38,19 @@ def without_cache(layer, kwargs: dict) -> dict:
 
 def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs):
     kwargs = without_cache(layer, kwargs)
-    if record is None:
-        return checkpoint(original, *args, use_reentrant=False, **kwargs)
     first = [True]
 
-    def recorded(*a, **k):
+    def guarded(*a, **k):
         if not first[0]:  # the recomputation in backward
             return original(*a, **k)
         first[0] = False
         outer = _torch_api.top_saved_tensors_hooks()
         if outer is None:
             return original(*a, **k)
-        run = LayerRun(frozenset(), record, outer_hooks=outer)
-        with tracked(run):
+        run = LayerRun(frozenset(), record, outer_hooks=outer, check_outer=True)
+        with tracked(run) if record is not None else hooked(run):
             out = original(*a, **k)
         finish(run, out, (a, k))
         return out
 
-    return checkpoint(recorded, *args, use_reentrant=False, **kwargs)
+    return checkpoint(guarded, *args, use_reentrant=False, **kwargs)

@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from . import _torch_api
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
 from .layers import LayerForwards
@@ -59,7 +60,7 @@ class RecomputeState:
         if policy.mode == LAYER:
             out = checkpointed(layer, original, record, args, kwargs)
         elif policy.mode == OPS or record is not None:
-            run = LayerRun(policy.ops, record)
+            run = LayerRun(policy.ops, record, outer_hooks=_torch_api.top_saved_tensors_hooks())
             with tracked(run):
                 out = original(*args, **kwargs)
             finish(run, out, (args, kwargs))

@@ -1,6 +1,21 @@
-"""The saved-tensor hooks of a layer's forward: for each tensor autograd saves, keep it as it is or keep a recipe
-(when an op of the policy made it and its inputs are kept anyway); unpack rebuilds it; `finish` folds what was kept
-into the step-one profile."""
+"""The saved-tensor hooks of a layer's forward: for each tensor autograd saves, keep a recipe (when an op of the
+policy made it and its inputs are kept anyway) or keep it as it is; unpack rebuilds it; `finish` folds what was
+kept into the step-one profile.
+
+Two things autograd does for saved tensors it stops doing once saved-tensor hooks are registered, and which these
+hooks therefore do themselves:
+
+* the version check: a tensor kept as it is and changed in place after it was saved raises at unpack, as plain
+  PyTorch raises ("modified by an inplace operation"), instead of backward silently using the changed values.
+  A planned output changed in place after it was saved is recomputed as it was when saved (its inputs' versions
+  are checked), so backward gets the value the forward used, as under checkpointing;
+* the enclosing hooks: only the innermost hooks run, so a user's `torch.autograd.graph.save_on_cpu()` or an
+  offloading hook around the step (TRL's) would never see a tensor saved inside a layer. Every tensor kept as it is
+  is handed on to the hooks that were active when the layer started (checkpoint's own, at level 1), and unpacked
+  through them; a planned output is not (its recipe stands in for it). When hooks of the user's take a tensor,
+  they decide what it is worth at backward, as in plain PyTorch (which does not check versions through hooks
+  either).
+"""
 
 import contextlib
 import weakref
@@ -10,7 +25,7 @@ import torch
 
 from . import _torch_api
 from .profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE
-from .recipe import Stashed, tensors_in
+from .recipe import Stashed, changed_in_place, tensors_in
 from .tracking import LayerRun, TrackingMode, storage_key
 
 
@@ -22,6 +37,10 @@ def _kept(run: LayerRun, t: Optional[torch.Tensor]) -> bool:
     ref = run.kept.get(ptr)
     held = ref() if ref is not None else None
     return held is not None and storage_key(held) == ptr
+
+
+def _changed_since_made(made, x: torch.Tensor) -> bool:
+    return made.version != _torch_api.version(x) or (made.recipe is not None and made.index in made.recipe.changed)
 
 
 def pack(run: LayerRun, x: torch.Tensor):
@@ -41,7 +60,11 @@ def pack(run: LayerRun, x: torch.Tensor):
         elif not all(ref is None or _kept(run, ref()) for ref in made.inputs):
             made.why_not = INPUT_NOT_KEPT
         made.recomputable = not made.why_not
-    if made is not None and run.outer is None:
+    if made is not None and (
+        made.version != _torch_api.version(x) or made.index in getattr(made.recipe, "changed", ())
+    ):
+        pass  # changed in place since it was made: saved as it is now, not recomputed
+    elif made is not None:
         if made.call is not None and made.recomputable:
             if made.recipe is None:
                 made.recipe = made.call.to_recipe()
@@ -51,17 +74,47 @@ def pack(run: LayerRun, x: torch.Tensor):
         elif made.recipe is not None:
             made.recipe.pending += 1
             stash = Stashed(made.recipe, made.index, x)
-    if stash is None and ptr:
+    if stash is not None:
+        run.stashed = True
+        return stash
+    if ptr:
         run.kept[ptr] = weakref.ref(x)
     if run.outer is not None:
-        return run.outer[0](x)
-    return stash if stash is not None else x
+        return Handed(run.outer[0](x), _torch_api.version(x) if run.check_outer else None)
+    return Kept(x)
 
 
 def unpack(run: LayerRun, h):
-    if run.outer is not None:
-        return run.outer[1](h)
-    return h.materialize() if isinstance(h, Stashed) else h
+    if isinstance(h, Handed):
+        t = run.outer[1](h.packed)
+        if h.version is not None:
+            changed_in_place(t, h.version)
+        return t
+    return h.materialize()
+
+
+class Kept:
+    """A tensor kept as it is, with its version when saved: given back only if unchanged since."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor):
+        self.tensor, self.version = t, _torch_api.version(t)
+
+    def materialize(self) -> torch.Tensor:
+        changed_in_place(self.tensor, self.version)
+        return self.tensor
+
+
+class Handed:
+    """What the enclosing saved-tensor hooks made of a tensor kept as it is; with checkpoint's hooks (level 1), the
+    tensor's version when saved: the recomputed tensor must be at the same version when backward unpacks it (an
+    in-place change replayed by the recompute would give backward the changed values)."""
+
+    __slots__ = ("packed", "version")
+
+    def __init__(self, packed, version: Optional[int]):
+        self.packed, self.version = packed, version
 
 
 def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
@@ -82,8 +135,13 @@ def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
     run.made.clear()
 
 
+def hooked(run: LayerRun):
+    """The hooks alone around one layer's forward (a checkpointed layer outside step one: nothing to track)."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda x: pack(run, x), lambda h: unpack(run, h))
+
+
 @contextlib.contextmanager
 def tracked(run: LayerRun):
     """The tracker and the hooks around one layer's forward."""
-    with TrackingMode(run), torch.autograd.graph.saved_tensors_hooks(lambda x: pack(run, x), lambda h: unpack(run, h)):
+    with TrackingMode(run), hooked(run):
         yield

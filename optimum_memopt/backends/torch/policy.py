@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 from ...plans import PlanEntry
-from .names import canonical_ops
+from .names import VIEW_NAMES, canonical_ops
 
 KEEP, OPS, LAYER = "keep", "ops", "layer"
 MODES = (KEEP, OPS, LAYER)
@@ -50,6 +50,28 @@ class Request:
     def canonical(self) -> List[PlanEntry]:
         e = self.entry
         return [PlanEntry(f"{nm}+", e.optimization_type, e.apply_count) for nm in self.names]
+
+
+def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_config") -> None:
+    """Refuse plans that would silently do nothing here: a request naming only view operators (in PyTorch a view
+    creates no storage, so there is nothing to recompute), and one op asked for by two requests (two names of one
+    op, as `mul+` and `Mul+`, or `Gelu+` and `FastGelu+`: which count would win is not the user's to guess)."""
+    claimed: Dict[str, PlanEntry] = {}
+    for entry in entries:
+        names, unknown = canonical_ops(entry.subgraph)
+        if not names and not unknown:
+            raise ValueError(
+                f"`{flag}` has {str(entry)!r}, which names only view operators ({entry.subgraph.rstrip('+')}): in "
+                f"PyTorch they create no storage, so the plan would recompute nothing; drop it, or name the op that "
+                f"makes the tensor, as in 'Gelu+:1:-1' (views ignored here: {', '.join(VIEW_NAMES)})"
+            )
+        for name in names:
+            if name in claimed:
+                raise ValueError(
+                    f"`{flag}` names the op {name!r} twice ({str(claimed[name])!r} and {str(entry)!r}): in the torch "
+                    f"backend both stand for the same aten op; give it once, as in {f'{name}+:1:-1'!r}"
+                )
+            claimed[name] = entry
 
 
 @dataclass

@@ -29,13 +29,34 @@ def rng_state(func, args, kwargs) -> Optional[tuple]:
     return (torch.get_rng_state(), device, device_state)
 
 
+_WHY = (
+    "(optimum-memopt's torch backend saves this tensor through saved-tensor hooks and checks it as autograd does "
+    "without them: plain PyTorch raises the same error here. Replace the in-place op with its out-of-place form, "
+    "e.g. `u = u + 1` for `u.add_(1)`.)"
+)
+INPLACE = "one of the variables needed for gradient computation has been modified by an inplace operation"
+
+
+def changed_in_place(t: torch.Tensor, saved_version: int) -> None:
+    """Autograd's check of a saved tensor, which it skips for tensors saved through hooks: raise if `t` was changed
+    in place since it was saved (at `saved_version`)."""
+    now = _torch_api.version(t)
+    if now != saved_version:
+        last = f", last changed by {type(t.grad_fn).__name__}," if t.grad_fn is not None else ""
+        raise RuntimeError(
+            f"{INPLACE}: [{t.type()} {list(t.shape)}]{last} is at version {now}; expected version {saved_version} "
+            f"instead. {_WHY}"
+        )
+
+
 class Recipe:
     """How to recompute one op's outputs: the op, its inputs (kept alive by autograd anyway), the RNG state."""
 
-    __slots__ = ("func", "args", "kwargs", "rng", "versions", "value", "pending", "__weakref__")
+    __slots__ = ("func", "args", "kwargs", "rng", "versions", "value", "pending", "changed", "__weakref__")
 
     def __init__(self, func, args, kwargs, rng):
         self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
+        self.changed = {}  # output index -> the op that wrote to that output after it was saved
         self.versions = [_torch_api.version(t) for t in tensors_in((args, kwargs))]
         self.value = None
         self.pending = 0
@@ -85,6 +106,12 @@ class Stashed:
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
     def materialize(self) -> torch.Tensor:
+        changed_by = self.recipe.changed.get(self.index)
+        if changed_by is not None:
+            raise RuntimeError(
+                f"{INPLACE}: output {self.index} of {self.recipe.func} (shape {list(self.size)}), recomputed for "
+                f"backward, was changed by {changed_by} after it was saved. {_WHY}"
+            )
         outs = self.recipe.outputs()
         out = outs[self.index] if isinstance(outs, (tuple, list)) else outs
         if out.size() != self.size or out.stride() != self.stride or out.storage_offset() != self.offset:

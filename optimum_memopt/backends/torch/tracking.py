@@ -75,7 +75,7 @@ class Made:
 class LayerRun:
     """One layer's forward pass under the backend."""
 
-    def __init__(self, apply: FrozenSet[str], record: Optional[LayerProfile], outer_hooks=None):
+    def __init__(self, apply: FrozenSet[str], record: Optional[LayerProfile], outer_hooks=None, check_outer=False):
         self.apply = apply
         self.record = record
         self.made: Dict[int, Made] = {}
@@ -83,11 +83,23 @@ class LayerRun:
         # forward (an unused output's) frees what it kept, and its address may be reused by a later storage
         self.kept: Dict[int, object] = {}
         self.counted: List[Made] = []  # each storage autograd kept, once, as it was first kept
-        self.outer = outer_hooks  # level 1: checkpoint's own hooks, to which ours hand every tensor
+        # the saved-tensor hooks active when the layer started (a user's `save_on_cpu`, an offloading hook; at level
+        # 1 checkpoint's own): ours hand them every tensor kept as it is
+        self.outer = outer_hooks
+        self.check_outer = check_outer  # checkpoint's hooks: what they give back is checked for in-place changes
+        self.stashed = False  # a recipe stands in for a saved tensor: ops writing to planned outputs are watched
 
     def on_op(self, func, args, kwargs, out, rng, seconds: float = 0.0) -> None:
         if self.record is not None:
             self.record.op_seconds += seconds
+        if self.stashed:
+            for t in _torch_api.written_args(func, args, kwargs):
+                ptr = storage_key(t)
+                made = self.made.get(ptr)
+                alive = made.ref() if made is not None and made.recipe is not None else None
+                # a planned output still alive and written to (a freed one's address may be a new storage now)
+                if alive is not None and storage_key(alive) == ptr:
+                    made.recipe.changed.setdefault(made.index, str(func))
         name = plan_name(_torch_api.op_name(func))
         applying = name in self.apply
         if not (applying or self.record is not None):

@@ -1,0 +1,148 @@
+"""The torch engine's saved-tensor hooks do what autograd does for saved tensors without hooks: a tensor changed in
+place after it was saved is an error (plain PyTorch's), and the hooks around the step (`save_on_cpu`, an offloading
+hook) still see every tensor kept as it is. At op level, without a Trainer; through the Trainer in
+tests/test_backend_torch.py."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch_engine import Counting, engine, ops, pair, step
+
+from optimum_memopt.backends.torch.policy import LayerPolicy, RecomputePolicy
+
+pytestmark = pytest.mark.torch_backend
+
+INPLACE = "modified by an inplace operation"
+
+
+def gated(block, x):
+    """A gated MLP that changes `u` in place after `g * u` saved it."""
+    g = F.silu(x @ block.w)
+    u = x @ block.w.t()
+    h = g * u
+    u.add_(0.5)
+    return h @ block.w
+
+
+def keep(n=1):
+    return RecomputePolicy([LayerPolicy() for _ in range(n)])
+
+
+def test_plain_pytorch_raises_on_the_in_place_change():
+    plain, _ = pair(gated)
+    with pytest.raises(RuntimeError, match=INPLACE):
+        step(plain, torch.randn(4, 8))
+
+
+@pytest.mark.parametrize(
+    "policy, message",
+    [
+        (
+            ops("Mul", "silu"),
+            r"\[torch.FloatTensor \[4, 8\]\], last changed by AddBackward0, is at version 1; expected ",
+        ),
+        (keep(), r"at version 1; expected version 0"),
+        # `u` is planned itself: its recipe would give back the unchanged value, the change is seen by the tracker
+        (ops("MatMul"), r"output 0 of aten.mm.default \(shape \[4, 8\]\), recomputed for backward, was changed by "),
+        (RecomputePolicy.from_plans([], 1, 1), r"at version 1; expected version 0"),
+    ],
+    ids=["Mul+silu", "keep", "MatMul", "level1"],
+)
+def test_a_saved_tensor_changed_in_place_raises_in_every_step(policy, message):
+    """Level 1: the recompute replays `u.add_` (checkpoint re-runs the layer up to the last tensor backward needs,
+    here the final matmul's input), so the recomputed `u` is the changed one; plain torch checkpointing would use it
+    without a word."""
+    _, planned = pair(gated)
+    state = engine(planned, policy)
+    with pytest.raises(RuntimeError, match=INPLACE + ".*" + message):
+        step(planned, torch.randn(4, 8))  # step one: recorded, through the backend's hooks
+    assert state.profile is not None
+    with pytest.raises(RuntimeError, match=INPLACE):
+        step(planned, torch.randn(4, 8))  # a later step
+
+
+def test_level_1_gives_the_forward_values_where_the_recompute_stops_before_the_change():
+    """The change comes after the last tensor backward needs: checkpoint's recompute stops before it, so backward
+    gets the values the forward used (the true gradient; plain PyTorch would raise)."""
+
+    def unchanged(block, x):
+        g = F.silu(x @ block.w)
+        return (g * (x @ block.w.t())) @ block.w
+
+    def change_last(block, x):
+        g = F.silu(x @ block.w)
+        u = x @ block.w.t()
+        out = (g * u) @ block.w
+        u.add_(0.5)
+        return out
+
+    plain, _ = pair(unchanged)
+    _, layered = pair(change_last)
+    engine(layered, RecomputePolicy.from_plans([], 1, 1))
+    x = torch.randn(4, 8)
+    for seed in (0, 1):  # the recorded step and a later one
+        got, want = step(layered, x, seed), step(plain, x, seed)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+
+
+def three_ops(block, x):
+    return F.gelu(x @ block.w) @ block.w.t()
+
+
+@pytest.mark.parametrize("planned_policy, planned_bytes", [(keep(2), 0), (ops("Gelu", n=2), 2 * 4 * 8 * 4)])
+def test_the_hooks_around_the_step_see_every_tensor_kept_as_it_is(planned_policy, planned_bytes):
+    plain, planned = pair(three_ops, n=2)
+    engine(planned, planned_policy)
+    x = torch.randn(4, 8)
+    for seed in (0, 1):  # the recorded step and a later one
+        with Counting() as outer_plain:
+            want = step(plain, x, seed)
+        with Counting() as outer_planned:
+            got = step(planned, x, seed)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        assert outer_planned.nbytes == outer_plain.nbytes - planned_bytes
+        assert outer_planned.tensors == outer_plain.tensors - (2 if planned_bytes else 0)
+
+
+@pytest.mark.parametrize("policy", [ops("Gelu", n=2), keep(2)], ids=["Gelu", "keep"])
+def test_save_on_cpu_around_a_planned_step_gives_the_same_gradients(policy):
+    plain, planned = pair(three_ops, n=2)
+    engine(planned, policy)
+    x = torch.randn(4, 8)
+    for seed in (0, 1):
+        with torch.autograd.graph.save_on_cpu():
+            want = step(plain, x, seed)
+        with torch.autograd.graph.save_on_cpu():
+            got = step(planned, x, seed)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_new_storage_at_a_freed_planned_outputs_address_is_not_taken_for_it():
+    """A planned output is freed once stashed, and a later op's output may get its address and be changed in place
+    (dropout's mask on CPU: `bernoulli_` on `empty_like`'s output; seen on BERT with 8 MiB blocks). Only a write to
+    the planned output itself, still alive, marks it changed. The allocator's reuse is not reproducible on demand,
+    so the tracker is handed the situation directly."""
+    import weakref
+
+    from optimum_memopt.backends.torch.recipe import Recipe
+    from optimum_memopt.backends.torch.tracking import LayerRun, Made, storage_key
+
+    aten = torch.ops.aten
+    run = LayerRun(frozenset({"MatMul"}), None)
+    run.stashed = True
+    a, w = torch.randn(4, 8), torch.randn(8, 8)
+    mask = torch.empty(4, 8)  # now at the address the freed planned output had
+
+    class Gone:
+        pass
+
+    dead = weakref.ref(Gone())  # the planned output, freed
+    made = Made("MatMul", dead, 128, 0, 0, [], recipe=Recipe(aten.mm.default, (a, w), {}, None))
+    run.made[storage_key(mask)] = made
+    run.on_op(aten.bernoulli_.float, (mask, 0.5), {}, mask, None)
+    assert made.recipe.changed == {}
+    alive = aten.mm.default(a, w)  # the planned output itself, alive, written to: marked
+    made.ref = weakref.ref(alive)
+    run.made[storage_key(alive)] = made
+    run.on_op(aten.add_.Tensor, (alive, 1.0), {}, alive, None)
+    assert made.recipe.changed == {0: "aten.add_.Tensor"}
