@@ -82,6 +82,20 @@ def _attribute(obj, name, value):
         setattr(obj, name, old)
 
 
+# What each training log line carries of the plugin's figures (rounded to 0.01) unless `--log_all_memory_metrics`:
+# the step's peak, what forward left for backward, the input and label density, and (once) the plans. Every other
+# figure is in the reports' CSVs (`memory_phases.csv`, `input_density.csv`) and `memory_plans.json`.
+LOG_LINE_METRICS = (
+    "memopt/mem_step_peak_mb",
+    "memopt/mem_forward_held_mb",
+    "memopt/embed_density_pct",
+    "memopt/label_density_pct",
+    "memopt/plans_found",
+    "memopt/plans_on",
+    "memopt/planned_saving_mb",
+)
+
+
 class MemoptTrainerMixin:
     """Trains through a memory-optimizer backend (ORTModule) with the settings of `MemoptTrainingArguments`.
 
@@ -397,8 +411,10 @@ class MemoptTrainerMixin:
                 pop = getattr(callback, "pop_metrics", None)
                 if pop is not None:
                     extra.update(pop())
+            if extra and not getattr(self.args, "log_all_memory_metrics", False):
+                extra = {k: v for k, v in extra.items() if k in LOG_LINE_METRICS}
             if extra:
-                logs = {**logs, **extra}
+                logs = {**logs, **{k: round(v, 2) if isinstance(v, float) else v for k, v in extra.items()}}
         return super().log(logs, *args, **kwargs)
 
     # -- optimizer -----------------------------------------------------------------------------------

@@ -156,6 +156,14 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             "help": "Record memory at pre/post forward and pre/post backward (metrics, memory_phases.csv, plot)."
         },
     )
+    log_all_memory_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "Put every memopt/* figure into each training log line (each phase's in-use, peak and resident "
+            "MiB, token and label counts). By default a line carries the step peak, what forward held, the densities "
+            "and, once, the plans; the rest is in memory_phases.csv, input_density.csv and memory_plans.json."
+        },
+    )
     print_input_density: bool = field(
         default=False,
         metadata={"help": "Record the share of non-padding tokens and of labels that are not ignored (-100)."},

@@ -284,7 +284,8 @@ def test_cli_exits_non_zero_when_nothing_fits_or_the_script_fails(tmp_path, caps
         cli.main(["--budget_mb", "100", "--report_dir", str(tmp_path / "a"), "--", str(script)], runner=FakeRunner())
         == 1
     )
-    assert "no probed configuration fits 100.0 MiB" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no probed configuration fits 100.0 MiB" in err and "raise `--budget_mb`" in err  # the probe's own flag
     assert (
         cli.main(["--report_dir", str(tmp_path / "b"), "--", str(script)], runner=FakeRunner(fail_baseline=True)) == 1
     )

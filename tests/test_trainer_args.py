@@ -201,6 +201,12 @@ BAD = [
         r"^`--ort_save_onnx_dir` is '.*a_file/sub', but '.*a_file' cannot be written; give a writable directory",
     ),
     ("under_file", "--ort_cache_dir", r"^`--ort_cache_dir` is '.*a_file/sub', but '.*a_file' cannot be written"),
+    # where nothing can be created, not even by root (whom `os.access` tells yes)
+    (
+        "kw",
+        dict(ort_cache_dir="/proc/memopt-cache"),
+        r"^`--ort_cache_dir` is '/proc/memopt-cache', but '/proc' cannot be",
+    ),
 ]
 # every flag that only means something with ORT is refused with `--use_ort false`, by name
 ORT_ONLY = [

@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--max_plans", type=int, default=6, help="probe this many of the plans found, largest predicted saving first"
     )
     p.add_argument(
-        "--levels", default="1,2", help="memory_opt_levels to probe, comma-separated from 1 and 2 ('' for none)"
+        "--levels",
+        default=None,
+        help="memory_opt_levels to probe, comma-separated from 1 and 2 ('' for none; default: the backend's levels, "
+        "1 and 2 with ORT, 1 with the torch backend)",
     )
     p.add_argument("--include_pytorch", action="store_true", help="also measure the script without ORT")
     p.add_argument(
@@ -82,8 +85,8 @@ def validate(args) -> dict:
             f"the training script {script[0]!r} is not a file; give its path after '--', as in "
             f"`memopt-probe -- examples/run_glue/run_glue.py`"
         )
-    levels = []
-    for part in (x.strip() for x in args.levels.split(",")):
+    levels = None if args.levels is None else []
+    for part in (x.strip() for x in (args.levels or "").split(",")):
         if not part:
             continue
         if part not in ("1", "2"):
@@ -128,6 +131,7 @@ def gather(args, settings: dict, runner=run_child) -> Advice:
         max_plans=args.max_plans,
         levels=settings["levels"],
         include_pytorch=args.include_pytorch,
+        budget_flag="--budget_mb",
         search_batch_size=args.search_batch_size,
         timeout=args.timeout,
         runner=runner,

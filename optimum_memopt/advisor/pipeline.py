@@ -104,12 +104,13 @@ def advise(
     budget_mb: Optional[float] = None,
     steps: int = 6,
     max_plans: int = 6,
-    levels: Sequence[int] = (1, 2),
+    levels: Optional[Sequence[int]] = None,
     include_pytorch: bool = False,
     search_batch_size: bool = False,
     timeout: float = 1800,
     progress: Callable[[str], None] = print,
     runner: Runner = run_child,
+    budget_flag: str = "--memory_budget_mb",
 ) -> Advice:
     report = probe(
         script_argv,
@@ -127,7 +128,13 @@ def advise(
         return advice
     try:
         advice.choice = verify(
-            report, choose(report, budget_mb), budget_mb, steps, progress=progress, timeout=timeout, runner=runner
+            report,
+            choose(report, budget_mb, budget_flag),
+            budget_mb,
+            steps,
+            progress=progress,
+            timeout=timeout,
+            runner=runner,
         )
     except NoFit as e:
         advice.no_fit = str(e)

@@ -12,6 +12,9 @@ from typing import Callable, List, Optional, Sequence
 from ..plans import PlanReport
 from .measure import Measurement, Runner, backend_label, memory_flags, run_child, script_backend
 
+# the `--memory_opt_level`s each backend has (the torch backend refuses 2: PyTorch has no "recompute with compromise")
+BACKEND_LEVELS = {"ort": (1, 2), "torch": (1,)}
+
 MIB = 1024.0 * 1024.0
 
 
@@ -152,14 +155,18 @@ def probe(
     batch_size: int,
     steps: int = 6,
     max_plans: int = 6,
-    levels: Sequence[int] = (1, 2),
+    levels: Optional[Sequence[int]] = None,
     include_pytorch: bool = False,
     progress: Callable[[str], None] = print,
     timeout: float = 1800,
     runner: Runner = run_child,
 ) -> ProbeReport:
+    """`levels`: the `--memory_opt_level`s to measure; None for every level the script's backend has (ORT: 1 and 2;
+    the torch backend: 1, as it refuses 2)."""
     script_argv = list(script_argv)
     report = ProbeReport(script_argv, batch_size, steps, None, backend=script_backend(script_argv))
+    if levels is None:
+        levels = BACKEND_LEVELS.get(report.backend, (1,))
     name = report.label
     total_hint = 1 + max_plans + len(levels) + int(include_pytorch)
     done = [0]

@@ -30,7 +30,7 @@ class NoFit(ValueError):
     pass
 
 
-def choose(report: ProbeReport, budget_mb: float) -> Choice:
+def choose(report: ProbeReport, budget_mb: float, budget_flag: str = "--memory_budget_mb") -> Choice:
     """The cheapest configuration whose measured (or, for plan sets, estimated) peak fits the budget.
 
     Plans are added in the probe's ranking order (most memory saved per second of extra step time
@@ -101,7 +101,7 @@ def choose(report: ProbeReport, budget_mb: float) -> Choice:
     best = min([r.measurement.peak_mb for r in report.rows if r.measurement.ok])
     raise NoFit(
         f"no probed configuration fits {budget_mb:,.1f} MiB: the lowest measured peak is {best:,.1f} MiB "
-        f"({report.label} without recompute: {base_peak:,.1f} MiB); lower the batch size or raise --memory_budget_mb"
+        f"({report.label} without recompute: {base_peak:,.1f} MiB); lower the batch size or raise `{budget_flag}`"
     )
 
 

@@ -2,6 +2,7 @@
 (`optimum_memopt.backends.BackendFlags`), and checked by `OrtBackend.check_args`. No onnxruntime import."""
 
 import os
+import tempfile
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -72,11 +73,21 @@ def check_dir_flag(flag: str, path: Optional[str]) -> None:
     parent = os.path.abspath(path)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK) or not _can_create_in(parent):
         raise ValueError(
             f"`{flag}` is {path!r}, but {parent!r} cannot be written; give a writable directory, as in "
             f"`{flag} outputs/ort`"
         )
+
+
+def _can_create_in(directory: str) -> bool:
+    """Whether a directory can really be made in `directory`: `os.access` says yes to root everywhere, also in
+    pseudo-filesystems such as /proc, where nothing can be created."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".memopt-check-", dir=directory))
+        return True
+    except OSError:
+        return False
 
 
 def check_choices(args) -> None:

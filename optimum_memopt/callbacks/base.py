@@ -1,6 +1,7 @@
 """What the plugin's callbacks share: a buffer of numeric metrics that `MemoptTrainerMixin.log` merges
 into the trainer's logs (so every reporter sees them), and report files that never stop training."""
 
+import contextlib
 import csv
 import logging
 import os
@@ -64,6 +65,42 @@ class CsvReport:
                 csv.writer(f).writerows(rows)
 
         self.owner.write_report(self.path, write)
+
+
+def _shown(level: int) -> bool:
+    """Whether a record of `level` from the plugin's logger reaches a handler (Python's last-resort handler, which
+    shows warnings when no handler is set up, does not count: it drops INFO)."""
+    if not logger.isEnabledFor(level):
+        return False
+    current = logger
+    while current is not None:
+        if any(h.level <= level for h in current.handlers):
+            return True
+        current = current.parent if current.propagate else None
+    return False
+
+
+def show(text: str) -> None:
+    """A table the user should see, from rank 0 (callers run there only): logged at INFO where a handler shows INFO
+    (scripts written like transformers' examples, with `--log_level info`), else printed to stdout, the way the
+    Trainer prints its own progress, so a script that set up no logging (TRL's `sft.py`) still shows it."""
+    if _shown(logging.INFO):
+        logger.info("%s", text)
+    else:
+        print(text, flush=True)
+
+
+def atomic_write(path: str, write: Callable[[str], None]) -> None:
+    """``write`` to a temporary file beside `path`, then move it into place: a failure (a full disk) leaves no
+    empty or half-written report behind, and the temporary file is removed."""
+    tmp = f"{path}.tmp"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def current_model(trainer, model):

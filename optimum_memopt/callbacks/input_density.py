@@ -24,7 +24,7 @@ from collections import deque
 import torch
 
 from ..losses import IGNORE_INDEX
-from .base import CsvReport, MetricsCallback, logger
+from .base import CsvReport, MetricsCallback, show
 
 CSV_FIELDS = ("step", "micro_batch", "input_type", "input_name", "pad_idx", "valid", "total", "density_pct")
 
@@ -87,7 +87,7 @@ class InputDensityCallback(MetricsCallback):
             first = state.global_step - self.table_steps  # rows carry the step they started at (global_step - 1 now)
             recent = [r for r in self.rows if r[0] >= first]
             if recent:
-                logger.info("%s", format_density_table(recent, self.table_steps))
+                show(format_density_table(recent, self.table_steps))
 
     def _update_pending(self):
         metrics = {}

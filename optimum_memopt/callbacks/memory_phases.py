@@ -18,7 +18,10 @@ Metrics added to each training log, for the latest recorded step (MiB):
   - `memopt/mem_<phase>_mb`: memory in use at the end of the phase (CUDA allocated; CPU allocator in use);
   - `memopt/mem_<phase>_peak_mb`: its peak within the phase;
   - `memopt/mem_<phase>_resident_mb` (CPU): resident memory at the end of the phase;
-  - `memopt/mem_step_peak_mb`: the peak over the whole step.
+  - `memopt/mem_step_peak_mb`: the peak over the whole step;
+  - `memopt/mem_forward_held_mb`: in use after forward minus before it (what forward left for backward: the
+    activations autograd keeps, and the outputs).
+Only the step peak and the forward's held memory go into each log line unless `--log_all_memory_metrics`.
 Files: `<output_dir>/memory_phases.csv` (every recorded reading; on resume, it continues from the
 checkpoint's step) and, at the end of training, `<output_dir>/memory_phases.png` (phases over steps).
 """
@@ -28,7 +31,7 @@ import os
 import torch
 
 from ..memory import READABLE_DEVICES, MemoryMeter, training_device
-from .base import CsvReport, MetricsCallback, current_model, hookable, logger
+from .base import CsvReport, MetricsCallback, atomic_write, current_model, hookable, logger
 
 PHASES = ("pre_forward", "post_forward", "pre_backward", "post_backward")
 CSV_FIELDS = (
@@ -187,6 +190,9 @@ class MemoryPhaseCallback(MetricsCallback):
                 metrics[f"memopt/mem_{phase}_peak_mb"] = r.peak_mb
             if r.resident_mb is not None:
                 metrics[f"memopt/mem_{phase}_resident_mb"] = r.resident_mb
+        before, after = readings.get("pre_forward"), readings.get("post_forward")
+        if before is not None and after is not None and None not in (before.current_mb, after.current_mb):
+            metrics["memopt/mem_forward_held_mb"] = after.current_mb - before.current_mb
         peaks = [r.peak_mb for r in readings.values() if r.peak_mb is not None]
         if peaks:
             metrics["memopt/mem_step_peak_mb"] = max(peaks)
@@ -201,7 +207,8 @@ class MemoryPhaseCallback(MetricsCallback):
         self.meter.close()
         if self.plot and self.rows:
             path = os.path.join(args.output_dir, "memory_phases.png")
-            if self.write_report(path, lambda p: plot_phases(self.rows, p, self.meter.device)):
+            plot = lambda p: plot_phases(self.rows, p, self.meter.device)  # noqa: E731
+            if self.write_report(path, lambda p: atomic_write(p, plot)):
                 logger.info("memory phases: %d readings in %s, plot in %s", len(self.rows), self._csv.path, path)
 
 
@@ -230,4 +237,4 @@ def plot_phases(rows, path: str, device: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")

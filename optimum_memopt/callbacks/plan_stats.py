@@ -17,7 +17,7 @@ import os
 from typing import Optional
 
 from ..plans import PlanReport
-from .base import MetricsCallback, current_model, logger
+from .base import MetricsCallback, atomic_write, current_model, logger, show
 
 
 def format_plan_table(report: PlanReport) -> str:
@@ -67,7 +67,7 @@ class PlanStatsCallback(MetricsCallback):
         self.write_report(
             os.path.join(args.output_dir, "memory_plans.json"), lambda p: _dump_json(report.to_dict(), p)
         )
-        logger.info("%s", format_plan_table(report))
+        show(format_plan_table(report))
         for unmatched in report.unmatched:
             who = "ORT" if report.backend == "ort" else f"the {report.backend} backend"
             logger.warning("%s", unmatched.message(backend=who))
@@ -82,7 +82,8 @@ class PlanStatsCallback(MetricsCallback):
 
 
 def _dump_json(data, path):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
+    def write(tmp):
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+
+    atomic_write(path, write)

@@ -53,6 +53,7 @@ def main():
         "Gelu+:1:-1",
         "--print_memory_stats",
         "--print_input_density",
+        "--log_all_memory_metrics",
         "--input_density_table_steps",
         "3",
         "--ddp_backend",

@@ -1,0 +1,120 @@
+"""What a user sees: the plan table on screen whatever the script set up for logging (rank 0 only), log lines that
+carry a few rounded figures (the rest behind `--log_all_memory_metrics` and in the CSVs), report files written whole
+or not at all, and the advisor's smaller promises (the backend's own levels, the probe's own flag)."""
+
+import logging
+
+import pytest
+from helpers import ClsData, LossRecordingTrainer, make_args, tiny_model
+
+from optimum_memopt.callbacks import base
+from optimum_memopt.trainer import LOG_LINE_METRICS
+
+
+@pytest.fixture
+def no_handlers(monkeypatch):
+    """A script that set up no logging: no handler anywhere on the plugin logger's way up. Call it in the test's
+    body: pytest adds its own capturing handler to the root logger when the test starts."""
+
+    def clear():
+        root = logging.getLogger()
+        monkeypatch.setattr(root, "handlers", [])
+        monkeypatch.setattr(base.logger, "handlers", [])
+        return root
+
+    return clear
+
+
+@pytest.fixture
+def info_level():
+    """The plugin's logger at INFO (as `--log_level info` sets it), put back after the test."""
+    old = base.logger.level
+    base.logger.setLevel(logging.INFO)
+    yield
+    base.logger.setLevel(old)
+
+
+def test_a_table_is_printed_where_no_handler_would_show_it(no_handlers, info_level, capsys):
+    no_handlers()
+    base.show("TABLE one")
+    assert capsys.readouterr().out == "TABLE one\n"
+
+
+def test_a_table_is_logged_where_a_handler_shows_info(capsys, caplog):
+    with caplog.at_level(logging.INFO, logger="optimum_memopt"):
+        base.show("TABLE two")
+    assert "TABLE two" in caplog.text and capsys.readouterr().out == ""
+
+
+def test_a_handler_that_drops_info_does_not_count(no_handlers, info_level, capsys):
+    handler = logging.StreamHandler()
+    handler.setLevel(logging.WARNING)
+    no_handlers().handlers = [handler]
+    base.show("TABLE three")
+    assert capsys.readouterr().out == "TABLE three\n"
+
+
+def test_the_plan_table_reaches_a_script_without_logging(tmp_path, no_handlers, capfd):
+    """(capfd: ORT redirects the process's stdout file descriptor while it exports.)"""
+    no_handlers()
+    args = make_args(tmp_path, "--max_steps", "2", "--memory_opt_level", "1")
+    LossRecordingTrainer(model=tiny_model(), args=args, train_dataset=ClsData(n=16)).train()
+    out = capfd.readouterr().out
+    assert out.count("Memory optimizer (") == 1 and "recompute plan(s) found" in out
+
+
+def _logged(tmp_path, *flags):
+    args = make_args(
+        tmp_path, "--max_steps", "3", "--logging_steps", "1", "--print_memory_stats", "--print_input_density", *flags
+    )
+    trainer = LossRecordingTrainer(model=tiny_model(), args=args, train_dataset=ClsData(n=32))
+    trainer.train()
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def test_a_log_line_carries_a_few_rounded_figures(tmp_path):
+    logged = _logged(tmp_path / "few", "--memory_opt_level", "1")
+    keys = {k for h in logged for k in h if k.startswith("memopt/")}
+    assert keys <= set(LOG_LINE_METRICS)
+    assert {"memopt/mem_step_peak_mb", "memopt/mem_forward_held_mb", "memopt/embed_density_pct"} <= keys
+    for h in logged:
+        for k, v in h.items():
+            if k.startswith("memopt/"):
+                assert v == round(v, 2), (k, v)
+    assert all(h["memopt/mem_step_peak_mb"] >= h["memopt/mem_forward_held_mb"] > 0 for h in logged)
+
+
+def test_every_figure_is_behind_the_flag(tmp_path):
+    logged = _logged(tmp_path / "all", "--log_all_memory_metrics")
+    keys = {k for h in logged for k in h if k.startswith("memopt/")}
+    assert {"memopt/mem_pre_forward_mb", "memopt/mem_post_backward_peak_mb", "memopt/embed_total_tokens"} <= keys
+
+
+def test_a_report_that_fails_to_write_leaves_no_file(tmp_path):
+    def half_then_full_disk(path):
+        with open(path, "wb") as f:
+            f.write(b"\x89PNG")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        base.atomic_write(str(tmp_path / "memory_phases.png"), half_then_full_disk)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_probe_measures_the_levels_the_backend_has(tmp_path):
+    from test_advisor import FakeRunner
+
+    from optimum_memopt.advisor import probe
+
+    for backend, levels in (("torch", ["1"]), ("ort", ["1", "2"])):
+        runner = FakeRunner()
+        probe(
+            ["train.py", "--memory_opt_backend", backend],
+            16,
+            steps=3,
+            max_plans=0,
+            progress=lambda s: None,
+            runner=runner,
+        )
+        asked = [dict(zip(f[::2], f[1::2])).get("--memory_opt_level") for _, f, _ in runner.calls]
+        assert [a for a in asked if a not in (None, "0")] == levels, backend
