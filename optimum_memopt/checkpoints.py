@@ -57,18 +57,16 @@ def resolve(resume_from_checkpoint, output_dir: str) -> Tuple[object, List[str]]
     that cannot be resumed from, naming the one that can."""
     if resume_from_checkpoint is True:
         chosen, skipped = newest_complete(output_dir)
-        notes = [
-            f"resume: skipping {os.path.basename(p)} ({why}); resuming from "
-            f"{os.path.basename(chosen) if chosen else 'nothing'}"
-            for p, why in skipped
-        ]
-        if chosen is None and skipped:
+        if chosen is None:
+            if not skipped:
+                return True, []  # no checkpoint at all: the Trainer says so itself
             raise ValueError(
                 f"`resume_from_checkpoint=True`: no complete checkpoint in {output_dir!r} "
                 f"({'; '.join(f'{os.path.basename(p)}: {why}' for p, why in skipped)}); train from the start "
                 f"(remove those directories), or pass a complete checkpoint's path"
             )
-        return (chosen if chosen is not None else True), notes
+        name = os.path.basename(chosen)
+        return chosen, [f"resume: skipping {os.path.basename(p)} ({why}); resuming from {name}" for p, why in skipped]
     if isinstance(resume_from_checkpoint, (str, os.PathLike)) and os.path.isdir(resume_from_checkpoint):
         why = why_incomplete(os.fspath(resume_from_checkpoint))
         if why is not None:

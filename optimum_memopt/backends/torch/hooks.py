@@ -7,8 +7,8 @@ hooks therefore do themselves:
 
 * the version check: a tensor kept as it is and changed in place after it was saved raises at unpack, as plain
   PyTorch raises ("modified by an inplace operation"), instead of backward silently using the changed values.
-  A planned output changed in place after it was saved is recomputed as it was when saved (its inputs' versions
-  are checked), so backward gets the value the forward used, as under checkpointing;
+  A planned output written to after it was saved is seen by the tracker (the op's schema says it writes) and
+  raises the same error when backward asks for it; one changed before any save is kept as it is;
 * the enclosing hooks: only the innermost hooks run, so a user's `torch.autograd.graph.save_on_cpu()` or an
   offloading hook around the step (TRL's) would never see a tensor saved inside a layer. Every tensor kept as it is
   is handed on to the hooks that were active when the layer started (checkpoint's own, at level 1), and unpacked
@@ -60,9 +60,7 @@ def pack(run: LayerRun, x: torch.Tensor):
         elif not all(ref is None or _kept(run, ref()) for ref in made.inputs):
             made.why_not = INPUT_NOT_KEPT
         made.recomputable = not made.why_not
-    if made is not None and (
-        made.version != _torch_api.version(x) or made.index in getattr(made.recipe, "changed", ())
-    ):
+    if made is not None and _changed_since_made(made, x):
         pass  # changed in place since it was made: saved as it is now, not recomputed
     elif made is not None:
         if made.call is not None and made.recomputable:
