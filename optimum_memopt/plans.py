@@ -230,6 +230,7 @@ class FoundPlan:
     saving_bytes: Optional[float]  # predicted saving for the first batch, all occurrences
     saving_symbolic: str = ""  # the saving as a formula of the batch's dims, where the backend has one
     applied_count: Optional[int] = None  # occurrences actually recomputed, where the backend can tell
+    applied_saving_bytes: Optional[float] = None  # of saving_bytes, what the applied occurrences free, where known
 
     @property
     def entries(self) -> List[PlanEntry]:
@@ -285,7 +286,15 @@ class PlanReport:
         return [p for p in self.plans if p.enabled]
 
     def saving_mb(self, enabled_only: bool) -> float:
-        return sum(p.saving_bytes or 0.0 for p in self.plans if p.enabled or not enabled_only) / (1024.0 * 1024.0)
+        """The plans' predicted saving for the first batch: all found (enabled_only=False), or what the applied
+        occurrences free (a plan applied to some of its layers counts those layers only, where the backend says)."""
+
+        def applied(p: FoundPlan) -> float:
+            return p.applied_saving_bytes if p.applied_saving_bytes is not None else p.saving_bytes or 0.0
+
+        if enabled_only:
+            return sum(applied(p) for p in self.plans if p.enabled) / (1024.0 * 1024.0)
+        return sum(p.saving_bytes or 0.0 for p in self.plans) / (1024.0 * 1024.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -198,8 +198,10 @@ class MemoptTrainerMixin:
                 f"chooses, as in `--memory_opt_config Gelu+:1:-1`"
             )
         from .advisor.auto import choose_for_script
+        from .callbacks.base import show
 
-        entries, level, reason = choose_for_script(self.args, argv, progress=logger.info)
+        # auto runs in one process; its progress and probe table reach a script without logging too (TRL's sft.py)
+        entries, level, reason = choose_for_script(self.args, argv, progress=show)
         self.memory_plan, self.memory_plan_reason = (entries, level), reason
         return reason
 

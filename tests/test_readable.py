@@ -118,3 +118,23 @@ def test_the_probe_measures_the_levels_the_backend_has(tmp_path):
         )
         asked = [dict(zip(f[::2], f[1::2])).get("--memory_opt_level") for _, f, _ in runner.calls]
         assert [a for a in asked if a not in (None, "0")] == levels, backend
+
+
+def test_auto_shows_its_progress_and_choice_to_a_script_without_logging(tmp_path, no_handlers, capsys, monkeypatch):
+    """`--memory_opt_config auto` probes for a minute or more before training: TRL's sft.py (no logging set up)
+    showed nothing of it. Its progress, probe table and choice are shown as the plan table is (the children's runs
+    stubbed: FakeRunner's figures)."""
+    from test_advisor import FakeRunner
+
+    from optimum_memopt.advisor import auto
+    from optimum_memopt.trainer import MemoptTrainer
+
+    real = auto.advise
+    monkeypatch.setattr(auto, "advise", lambda *a, **kw: real(*a, **{**kw, "runner": FakeRunner()}))
+    no_handlers()
+    args = make_args(tmp_path, "--memory_opt_config", "auto", "--memory_budget_mb", "450")
+    trainer = MemoptTrainer(model=tiny_model(), args=args, train_dataset=ClsData(n=8))
+    reason = trainer.resolve_memory_plan(script_argv=[__file__])
+    out = capsys.readouterr().out
+    assert f"probing {__file__} under 450.0 MiB" in out and "[probe 1/" in out
+    assert "memory_opt_config auto chose" in out and reason in out

@@ -422,14 +422,18 @@ class OrtBackend(Backend):
                 counts = [applied_entries[e.key].apply_count for e in parts]
                 count = min(freq if c == -1 else min(c, freq) for c in counts)
             saving = summary.evaluated_saving
+            known = isinstance(saving, (int, float))
+            # ORT reports one total per subgraph; applied to `count` of its `freq` occurrences, the applied share
+            # is counted as count/freq of it (the occurrences of one subgraph in a model's layers have one shape).
             found.append(
                 FoundPlan(
                     config=cluster_id,
                     enabled=on,
                     frequency=freq,
-                    saving_bytes=float(saving) if isinstance(saving, (int, float)) else None,
+                    saving_bytes=float(saving) if known else None,
                     saving_symbolic=str(summary.simplified_symbolic_saving_expr),
                     applied_count=count if on else 0,
+                    applied_saving_bytes=float(saving) * (count or 0) / freq if known and freq else None,
                 )
             )
         report = PlanReport(

@@ -8,7 +8,9 @@ On rank 0 only, from the backend's `PlanReport` (structured data, not log text):
 * adds these metrics to the next training log:
   - `memopt/plans_found`: recompute plans found;
   - `memopt/plans_on`: plans applied in this run;
-  - `memopt/planned_saving_mb`: the backend's predicted saving of the applied plans for the first batch (MiB);
+  - `memopt/planned_saving_mb`: the backend's predicted saving of the applied plans for the first batch (MiB), over
+    the layers they were applied to (a plan on 1 of 2 layers counts that layer: measured per layer on the torch
+    backend; on ORT, which reports one total per subgraph, that share of the total);
   - `memopt/available_saving_mb`: the predicted saving of all plans found (MiB).
 """
 

@@ -14,6 +14,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
     totals: Dict[str, int] = {}
     freq: Dict[str, int] = {}
     applied_layers: Dict[str, int] = {}
+    applied_bytes: Dict[str, int] = {}
     blocked: Dict[str, int] = {}
     for layer_policy, rec in zip(policy.layers, profile.layers):
         whole = layer_policy.mode == LAYER
@@ -30,6 +31,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
             freq[name] = freq.get(name, 0) + 1
             if whole or name in rec.applied:
                 applied_layers[name] = applied_layers.get(name, 0) + 1
+                applied_bytes[name] = applied_bytes.get(name, 0) + b
     plans = [
         FoundPlan(
             config=f"{name}+:1:-1",
@@ -38,6 +40,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
             saving_bytes=float(totals[name]),
             saving_symbolic="",
             applied_count=applied_layers.get(name, 0),
+            applied_saving_bytes=float(applied_bytes.get(name, 0)),
         )
         for name in sorted(totals, key=lambda k: -totals[k])
     ]
