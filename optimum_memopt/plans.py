@@ -231,6 +231,10 @@ class FoundPlan:
     saving_symbolic: str = ""  # the saving as a formula of the batch's dims, where the backend has one
     applied_count: Optional[int] = None  # occurrences actually recomputed, where the backend can tell
     applied_saving_bytes: Optional[float] = None  # of saving_bytes, what the applied occurrences free, where known
+    recompute_seconds: Optional[float] = None  # op time it adds to each backward, measured in the first step
+    # a set of plans found (their ops recomputed together, chained), offered as one: its bytes are the set's rows'
+    # (counted there, never added to them)
+    combination: bool = False
 
     @property
     def entries(self) -> List[PlanEntry]:
@@ -292,9 +296,13 @@ class PlanReport:
         def applied(p: FoundPlan) -> float:
             return p.applied_saving_bytes if p.applied_saving_bytes is not None else p.saving_bytes or 0.0
 
+        plans = [p for p in self.plans if not p.combination]
         if enabled_only:
-            return sum(applied(p) for p in self.plans if p.enabled) / (1024.0 * 1024.0)
-        return sum(p.saving_bytes or 0.0 for p in self.plans) / (1024.0 * 1024.0)
+            return sum(applied(p) for p in plans if p.enabled) / (1024.0 * 1024.0)
+        # all found: the plans together, or a combination that chains them and frees more
+        alone = sum(p.saving_bytes or 0.0 for p in plans)
+        chained = max((p.saving_bytes or 0.0 for p in self.plans if p.combination), default=0.0)
+        return max(alone, chained) / (1024.0 * 1024.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -75,3 +75,11 @@ def test_op_schemas_say_which_arguments_an_op_writes_and_the_name_fallback_agree
 
     assert _torch_api.written_args(NoSchema(aten.mul_.Tensor), (a, b), {}) == [a]
     assert _torch_api.written_args(NoSchema(aten.mul.Tensor), (a, b), {}) == []
+
+
+def test_a_views_base_can_be_read():
+    from optimum_memopt.backends.torch import _torch_api
+
+    w = torch.nn.Parameter(torch.randn(3, 4))
+    assert hasattr(w.t(), "_base")  # else the fallback treats a parameter's view as a tensor of its own
+    assert _torch_api.view_base(w.t()) is w and _torch_api.view_base(w) is w

@@ -1,11 +1,11 @@
 """The torch engine at op level, without a Trainer: recipes recompute planned outputs bitwise, refuse what they
-cannot recompute with a clear error, replay random ops, rebuild views; a chain of planned outputs (today not
-recomputed, the profile says why)."""
+cannot recompute with a clear error, replay random ops, rebuild views; chains of planned outputs recompute each
+output once, from tensors kept anyway."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch_engine import engine, ops, pair, step
+from torch_engine import Counting, engine, ops, pair, step
 
 from optimum_memopt.backends.torch import recipe
 from optimum_memopt.backends.torch.profile import INPUT_NOT_KEPT
@@ -100,14 +100,80 @@ def test_a_view_of_a_planned_output_is_rebuilt_with_its_geometry(recomputed):
     assert len(recomputed) == 1
 
 
-def test_a_planned_output_made_from_another_planned_output_is_not_recomputed_yet():
-    """`MatMul+` frees the matmul's output, so GELU's output, made from it, has an input that is not kept: today it
-    stays kept (the profile says why); the budget issue makes such chains recompute."""
+def names(calls):
+    return [f.overloadpacket.__name__ for f in calls]
+
+
+def test_a_chain_of_planned_outputs_is_recomputed_once_each(recomputed):
+    """`MatMul+Gelu+` frees the matmul's output (kept by GELU) and GELU's output (kept by the second matmul): GELU's
+    recipe reads the matmul's output from the matmul's recipe, down to the layer's input, which is kept anyway."""
     plain, planned = pair(three_ops)
     x = torch.randn(4, 8)
     state = engine(planned, ops("MatMul", "Gelu"))
-    got, want = step(planned, x), step(plain, x)
+    with Counting() as outer_plain:
+        want = step(plain, x)
+    with Counting() as outer_planned:
+        got = step(planned, x)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert sorted(names(recomputed)) == ["gelu", "mm"]  # each once, though the matmul's output is read twice
+    assert state.profile.layers[0].applied == {"MatMul": 4 * 8 * 4, "Gelu": 4 * 8 * 4}
+    assert outer_planned.nbytes == outer_plain.nbytes - 2 * 4 * 8 * 4
+
+
+def gated_mlp(block, x):
+    """A Llama MLP with one weight: down(silu(gate(x)) * up(x))."""
+    return (F.silu(x @ block.w) * (x @ block.w.t())) @ block.w
+
+
+def test_a_gated_mlp_chain_frees_every_intermediate(recomputed):
+    plain, planned = pair(gated_mlp, n=2)
+    x = torch.randn(4, 8)
+    engine(planned, ops("MatMul", "silu", "Mul", n=2))
+    for seed in (0, 1):  # the profiled step and a later one
+        recomputed.clear()
+        with Counting() as outer_plain:
+            want = step(plain, x, seed)
+        with Counting() as outer_planned:
+            got = step(planned, x, seed)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        # per layer: gate, up, silu's output, the product; each recomputed once
+        assert outer_planned.nbytes == outer_plain.nbytes - 2 * 4 * (4 * 8 * 4)
+        assert sorted(names(recomputed)) == sorted(["mm", "mm", "silu", "mul"] * 2)
+
+
+def test_a_chain_runs_through_an_output_autograd_never_kept(recomputed):
+    """`h * 2` keeps nothing of `h` (a scalar's product); GELU keeps `h * 2`. Without `MatMul+`, `h` is neither kept
+    nor recomputable, so GELU's input is kept; with it, the chain recomputes `h`, then `h * 2`."""
+
+    def scaled(block, x):
+        return F.gelu((x @ block.w) * 2.0) @ block.w.t()
+
+    plain, planned = pair(scaled)
+    x = torch.randn(4, 8)
+    state = engine(planned, ops("Mul", "Gelu"))
+    assert all(torch.equal(a, b) for a, b in zip(step(planned, x), step(plain, x)))
     layer = state.profile.layers[0]
-    assert "Gelu" in layer.not_recomputable and layer.why_not["Gelu"] == [INPUT_NOT_KEPT]
-    assert "Gelu" not in layer.applied and layer.applied.get("MatMul") == 4 * 8 * 4
+    assert layer.why_not["Mul"] == [INPUT_NOT_KEPT] and layer.applied == {"Gelu": 4 * 8 * 4}
+
+    plain, planned = pair(scaled)
+    state = engine(planned, ops("MatMul", "Mul", "Gelu"))
+    recomputed.clear()
+    assert all(torch.equal(a, b) for a, b in zip(step(planned, x), step(plain, x)))
+    assert state.profile.layers[0].applied == {"Mul": 4 * 8 * 4, "Gelu": 4 * 8 * 4}
+    assert sorted(names(recomputed)) == ["gelu", "mm", "mul"]
+
+
+def test_a_chain_does_not_recompute_a_value_changed_before_it_was_read(recomputed):
+    """The matmul's output is changed in place before GELU reads it: recomputing it would give the value before the
+    change, so GELU's input is kept as it is (autograd keeps it anyway) and only GELU is recomputed."""
+
+    def changed(block, x):
+        h = x @ block.w
+        h.add_(1.0)
+        return F.gelu(h) @ block.w.t()
+
+    plain, planned = pair(changed)
+    x = torch.randn(4, 8)
+    engine(planned, ops("MatMul", "Gelu"))
+    assert all(torch.equal(a, b) for a, b in zip(step(planned, x), step(plain, x)))
+    assert names(recomputed) == ["gelu"]

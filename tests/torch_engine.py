@@ -40,6 +40,10 @@ def pair(fn, n=1, seed=0):
     return plain, copy.deepcopy(plain)
 
 
+def keep(n=1):
+    return RecomputePolicy([LayerPolicy() for _ in range(n)])
+
+
 def ops(*names, n=1):
     return RecomputePolicy([LayerPolicy.of_ops({nm: f"{nm}+:1:-1" for nm in names}) for _ in range(n)])
 

@@ -23,13 +23,18 @@ from .base import MetricsCallback, atomic_write, current_model, logger, show
 
 
 def format_plan_table(report: PlanReport) -> str:
+    timed = any(p.recompute_seconds is not None for p in report.plans)
     rows = [("#", "STATE", "CONFIG", "FREQ", "APPLIED", "SAVING (B)", "SAVING SYMBOLIC (B)")]
+    if timed:  # the backend measured what each plan's recompute costs
+        rows[0] = rows[0][:6] + ("RECOMPUTE (ms)",) + rows[0][6:]
     for i, p in enumerate(report.plans, 1):
         saving = f"{p.saving_bytes:,.0f}" if p.saving_bytes is not None else "?"
         applied = "-" if p.applied_count is None else f"{p.applied_count}/{p.frequency}"
-        rows.append(
-            (str(i), "ON" if p.enabled else "OFF", p.config, str(p.frequency), applied, saving, p.saving_symbolic)
-        )
+        row = (str(i), "ON" if p.enabled else "OFF", p.config, str(p.frequency), applied, saving, p.saving_symbolic)
+        if timed:
+            cost = "-" if p.recompute_seconds is None else f"{p.recompute_seconds * 1000:,.1f}"
+            row = row[:6] + (cost,) + row[6:]
+        rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     dims = ", ".join(f"{k}={v}" for k, v in report.dims.items()) or "none"

@@ -68,6 +68,12 @@ def op_name(func) -> str:
     return func.overloadpacket.__name__
 
 
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor a view was taken of (private `Tensor._base`), or the tensor itself; without it, the tensor."""
+    base = getattr(t, "_base", None)
+    return base if base is not None else t
+
+
 def version(t: torch.Tensor) -> int:
     """Autograd's version counter of a tensor (private `Tensor._version`): bumped by every in-place change."""
     return t._version

@@ -19,18 +19,19 @@ hooks therefore do themselves:
 
 import contextlib
 import weakref
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 import torch
 
 from . import _torch_api
+from .graph import PARAM, LayerGraph, Node
 from .profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE
-from .recipe import Stashed, changed_in_place, tensors_in
-from .tracking import LayerRun, TrackingMode, storage_key
+from .recipe import Recipe, Stashed, changed_in_place, tensors_in
+from .tracking import Input, LayerRun, Made, TrackingMode, storage_bytes, storage_key
 
 
 def _kept(run: LayerRun, t: Optional[torch.Tensor]) -> bool:
-    """Whether autograd keeps this (live) tensor's storage as it is; a freed input is not kept."""
+    """Whether autograd keeps this (live) tensor's storage as it is; a freed input (None) is not kept."""
     if t is None:
         return False
     ptr = storage_key(t)
@@ -43,12 +44,56 @@ def _changed_since_made(made, x: torch.Tensor) -> bool:
     return made.version != _torch_api.version(x) or (made.recipe is not None and made.index in made.recipe.changed)
 
 
+def _available(run: LayerRun, inp: Optional[Input], memo: dict) -> bool:
+    """Whether a recipe can have this input at backward: a parameter, a tensor autograd keeps as it is, or a planned
+    output recomputable in turn (a chain), which the op read as it was made."""
+    if inp is None:
+        return True
+    if _kept(run, inp.ref()):
+        return True
+    maker = inp.maker
+    return maker is not None and inp.version == maker.version and _recomputable(run, maker, memo)
+
+
+def _recomputable(run: LayerRun, made: Made, memo: dict) -> bool:
+    """Whether `made`'s output can be recomputed at backward: it has a recipe already, or its op is planned here
+    and every input is available (recursively: a chain down to tensors kept anyway)."""
+    if made.recipe is not None:
+        return True
+    if made.call is None:
+        return False
+    key = id(made)
+    if key not in memo:
+        memo[key] = False  # the layer's ops form no cycle; this only stops a repeated walk
+        memo[key] = all(_available(run, inp, memo) for inp in made.inputs)
+    return memo[key]
+
+
+def _recipe(run: LayerRun, made: Made) -> Recipe:
+    """`made`'s recipe, built (once per op call) with each input as it is where autograd keeps it, else a stand-in
+    for the planned output it is, recomputed in turn."""
+    if made.recipe is None:
+
+        def stand_in(k: int, t: torch.Tensor):
+            inp = made.inputs[k]
+            if inp is None or _kept(run, t):
+                return t
+            return Stashed(_recipe(run, inp.maker), inp.maker.index, t, saved=False)
+
+        made.recipe = made.call.to_recipe(stand_in)
+        made.call = None
+    return made.recipe
+
+
 def pack(run: LayerRun, x: torch.Tensor):
     ptr = storage_key(x)
     made = run.made.get(ptr)
     stash = None
     if made is not None and made.ref() is None:
         made = None  # freed; the address now belongs to a storage made outside this layer
+    if run.record is not None and ptr and ptr not in run.saved_keys:
+        run.saved_keys.add(ptr)
+        run.saves.append(made if made is not None else (ptr, storage_bytes(x)))
     if made is not None and made.recomputable is None:
         run.counted.append(made)
         # Changed in place since (dropout's mask on CPU: `bernoulli_` on `empty_like`'s output) or seen through
@@ -57,21 +102,15 @@ def pack(run: LayerRun, x: torch.Tensor):
             made.why_not = CHANGED_IN_PLACE
         elif x.dtype != made.ref().dtype:
             made.why_not = OTHER_DTYPE
-        elif not all(ref is None or _kept(run, ref()) for ref in made.inputs):
-            made.why_not = INPUT_NOT_KEPT
+        elif made.recipe is None and not all(_kept(run, inp.ref()) for inp in made.inputs if inp is not None):
+            if not (made.call is not None and _recomputable(run, made, {})):
+                made.why_not = INPUT_NOT_KEPT
         made.recomputable = not made.why_not
+        made.own = made.why_not not in (CHANGED_IN_PLACE, OTHER_DTYPE)
     if made is not None and _changed_since_made(made, x):
         pass  # changed in place since it was made: saved as it is now, not recomputed
-    elif made is not None:
-        if made.call is not None and made.recomputable:
-            if made.recipe is None:
-                made.recipe = made.call.to_recipe()
-                made.call = None
-            made.recipe.pending += 1
-            stash = Stashed(made.recipe, made.index, x)
-        elif made.recipe is not None:
-            made.recipe.pending += 1
-            stash = Stashed(made.recipe, made.index, x)
+    elif made is not None and made.recomputable and (made.call is not None or made.recipe is not None):
+        stash = Stashed(_recipe(run, made), made.index, x)
     if stash is not None:
         run.stashed = True
         return stash
@@ -127,10 +166,50 @@ def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
             run.record.add(made.plan, made.nbytes, made.seconds, bool(made.recomputable), made.why_not)
             if made.recipe is not None:
                 run.record.applied[made.plan] = run.record.applied.get(made.plan, 0) + made.nbytes
+        run.record.graph = layer_graph(run, skip)
+        run.all_made, run.saves = [], []
     # Ops that were never kept by autograd do not need their inputs any longer.
     for made in run.made.values():
         made.call = None
     run.made.clear()
+
+
+def layer_graph(run: LayerRun, boundary: set) -> LayerGraph:
+    """Step one's record of the layer as a `LayerGraph`: storages made (and read from outside), their inputs, the
+    order of the first saves; `boundary` holds the layer's own inputs' and outputs' storages."""
+    graph = LayerGraph()
+    index: Dict[int, int] = {}  # id(Made) -> node
+    outside: Dict[int, int] = {}  # storage key -> node
+
+    def from_outside(key: int, nbytes: int) -> int:
+        if key not in outside:
+            outside[key] = len(graph.nodes)
+            graph.nodes.append(Node("", nbytes, boundary=key in boundary))
+        return outside[key]
+
+    for made in run.all_made:
+        alive = made.ref()
+        index[id(made)] = len(graph.nodes)
+        graph.nodes.append(
+            Node(made.plan, made.nbytes, made.op, made.seconds, own=made.own,
+                 boundary=alive is not None and storage_key(alive) in boundary)
+        )  # fmt: skip
+    for made in run.all_made:
+        edges = []
+        for inp in made.inputs:
+            if inp is None:
+                edges.append((PARAM, True))
+            elif inp.maker is not None and id(inp.maker) in index:
+                edges.append((index[id(inp.maker)], inp.version == inp.maker.version))
+            else:
+                edges.append((from_outside(inp.key, inp.nbytes), True))
+        graph.nodes[index[id(made)]].inputs = tuple(edges)
+    for saved in run.saves:
+        if isinstance(saved, tuple):
+            graph.saved.append(from_outside(*saved))
+        elif id(saved) in index:
+            graph.saved.append(index[id(saved)])
+    return graph
 
 
 def hooked(run: LayerRun):

@@ -3,7 +3,9 @@ from tensors kept anyway or not, and why not), the op time each plan would cost 
 own op time (what recomputing the whole layer costs). The plan table and, later, the solver read it. Pure data."""
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
+
+from .graph import LayerGraph
 
 # Why a storage autograd kept cannot be recomputed from its op alone (LayerProfile.why_not).
 INPUT_NOT_KEPT = "an input of the op that made it is not kept"
@@ -20,6 +22,7 @@ class LayerProfile:
     seconds: Dict[str, float] = field(default_factory=dict)  # plan -> forward time of the ops that made those bytes
     op_seconds: float = 0.0  # every op of the layer's forward, timed: the cost of recomputing the layer whole
     shape: Tuple[int, ...] = ()  # the layer's first input
+    graph: Optional[LayerGraph] = None  # the forward's storages and saves: what any plan would free (`graph`)
 
     def add(self, plan: str, nbytes: int, seconds: float, recomputable: bool, why: str = "") -> None:
         bucket = self.recomputable if recomputable else self.not_recomputable

@@ -20,6 +20,29 @@ def tensors_in(value) -> List[torch.Tensor]:
     return []
 
 
+def map_tensors(value, fn):
+    """`value` (an op's arguments: nested lists, tuples and dicts) with each tensor replaced by `fn(tensor)`, in the
+    order `tensors_in` lists them."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _materialized(value):
+    """An op's arguments with each stand-in (`Stashed`: a planned output recomputed in turn) made a tensor."""
+    if isinstance(value, Stashed):
+        return value.materialize()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_materialized(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _materialized(v) for k, v in value.items()}
+    return value
+
+
 def rng_state(func, args, kwargs) -> Optional[tuple]:
     """For a random op (dropout, bernoulli): the CPU and device generator states it will start from, else None."""
     if torch.Tag.nondeterministic_seeded not in func.tags:
@@ -50,7 +73,9 @@ def changed_in_place(t: torch.Tensor, saved_version: int) -> None:
 
 
 class Recipe:
-    """How to recompute one op's outputs: the op, its inputs (kept alive by autograd anyway), the RNG state."""
+    """How to recompute one op's outputs: the op, its inputs (kept alive by autograd anyway, or stand-ins for
+    planned outputs recomputed in turn: a chain), the RNG state. Computed once per backward, when first asked for,
+    and held until every holder (saved-tensor stand-ins, recipes made from it) has had it."""
 
     __slots__ = ("func", "args", "kwargs", "rng", "versions", "value", "pending", "changed", "__weakref__")
 
@@ -62,7 +87,7 @@ class Recipe:
         self.pending = 0
 
     def outputs(self):
-        if self.value is None and self.args is None:
+        if self.value is None and self.args is None:  # computed and released (or never had inputs)
             raise RuntimeError(
                 f"optimum-memopt torch backend: the output of {self.func} was recomputed and released already; a "
                 f"second backward through the same graph (retain_graph=True) is not supported with plans, use "
@@ -77,8 +102,10 @@ class Recipe:
                     f"{plan_name(_torch_api.op_name(self.func))!r}"
                 )
             with torch.no_grad():
+                # inputs recomputed in turn (a chain) are asked for once, here, and let go of once this is computed
+                args, kwargs = _materialized((self.args, self.kwargs))
                 if self.rng is None:
-                    self.value = self.func(*self.args, **self.kwargs)
+                    self.value = self.func(*args, **kwargs)
                 else:
                     cpu_state, device, device_state = self.rng
                     devices = [device] if device is not None else []
@@ -86,7 +113,8 @@ class Recipe:
                         torch.set_rng_state(cpu_state)
                         if device is not None:
                             torch.get_device_module(device.type).set_rng_state(device_state, device)
-                        self.value = self.func(*self.args, **self.kwargs)
+                        self.value = self.func(*args, **kwargs)
+            self.args = self.kwargs = None  # computed: its inputs are not needed again
         return self.value
 
     def release(self):
@@ -97,16 +125,21 @@ class Recipe:
 
 
 class Stashed:
-    """What autograd holds instead of a planned output: the recipe and the saved tensor's geometry."""
+    """What autograd (or a recipe made from it: a chain) holds instead of a planned output: the recipe and the
+    tensor's geometry. Counted among the recipe's holders when made; `materialize` gives the tensor once."""
 
-    __slots__ = ("recipe", "index", "size", "stride", "offset")
+    __slots__ = ("recipe", "index", "size", "stride", "offset", "saved")
 
-    def __init__(self, recipe, index, t):
+    def __init__(self, recipe, index, t, saved: bool = True):
         self.recipe, self.index = recipe, index
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        # saved for backward (checked for in-place changes after the save), or an input of a recipe, which read it
+        # before any such change (the tracker checks the version it read)
+        self.saved = saved
+        recipe.pending += 1
 
     def materialize(self) -> torch.Tensor:
-        changed_by = self.recipe.changed.get(self.index)
+        changed_by = self.recipe.changed.get(self.index) if self.saved else None
         if changed_by is not None:
             raise RuntimeError(
                 f"{INPLACE}: output {self.index} of {self.recipe.func} (shape {list(self.size)}), recomputed for "

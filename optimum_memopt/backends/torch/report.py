@@ -1,9 +1,10 @@
 """The plan table from the step-one profile and the policy that ran: plans grouped by operator (frequency = layers
 that keep it, bytes for that batch), which are on, requests that matched nothing and why. Pure."""
 
-from typing import Dict, List
+from typing import Dict, FrozenSet, List
 
 from ...plans import FoundPlan, PlanReport, Unmatched, match_requests
+from .graph import effect, frontier
 from .policy import LAYER, RecomputePolicy
 from .profile import ModelProfile
 
@@ -41,9 +42,11 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
             saving_symbolic="",
             applied_count=applied_layers.get(name, 0),
             applied_saving_bytes=float(applied_bytes.get(name, 0)),
+            recompute_seconds=_seconds(profile, name),
         )
         for name in sorted(totals, key=lambda k: -totals[k])
     ]
+    plans += combinations(policy, profile)
     canonical = [e for r in policy.requests for e in r.canonical]
     level = policy.level
     notes = []
@@ -82,6 +85,54 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
     if level == 0:
         report.unmatched = _unknown(policy, plans) + _unmatched(policy, canonical, plans, blocked)
     return report
+
+
+def _seconds(profile: ModelProfile, name: str) -> float:
+    """The op time recomputing this plan alone adds to a backward: from each layer's graph, else the time of the ops
+    that made its bytes."""
+    layers = profile.layers
+    return sum(effect(rec.graph, [name]).seconds if rec.graph else rec.seconds.get(name, 0.0) for rec in layers)
+
+
+def combinations(policy: RecomputePolicy, profile: ModelProfile) -> List[FoundPlan]:
+    """Sets of plans applied together (a planned output recomputed from another's is a chain), the best for their
+    recompute time in each layer's graph (`graph.frontier`: each frees more than every set that costs less), with
+    bytes and time summed over the layers where a set is among the best. Layers with the same graph share one
+    search. Shown so a budget can be met with the least recompute; their bytes are counted in the plans' rows."""
+    if not profile.layers or any(rec.graph is None for rec in profile.layers):
+        return []
+    fronts: Dict[tuple, List[FrozenSet[str]]] = {}
+    rows: Dict[FrozenSet[str], List[float]] = {}  # ops -> [bytes, seconds, layers, applied, applied bytes]
+    order: Dict[FrozenSet[str], str] = {}
+    for layer_policy, rec in zip(policy.layers, profile.layers):
+        graph = rec.graph
+        key = graph.signature()
+        if key not in fronts:
+            fronts[key] = [ops for ops, _ in frontier(graph) if len(ops) > 1]
+        ranked = graph.plans()
+        for ops in fronts[key]:
+            e = effect(graph, ops)
+            row = rows.setdefault(ops, [0.0, 0.0, 0, 0, 0.0])
+            order.setdefault(ops, "+".join(sorted(ops, key=ranked.index)) + "+:1:-1")
+            on = layer_policy.mode == LAYER or ops <= layer_policy.ops
+            row[0] += e.freed_bytes
+            row[1] += e.seconds
+            row[2] += 1
+            row[3] += int(on)
+            row[4] += e.freed_bytes if on else 0
+    return [
+        FoundPlan(
+            config=order[ops],
+            enabled=bool(row[3]),
+            frequency=int(row[2]),
+            saving_bytes=row[0],
+            applied_count=int(row[3]),
+            applied_saving_bytes=row[4],
+            recompute_seconds=row[1],
+            combination=True,
+        )
+        for ops, row in sorted(rows.items(), key=lambda kv: -kv[1][0])
+    ]
 
 
 def _unknown(policy: RecomputePolicy, plans: List[FoundPlan]) -> List[Unmatched]:

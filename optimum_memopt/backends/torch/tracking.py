@@ -8,7 +8,7 @@ for ops the policy recomputes, the call to turn into a recipe. While step one is
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional
+from typing import Callable, Dict, FrozenSet, List, Optional
 
 import torch
 from torch import nn
@@ -16,7 +16,7 @@ from torch import nn
 from . import _torch_api
 from .names import plan_name
 from .profile import LayerProfile
-from .recipe import Recipe, rng_state, tensors_in
+from .recipe import Recipe, map_tensors, rng_state, tensors_in
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -35,12 +35,14 @@ def storage_bytes(t: torch.Tensor) -> int:
 
 
 def is_param(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
+    """A parameter (or a leaf that requires grad), or a view of one (`w.t()`): there at backward whatever is saved."""
+    base = _torch_api.view_base(t)
+    return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
 class Call:
     """An op call the policy recomputes: one recipe for all of its outputs (dropout's output and mask), built when
-    autograd first keeps one of them."""
+    autograd first keeps one of them, or when a planned op made from them needs it (a chain)."""
 
     __slots__ = ("func", "args", "kwargs", "rng", "recipe")
 
@@ -48,11 +50,27 @@ class Call:
         self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
         self.recipe: Optional[Recipe] = None
 
-    def to_recipe(self) -> Recipe:
+    def to_recipe(self, stand_in: Callable[[int, torch.Tensor], object]) -> Recipe:
+        """The recipe, its k-th tensor input replaced by `stand_in(k, tensor)` (the tensor itself where autograd
+        keeps it anyway, or a stand-in for a planned output recomputed in turn)."""
         if self.recipe is None:
-            self.recipe = Recipe(self.func, self.args, self.kwargs, self.rng)
+            count = iter(range(1 << 30))
+            args, kwargs = map_tensors((self.args, self.kwargs), lambda t: stand_in(next(count), t))
+            self.recipe = Recipe(self.func, args, kwargs, self.rng)
             self.args = self.kwargs = None  # the recipe holds the inputs now
         return self.recipe
+
+
+@dataclass
+class Input:
+    """A tensor input of an op: a weak reference, the storage's maker in this layer (if any) and the tensor's
+    version when the op read it (a chain recomputes the maker's output only if the op read it unchanged)."""
+
+    ref: object
+    maker: Optional["Made"]
+    version: int
+    key: int = 0  # the storage's identity when read
+    nbytes: int = 0  # its bytes, when step one records (a storage from outside the layer is a node of its graph)
 
 
 @dataclass
@@ -64,12 +82,14 @@ class Made:
     nbytes: int
     version: int
     index: int
-    inputs: List[Optional[object]]  # a weak reference to each tensor input; None for parameters
+    inputs: List[Optional[Input]]  # each tensor input in `tensors_in` order; None for parameters
     call: Optional[Call] = None  # when the op belongs to a plan applied here
     recipe: Optional[Recipe] = None
     recomputable: Optional[bool] = None  # decided when autograd first keeps it
     why_not: str = ""
     seconds: float = 0.0  # the op's time, when profiled
+    op: int = 0  # the op call that made it (in step one's graph)
+    own: bool = True  # at its first save: as the op made it (same version and dtype)
 
 
 class LayerRun:
@@ -88,6 +108,12 @@ class LayerRun:
         self.outer = outer_hooks
         self.check_outer = check_outer  # checkpoint's hooks: what they give back is checked for in-place changes
         self.stashed = False  # a recipe stands in for a saved tensor: ops writing to planned outputs are watched
+        # step one only: every storage made, in order, and each storage's first save (a Made, or a storage from
+        # outside the layer as (key, bytes)), for the layer's graph (`graph`)
+        self.all_made: List[Made] = []
+        self.saves: List[object] = []
+        self.saved_keys: set = set()
+        self.ops = 0
 
     def on_op(self, func, args, kwargs, out, rng, seconds: float = 0.0) -> None:
         if self.record is not None:
@@ -106,8 +132,9 @@ class LayerRun:
             return
         if _torch_api.returns_alias(func):
             return  # views and in-place ops create no storage
-        inputs = [None if is_param(t) else weakref.ref(t) for t in tensors_in((args, kwargs))]
+        inputs = [None if is_param(t) else self._input(t) for t in tensors_in((args, kwargs))]
         call = Call(func, args, kwargs, rng) if applying else None
+        self.ops += 1
         for i, t in enumerate(tensors_in(out)):
             ptr = storage_key(t)
             if not ptr:
@@ -117,7 +144,20 @@ class LayerRun:
                 continue  # an op that returns an alias without saying so in its schema (`_unsafe_view`)
             made = Made(name, weakref.ref(t), storage_bytes(t), _torch_api.version(t), i, inputs, call)
             made.seconds = seconds
+            made.op = self.ops
             self.made[ptr] = made
+            if self.record is not None:
+                self.all_made.append(made)
+
+    def _input(self, t: torch.Tensor) -> Input:
+        ptr = storage_key(t)
+        maker = self.made.get(ptr)
+        if maker is not None:
+            alive = maker.ref()
+            if alive is None or storage_key(alive) != ptr:
+                maker = None  # a freed output's address, reused by a storage made elsewhere
+        nbytes = storage_bytes(t) if self.record is not None and maker is None else 0
+        return Input(weakref.ref(t), maker, _torch_api.version(t), ptr, nbytes)
 
 
 def _synchronize(args, kwargs) -> None:

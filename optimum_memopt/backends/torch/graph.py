@@ -1,0 +1,143 @@
+"""A layer's forward as step one saw it, and what any set of planned ops would free there, without running it.
+
+Step one records, per layer, every storage an op made (its plan name, bytes, op time, the storages it read and
+whether it read them as they were made), the storages from outside the layer that ops read, and the order in which
+autograd first saved each storage. `effect(graph, ops)` replays the engine's decision for a set of plan names (the
+rule of `hooks.pack`: at its first save, a planned output is stashed when each input is a parameter, a storage
+saved before it, or a planned output recomputable in turn, read as it was made) and returns the bytes freed and the
+op time recomputed once per backward. The plan table and the budget solver read it. Pure: no torch.
+"""
+
+from dataclasses import dataclass, field
+from itertools import combinations
+from typing import Dict, FrozenSet, Iterable, List, Set, Tuple
+
+PARAM = -1  # an input that is a parameter (or a leaf that requires grad): always there at backward
+
+
+@dataclass
+class Node:
+    """One storage of the layer's forward."""
+
+    plan: str  # the plan name of the op that made it; "" for a storage from outside the layer
+    nbytes: int
+    call: int = -1  # the op call that made it (outputs of one call share a recipe and its time); -1: from outside
+    seconds: float = 0.0  # the op call's time (shared by its outputs)
+    inputs: Tuple[Tuple[int, bool], ...] = ()  # (node, read as it was made) per tensor input; node PARAM for params
+    own: bool = True  # saved as the op made it (not changed in place, same dtype): its op alone gives it back
+    boundary: bool = False  # the layer's input or output: kept whatever the layer does, never counted as freed
+
+
+@dataclass
+class LayerGraph:
+    nodes: List[Node] = field(default_factory=list)
+    saved: List[int] = field(default_factory=list)  # nodes autograd saved, in the order of their first save
+
+    def signature(self) -> tuple:
+        """Equal for layers whose graphs differ only in op times (a model's repeated blocks)."""
+        return (tuple((n.plan, n.nbytes, n.call, n.inputs, n.own, n.boundary) for n in self.nodes), tuple(self.saved))
+
+    def plans(self) -> List[str]:
+        """The plan names whose outputs autograd saved here or that lead to them, most bytes saved first."""
+        saved_bytes: Dict[str, int] = {}
+        for i in self.saved:
+            n = self.nodes[i]
+            if n.plan and not n.boundary:
+                saved_bytes[n.plan] = saved_bytes.get(n.plan, 0) + n.nbytes
+        others = {n.plan for n in self.nodes if n.plan and n.plan not in saved_bytes}
+        return sorted(saved_bytes, key=lambda p: (-saved_bytes[p], p)) + sorted(others)
+
+
+@dataclass(frozen=True)
+class Effect:
+    freed_bytes: int  # saved bytes replaced by recipes (boundary storages excluded)
+    seconds: float  # forward time of the op calls recomputed, once each per backward
+    freed: FrozenSet[int]  # saved nodes stashed
+    recomputed: FrozenSet[int]  # nodes whose recipe runs at backward (the freed ones and chain links)
+
+    def by_plan(self, graph: LayerGraph) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for i in self.freed:
+            n = graph.nodes[i]
+            if not n.boundary:
+                out[n.plan] = out.get(n.plan, 0) + n.nbytes
+        return out
+
+
+def effect(graph: LayerGraph, ops: Iterable[str]) -> Effect:
+    """What recomputing the outputs of the plan names `ops` frees in this layer, and what it costs."""
+    ops = frozenset(ops)
+    nodes = graph.nodes
+    kept: Set[int] = set()  # saved as they are, so far
+    built: Set[int] = set()  # recipes built (stashed outputs and chain links)
+    freed: Set[int] = set()
+
+    def recomputable(i: int, memo: Dict[int, bool]) -> bool:
+        if i in built:
+            return True
+        n = nodes[i]
+        if n.call < 0 or n.plan not in ops:
+            return False
+        if i not in memo:
+            memo[i] = False
+            memo[i] = all(available(j, fresh, memo) for j, fresh in n.inputs)
+        return memo[i]
+
+    def available(j: int, fresh: bool, memo: Dict[int, bool]) -> bool:
+        return j == PARAM or j in kept or (fresh and recomputable(j, memo))
+
+    def build(i: int) -> None:
+        if i in built:
+            return
+        built.add(i)
+        for j, _ in nodes[i].inputs:
+            if j != PARAM and j not in kept:
+                build(j)
+
+    for i in graph.saved:
+        n = nodes[i]
+        if i in built and n.own:
+            freed.add(i)  # a chain link built earlier, saved now as it was made: its recipe stands in
+        elif n.own and n.plan in ops and n.call >= 0 and recomputable(i, {}):
+            build(i)
+            freed.add(i)
+        else:
+            kept.add(i)
+    calls = {}
+    for i in built:
+        calls[nodes[i].call] = nodes[i].seconds
+    freed_bytes = sum(nodes[i].nbytes for i in freed if not nodes[i].boundary)
+    return Effect(freed_bytes, sum(calls.values()), frozenset(freed), frozenset(built))
+
+
+def whole_layer(graph: LayerGraph, op_seconds: float) -> Effect:
+    """Checkpointing the layer whole: every saved storage but its input and output freed, its forward run again."""
+    freed = frozenset(i for i in graph.saved if graph.nodes[i].call >= 0 and not graph.nodes[i].boundary)
+    return Effect(sum(graph.nodes[i].nbytes for i in freed), op_seconds, freed, frozenset())
+
+
+def saved_bytes(graph: LayerGraph) -> int:
+    """What autograd keeps of the layer's own making (storages from outside the layer and its output left out)."""
+    return sum(graph.nodes[i].nbytes for i in graph.saved if graph.nodes[i].call >= 0 and not graph.nodes[i].boundary)
+
+
+def frontier(graph: LayerGraph, limit: int = 12) -> List[Tuple[FrozenSet[str], Effect]]:
+    """The plan-name sets worth offering for this layer: each frees more bytes than every set that recomputes less
+    op time (a Pareto front of bytes freed against recompute time), each the smallest set with its effect. Sets of
+    up to `limit` names are tried exhaustively (the names that make the most saved bytes first)."""
+    names = graph.plans()[:limit]
+    best: Dict[FrozenSet[int], Tuple[FrozenSet[str], Effect]] = {}
+    for r in range(1, len(names) + 1):
+        for chosen in combinations(names, r):
+            e = effect(graph, chosen)
+            if e.freed_bytes <= 0:
+                continue
+            ops = frozenset(chosen)
+            known = best.get(e.freed)
+            if known is None or (e.seconds, len(ops)) < (known[1].seconds, len(known[0])):
+                best[e.freed] = (ops, e)
+    front: List[Tuple[FrozenSet[str], Effect]] = []
+    for ops, e in sorted(best.values(), key=lambda oe: (oe[1].seconds, -oe[1].freed_bytes, len(oe[0]))):
+        if not front or e.freed_bytes > front[-1][1].freed_bytes:
+            front.append((ops, e))
+    return front
