@@ -7,6 +7,12 @@ A plan is written ``SubgraphStr:OptimizationType:RequestApplyCount``:
 * ``OptimizationType`` is 0 (none), 1 (recompute) or 2 (recompute with compromise);
 * ``RequestApplyCount`` is -1 (every occurrence) or how many occurrences to apply it to.
 
+The torch backend also takes (ONNX Runtime's backend refuses them):
+
+* ``Layer+`` as the subgraph: the whole layer recomputed (``Layer+:1:-1`` is level 1, ``Layer+:1:4`` the first 4);
+* a layer selector after ``@``, with the count -1: ``Gelu+:1:-1@4-11`` (layers 4 to 11), ``Layer+:1:-1@every2``
+  (layers 0, 2, 4... as transformers' ``every_n_layers``), ``Layer+:1:-1@0+5+9`` (items joined by ``+``).
+
 A backend describes what it found as *cluster ids*: one or more plans joined by commas
 (``Cast+:1:-1,Gelu+:2:-1``), which `parse_cluster_id` reads.
 
@@ -22,6 +28,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence, Union
 
 EXAMPLE = "Gelu+:1:-1"
+LAYER = "Layer+"  # the whole layer (torch backend)
+SELECTOR_EXAMPLE = "'Layer+:1:-1@every2', 'Gelu+:1:-1@4-11' or 'Layer+:1:-1@0+5+9'"
+_ITEM_RE = re.compile(r"^(?:(\d+)|(\d+)-(\d+)|every(\d+))$")
 OPTIMIZATION_TYPES = {0: "none", 1: "recompute", 2: "recompute with compromise"}
 # Reserved word: let the advisor choose plans from measurements (optimum_memopt.advisor).
 AUTO = "auto"
@@ -41,9 +50,30 @@ class PlanEntry:
     subgraph: str
     optimization_type: int = 1
     apply_count: int = -1
+    layers: str = ""  # the layer selector after '@' ("4-11", "every2", "0+5+9"); "" for the first `apply_count`
 
     def __str__(self) -> str:
-        return f"{self.subgraph}:{self.optimization_type}:{self.apply_count}"
+        at = f"@{self.layers}" if self.layers else ""
+        return f"{self.subgraph}:{self.optimization_type}:{self.apply_count}{at}"
+
+    def select(self, n_layers: int) -> List[int]:
+        """The layers (0-based) this plan applies to in a model of `n_layers` layers; a selector naming a layer the
+        model does not have is a PlanError."""
+        if not self.layers:
+            return list(range(n_layers if self.apply_count == -1 else min(self.apply_count, n_layers)))
+        chosen = set()
+        for item in self.layers.split("+"):
+            one, low, high, every = _ITEM_RE.match(item).groups()
+            if every is not None:
+                chosen.update(range(0, n_layers, int(every)))
+                continue
+            low, high = (int(one), int(one)) if one is not None else (int(low), int(high))
+            if high >= n_layers:
+                raise PlanError(
+                    f"entry {str(self)!r} names layer {high}, but the model has {n_layers} layers (0-{n_layers - 1})"
+                )
+            chosen.update(range(low, high + 1))
+        return sorted(chosen)
 
     @property
     def enabled(self) -> bool:
@@ -76,6 +106,7 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     ``allow_zero_count``: backends write count 0 for a plan they found but did not apply; users may not.
     """
     prefix = f"entry {text!r}"
+    text, at, selector = text.partition("@")
     fields = text.split(":")
     if len(fields) != 3:
         raise PlanError(
@@ -103,7 +134,28 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     count = _parse_int(count_text, f"{prefix} has apply count", counts_expected)
     if count < -1 or (count == 0 and not allow_zero_count):
         raise PlanError(f"{prefix} has apply count {count}; {counts_expected}")
-    return PlanEntry(subgraph, opt_type, count)
+    if at:
+        selector = selector.strip()
+        for item in selector.split("+"):
+            m = _ITEM_RE.match(item.strip())
+            bad = (
+                "an empty item" if not item.strip()
+                else None if m and not (m.group(2) and int(m.group(2)) > int(m.group(3)))
+                and not (m.group(4) and int(m.group(4)) < 1)
+                else f"item {item.strip()!r}"
+            )  # fmt: skip
+            if bad:
+                raise PlanError(
+                    f"{prefix} has layer selector {selector!r} with {bad}; expected layer numbers from 0 (5), ranges "
+                    f"(4-11), every k-th layer (every2) joined by '+', as in {SELECTOR_EXAMPLE}"
+                )
+        selector = "+".join(i.strip() for i in selector.split("+"))
+        if count != -1:
+            raise PlanError(
+                f"{prefix} gives both a count ({count}) and layers (@{selector}); give one, as in "
+                f"{f'{subgraph}:{opt_type}:-1@{selector}'!r} or {f'{subgraph}:{opt_type}:{count}'!r}"
+            )
+    return PlanEntry(subgraph, opt_type, count, selector if at else "")
 
 
 def _check_duplicates(entries: Sequence[PlanEntry]) -> None:

@@ -279,7 +279,7 @@ def test_dropout_is_recomputed_with_its_random_state(tmp_path):
         steps=8,
     )
     assert max(abs(a - b) for a, b in zip(run.losses, eager)) <= LOSS_ATOL
-    assert {p["config"] for p in report_of(tmp_path)["plans"] if p["enabled"]} == plans
+    assert {p["config"] for p in report_of(tmp_path)["plans"] if p["enabled"] and not p["combination"]} == plans
 
 
 # -- autograd's checks and the user's saved-tensor hooks, through the Trainer ------------------------------------------
@@ -510,3 +510,26 @@ def test_a_model_trained_by_a_second_trainer_gets_that_trainers_plans(tmp_path):
     state = model._memopt_recompute
     for i, layer in enumerate(find_layers(model)):  # one level of wrapping, the second trainer's
         assert layer.forward.func == state.layer_forward and state.originals[i].__func__ is type(layer).forward
+
+
+# -- whole layers and chained plans per layer, through the Trainer ---------------------------------------------------
+def test_a_mixed_per_layer_plan_trains_as_plain_pytorch(tmp_path):
+    """Llama (2 layers): layer 0 recomputed whole, layer 1 with its MLP chained (`MatMul+silu+Mul+`): 20 steps
+    with the losses of plain PyTorch, and the table says which layer did what."""
+    eager = train(tmp_path, "llama", "--use_ort", "false", name="eager").losses
+    flags = ("--memory_opt_backend", "torch", "--memory_opt_config", "Layer+:1:-1@0,MatMul+silu+Mul+:1:-1@1")
+    trainer = train(tmp_path, "llama", *flags, name="mixed")
+    assert max(abs(a - b) for a, b in zip(trainer.losses, eager)) <= LOSS_ATOL
+    state = trainer.backend_model._memopt_recompute
+    assert [p.mode for p in state.policy.layers] == ["layer", "ops"]
+    assert state.profile.layers[0].applied == {} and {"MatMul", "silu", "Mul"} <= set(state.profile.layers[1].applied)
+    report = report_of(tmp_path, "mixed")
+    assert "Layer+:1:-1@0" in report["applied"] and any(
+        n.startswith("layer 0 is checkpointed whole") for n in report["notes"]
+    )
+
+
+def test_a_layer_selector_beyond_the_models_layers_is_refused_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match=r"`--memory_opt_config` entry 'Layer\+:1:-1@1-2' names layer 2, but the model "
+                                         r"has 2 layers \(0-1\)"):  # fmt: skip
+        train(tmp_path, "llama", "--memory_opt_backend", "torch", "--memory_opt_config", "Layer+:1:-1@1-2", steps=1)

@@ -121,6 +121,22 @@ BAD_INLINE = [
 ]
 
 
+BAD_INLINE += [
+    (
+        "Gelu+:1:2@1",
+        "`--memory_opt_config` entry 'Gelu+:1:2@1' gives both a count (2) and layers (@1); give one, as in 'Gelu+:1:-1@1' or 'Gelu+:1:2'",
+    ),
+    (
+        "Gelu+:1:-1@3-1",
+        "`--memory_opt_config` entry 'Gelu+:1:-1@3-1' has layer selector '3-1' with item '3-1'; expected layer numbers from 0 (5), ranges (4-11), every k-th layer (every2) joined by '+', as in 'Layer+:1:-1@every2', 'Gelu+:1:-1@4-11' or 'Layer+:1:-1@0+5+9'",
+    ),
+    (
+        "Layer+:1:-1@1++2",
+        "`--memory_opt_config` entry 'Layer+:1:-1@1++2' has layer selector '1++2' with an empty item; expected layer numbers from 0 (5), ranges (4-11), every k-th layer (every2) joined by '+', as in 'Layer+:1:-1@every2', 'Gelu+:1:-1@4-11' or 'Layer+:1:-1@0+5+9'",
+    ),
+]
+
+
 @pytest.mark.parametrize("value,message", BAD_INLINE, ids=[v for v, _ in BAD_INLINE])
 def test_bad_inline_values(value, message):
     with pytest.raises(ValueError) as info:
@@ -284,3 +300,19 @@ def test_plan_report_round_trip():
     assert again == report
     assert again.saving_mb(enabled_only=True) == 1.0
     assert [p.as_request() for p in again.plans] == ["Gelu+:1:-1", "Cast+:1:-1"]
+
+
+def test_whole_layers_and_layer_selectors_read_and_round_trip():
+    entries = parse_entries("Layer+:1:-1@every2,Gelu+:1:-1@ 1-3 + 7,Cast+:1:2")
+    assert to_inline(entries) == "Layer+:1:-1@every2,Gelu+:1:-1@1-3+7,Cast+:1:2"
+    assert [e.select(8) for e in entries] == [[0, 2, 4, 6], [1, 2, 3, 7], [0, 1]]
+    assert parse_entries(to_inline(entries)) == entries
+    with pytest.raises(PlanError, match=r"names layer 7, but the model has 6 layers \(0-5\)"):
+        entries[1].select(6)
+
+
+@pytest.mark.parametrize("value", ["Layer+:1:2", "Gelu+:1:-1@0-3"])
+def test_the_ort_backend_refuses_whole_layer_plans_and_selectors(value):
+    with pytest.raises(ValueError, match=r"are the torch backend's; ONNX Runtime applies a plan to its first N"):
+        MemoryOptConfig(plans=value, backend="ort")
+    assert MemoryOptConfig(plans=value, backend="torch").entries == parse_entries(value)

@@ -83,3 +83,19 @@ def test_a_views_base_can_be_read():
     w = torch.nn.Parameter(torch.randn(3, 4))
     assert hasattr(w.t(), "_base")  # else the fallback treats a parameter's view as a tensor of its own
     assert _torch_api.view_base(w.t()) is w and _torch_api.view_base(w) is w
+
+
+def test_a_storage_is_referenced_weakly_past_the_tensor_that_made_it():
+    """nn.Linear on a 3-D input: the matmul's output tensor dies at once, its storage lives on in `_unsafe_view`'s."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    out = torch.randn(6, 4)
+    ref = _torch_api.storage_ref(out)
+    assert isinstance(ref, StorageWeakRef)  # else the fallback: a weak reference to the tensor object
+    view = torch.ops.aten._unsafe_view.default(out, [2, 3, 4])
+    del out
+    assert not ref.expired()
+    del view
+    assert ref.expired()

@@ -122,8 +122,7 @@ def test_a_new_storage_at_a_freed_planned_outputs_address_is_not_taken_for_it():
     (dropout's mask on CPU: `bernoulli_` on `empty_like`'s output; seen on BERT with 8 MiB blocks). Only a write to
     the planned output itself, still alive, marks it changed. The allocator's reuse is not reproducible on demand,
     so the tracker is handed the situation directly."""
-    import weakref
-
+    from optimum_memopt.backends.torch import _torch_api
     from optimum_memopt.backends.torch.recipe import Recipe
     from optimum_memopt.backends.torch.tracking import LayerRun, Made, storage_key
 
@@ -133,16 +132,14 @@ def test_a_new_storage_at_a_freed_planned_outputs_address_is_not_taken_for_it():
     a, w = torch.randn(4, 8), torch.randn(8, 8)
     mask = torch.empty(4, 8)  # now at the address the freed planned output had
 
-    class Gone:
-        pass
-
-    dead = weakref.ref(Gone())  # the planned output, freed
+    dead = _torch_api.storage_ref(torch.randn(4, 8))  # the planned output, freed
+    assert dead.expired()
     made = Made("MatMul", dead, 128, 0, 0, [], recipe=Recipe(aten.mm.default, (a, w), {}, None))
     run.made[storage_key(mask)] = made
     run.on_op(aten.bernoulli_.float, (mask, 0.5), {}, mask, None)
     assert made.recipe.changed == {}
     alive = aten.mm.default(a, w)  # the planned output itself, alive, written to: marked
-    made.ref = weakref.ref(alive)
+    made.storage = _torch_api.storage_ref(alive)
     run.made[storage_key(alive)] = made
     run.on_op(aten.add_.Tensor, (alive, 1.0), {}, alive, None)
     assert made.recipe.changed == {0: "aten.add_.Tensor"}

@@ -99,3 +99,51 @@ def test_a_layer_checkpointed_whole_leaves_the_kv_cache_alone(monkeypatch):
     plain(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     for (name, a), b in zip(model.named_parameters(), plain.parameters()):
         assert torch.equal(a.grad, b.grad), name
+
+
+# -- whole layers and op plans per layer, in the grammar ------------------------------------------------------------
+def test_whole_layers_and_op_plans_per_layer_from_the_grammar():
+    plans = parse_plans("Layer+:1:-1@every2,Gelu+:1:-1@1-4,MatMul+:1:-1@5")
+    policy = RecomputePolicy.from_plans(plans, 0, 6)
+    modes = [p.mode for p in policy.layers]
+    assert modes == [LAYER, OPS, LAYER, OPS, LAYER, OPS]
+    assert policy.layers[1].ops == {"Gelu"} and policy.layers[5].ops == {"MatMul"}
+    assert policy.whole_layers == [0, 2, 4] and policy.level == 0
+    # the op plan named layers 2 and 4 too: they are recomputed whole, and the policy says so
+    assert policy.notes == ["'Gelu+:1:-1@1-4' names layers 2, 4, recomputed whole by 'Layer+:1:-1@every2': the op "
+                            "plan applies to the other layers"]  # fmt: skip
+    assert RecomputePolicy.from_plans(parse_plans("Layer+:1:-1"), 0, 3).level == 1  # every layer: level 1's policy
+    first = RecomputePolicy.from_plans(parse_plans("Layer+:1:2,Gelu+:1:-1"), 0, 3)
+    assert [p.mode for p in first.layers] == [LAYER, LAYER, OPS]
+
+
+def test_a_selector_naming_a_layer_the_model_lacks_is_refused_with_its_count():
+    from optimum_memopt.plans import PlanError
+
+    with pytest.raises(PlanError, match=r"names layer 7, but the model has 4 layers \(0-3\)"):
+        RecomputePolicy.from_plans(parse_plans("Gelu+:1:-1@2-7"), 0, 4)
+
+
+def test_layer_with_op_names_is_refused():
+    from optimum_memopt.backends.torch.policy import check_requests
+
+    with pytest.raises(
+        ValueError, match=r"'Layer\+Gelu\+:1:-1': `Layer\+` \(the whole layer recomputed\) takes no op"
+    ):
+        check_requests(parse_plans("Layer+Gelu+:1:-1"))
+
+
+def test_a_mixed_plan_from_the_grammar_trains_as_plain_pytorch():
+    """Four layers: 0 and 2 whole, 1 and 3 with the matmul-GELU chain: bitwise the plain model's gradients, in the
+    profiled step and after."""
+    plain, model = pair(mlp, n=4)
+    state = engine(model, RecomputePolicy.from_plans(parse_plans("Layer+:1:-1@every2,MatMul+Gelu+:1:-1"), 0, 4))
+    x = torch.randn(4, 8)
+    for seed in (0, 1):
+        got, want = step(model, x, seed), step(plain, x, seed)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    applied = [rec.applied for rec in state.profile.layers]
+    assert applied[0] == applied[2] == {} and applied[1] == applied[3] == {"MatMul": 4 * 8 * 4, "Gelu": 4 * 8 * 4}
+    report = plan_report(state.policy, state.profile)
+    assert report.applied == ["MatMul+:1:-1", "Gelu+:1:-1", "Layer+:1:-1@every2"]
+    assert any(n.startswith("layers 0, 2 are checkpointed whole") for n in report.notes)

@@ -177,3 +177,24 @@ def test_a_chain_does_not_recompute_a_value_changed_before_it_was_read(recompute
     engine(planned, ops("MatMul", "Gelu"))
     assert all(torch.equal(a, b) for a, b in zip(step(planned, x), step(plain, x)))
     assert names(recomputed) == ["gelu"]
+
+
+def test_a_linear_layers_output_on_a_3d_input_chains_too(recomputed):
+    """`F.linear` on a (batch, sequence, hidden) input runs a matmul on a 2-D view and returns `_unsafe_view` of its
+    output: the matmul's own tensor object dies at once while its storage lives on. The chain follows the storage
+    (a Llama MLP's projections were kept before)."""
+
+    def linear_mlp(block, x):
+        h = x.view(2, 2, 8)
+        return (F.silu(F.linear(h, block.w)) * F.linear(h, block.w.t())).matmul(block.w).view(4, 8)
+
+    plain, planned = pair(linear_mlp)
+    x = torch.randn(4, 8)
+    engine(planned, ops("MatMul", "silu", "Mul"))
+    with Counting() as outer_plain:
+        want = step(plain, x)
+    with Counting() as outer_planned:
+        got = step(planned, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert outer_planned.nbytes == outer_plain.nbytes - 4 * (4 * 8 * 4)
+    assert sorted(names(recomputed)) == ["mm", "mm", "mul", "silu"]

@@ -5,6 +5,8 @@ function). tests/test_torch_api.py checks each against the installed torch, so a
 CI, not a user's run; where a public fallback exists, it is used when the private path is gone.
 """
 
+import weakref
+
 import torch
 
 try:  # torch >= 2.0: the base class of Python dispatch modes (the tracker subclasses it at import)
@@ -66,6 +68,37 @@ def written_args(func, args, kwargs) -> list:
 def op_name(func) -> str:
     """The overload packet's name of an aten op (`gelu` for `aten.gelu.default`)."""
     return func.overloadpacket.__name__
+
+
+try:  # a weak reference to a storage (not to one tensor object viewing it)
+    from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
+except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
+    _StorageWeakRef = None
+
+
+class _TensorRef:
+    """The fallback of `storage_ref`: a weak reference to the tensor object (which may die before its storage)."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+
+    def expired(self) -> bool:
+        return self.ref() is None
+
+
+def storage_ref(t: torch.Tensor):
+    """A weak reference to a tensor's storage: `expired()` once the storage is freed, whichever tensors viewed it
+    (nn.Linear on a 3-D input returns `_unsafe_view` of its matmul's output, and the matmul's own tensor object dies
+    at once). Private: `torch.multiprocessing.reductions.StorageWeakRef` over `Storage._weak_ref`; without it, a weak
+    reference to the tensor object."""
+    if _StorageWeakRef is not None:
+        try:
+            return _StorageWeakRef(t.untyped_storage())
+        except Exception:  # tensor subclasses without a storage
+            pass
+    return _TensorRef(t)
 
 
 def view_base(t: torch.Tensor) -> torch.Tensor:

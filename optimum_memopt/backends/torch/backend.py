@@ -1,18 +1,20 @@
 """`TorchBackend`: the seam's face of the torch backend. It imports the engine only when it wraps a model, so that
 building the arguments (which asks backends to check their flags) loads no dispatch mode or hook machinery."""
 
+import logging
 import weakref
 from typing import List, Optional
 
 from torch import nn
 
 from ... import _deepspeed
-from ...plans import PlanReport
+from ...plans import PlanError, PlanReport
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
 from .layers import find_layers
 from .policy import RecomputePolicy, check_requests
 
+logger = logging.getLogger(__name__)
 STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state
 
 
@@ -58,7 +60,13 @@ class TorchBackend(Backend):
                 f"the torch backend recomputes inside transformer layers, but found no list of repeated layers in "
                 f"{type(model).__name__} (an nn.ModuleList of blocks); train it with `--use_ort false`"
             )
-        return self.apply_policy(model, RecomputePolicy.from_plans(settings.entries, settings.level, len(layers)))
+        try:
+            policy = RecomputePolicy.from_plans(settings.entries, settings.level, len(layers))
+        except PlanError as e:  # a layer selector naming a layer this model does not have
+            raise ValueError(f"`--memory_opt_config` {e}") from None
+        for note in policy.notes:
+            logger.warning("%s", note)
+        return self.apply_policy(model, policy)
 
     def apply_policy(self, model: nn.Module, policy: RecomputePolicy) -> nn.Module:
         """Install `policy` on the model's layers (a model wrapped before, by another trainer, starts clean)."""

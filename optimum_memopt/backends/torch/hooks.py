@@ -89,7 +89,7 @@ def pack(run: LayerRun, x: torch.Tensor):
     ptr = storage_key(x)
     made = run.made.get(ptr)
     stash = None
-    if made is not None and made.ref() is None:
+    if made is not None and made.storage.expired():
         made = None  # freed; the address now belongs to a storage made outside this layer
     if run.record is not None and ptr and ptr not in run.saved_keys:
         run.saved_keys.add(ptr)
@@ -100,7 +100,7 @@ def pack(run: LayerRun, x: torch.Tensor):
         # another dtype: the op alone does not give it back.
         if made.version != _torch_api.version(x):
             made.why_not = CHANGED_IN_PLACE
-        elif x.dtype != made.ref().dtype:
+        elif x.dtype != made.dtype:
             made.why_not = OTHER_DTYPE
         elif made.recipe is None and not all(_kept(run, inp.ref()) for inp in made.inputs if inp is not None):
             if not (made.call is not None and _recomputable(run, made, {})):
@@ -160,8 +160,7 @@ def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
     if run.record is not None:
         skip = {storage_key(t) for t in tensors_in(outputs)} | {storage_key(t) for t in tensors_in(inputs)}
         for made in run.counted:
-            alive = made.ref()
-            if alive is not None and storage_key(alive) in skip:
+            if made.key in skip and not made.storage.expired():
                 continue
             run.record.add(made.plan, made.nbytes, made.seconds, bool(made.recomputable), made.why_not)
             if made.recipe is not None:
@@ -188,11 +187,10 @@ def layer_graph(run: LayerRun, boundary: set) -> LayerGraph:
         return outside[key]
 
     for made in run.all_made:
-        alive = made.ref()
         index[id(made)] = len(graph.nodes)
         graph.nodes.append(
             Node(made.plan, made.nbytes, made.op, made.seconds, own=made.own,
-                 boundary=alive is not None and storage_key(alive) in boundary)
+                 boundary=made.key in boundary and not made.storage.expired())
         )  # fmt: skip
     for made in run.all_made:
         edges = []

@@ -9,6 +9,7 @@ came from, so the report never parses the arguments again. Pure: no torch state.
 from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Sequence, Tuple
 
+from ...plans import LAYER as LAYER_PLAN
 from ...plans import PlanEntry
 from .names import VIEW_NAMES, canonical_ops
 
@@ -49,15 +50,27 @@ class Request:
     @property
     def canonical(self) -> List[PlanEntry]:
         e = self.entry
-        return [PlanEntry(f"{nm}+", e.optimization_type, e.apply_count) for nm in self.names]
+        return [PlanEntry(f"{nm}+", e.optimization_type, e.apply_count, e.layers) for nm in self.names]
 
 
 def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_config") -> None:
+    for entry in entries:
+        if entry.subgraph != LAYER_PLAN and "Layer" in entry.ops:
+            raise ValueError(
+                f"`{flag}` has {str(entry)!r}: `Layer+` (the whole layer recomputed) takes no op names; give the "
+                f"layers and the ops as two plans, as in 'Layer+:1:-1@0-3,Gelu+:1:-1@4-11'"
+            )
+    _check_ops(entries, flag)
+
+
+def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
     """Refuse plans that would silently do nothing here: a request naming only view operators (in PyTorch a view
     creates no storage, so there is nothing to recompute), and one op asked for by two requests (two names of one
     op, as `mul+` and `Mul+`, or `Gelu+` and `FastGelu+`: which count would win is not the user's to guess)."""
     claimed: Dict[str, PlanEntry] = {}
     for entry in entries:
+        if entry.subgraph == LAYER_PLAN:
+            continue
         names, unknown = canonical_ops(entry.subgraph)
         if not names and not unknown:
             raise ValueError(
@@ -74,29 +87,53 @@ def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_confi
             claimed[name] = entry
 
 
+def _layers(indexes: Sequence[int]) -> str:
+    return f"layer{'s' if len(indexes) > 1 else ''} {', '.join(map(str, indexes))}"
+
+
 @dataclass
 class RecomputePolicy:
     layers: List[LayerPolicy]
     requests: List[Request] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)  # what the plans' reader should know (overlaps resolved)
 
     @classmethod
     def from_plans(cls, entries: Sequence[PlanEntry], level: int, n_layers: int) -> "RecomputePolicy":
-        """From the plan grammar: level 1 checkpoints every layer; level 0 recomputes each enabled entry's ops in the
-        first `RequestApplyCount` layers (-1: all)."""
-        requests = []
+        """From the plan grammar: level 1 checkpoints every layer; level 0 checkpoints the layers of `Layer+`
+        entries whole and recomputes each other enabled entry's ops in its layers (the first `RequestApplyCount`,
+        -1 all, or those its `@` selector names). A layer both checkpointed whole and named by an op plan is
+        checkpointed whole (it frees all the op plan would), said in `notes`."""
+        requests, whole = [], {}
         for entry in entries:
-            if entry.enabled:
-                names, unknown = canonical_ops(entry.subgraph)
-                requests.append(Request(entry, tuple(names), tuple(unknown)))
+            if not entry.enabled:
+                continue
+            if entry.subgraph == LAYER_PLAN:
+                for i in entry.select(n_layers):
+                    whole.setdefault(i, str(entry))
+                requests.append(Request(entry, (), ()))
+                continue
+            names, unknown = canonical_ops(entry.subgraph)
+            requests.append(Request(entry, tuple(names), tuple(unknown)))
         if level == 1:
             return cls([LayerPolicy(LAYER) for _ in range(n_layers)], requests)
         ops: List[Dict[str, str]] = [{} for _ in range(n_layers)]
+        notes, overlaps = [], {}
         for r in requests:
-            count = n_layers if r.entry.apply_count == -1 else min(r.entry.apply_count, n_layers)
-            for i in range(count):
+            if not r.names:
+                continue
+            for i in r.entry.select(n_layers):
+                if i in whole:
+                    overlaps.setdefault((str(r.entry), whole[i]), []).append(i)
+                    continue
                 for name in r.names:
                     ops[i].setdefault(name, str(r.entry))
-        return cls([LayerPolicy.of_ops(o) for o in ops], requests)
+        for (plan, layer_plan), where in overlaps.items():
+            notes.append(
+                f"{plan!r} names {_layers(where)}, recomputed whole by {layer_plan!r}: the op plan applies to the "
+                f"other layers"
+            )
+        layers = [LayerPolicy(LAYER) if i in whole else LayerPolicy.of_ops(o) for i, o in enumerate(ops)]
+        return cls(layers, requests, notes)
 
     @property
     def level(self) -> int:

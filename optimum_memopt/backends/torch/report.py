@@ -3,6 +3,7 @@ that keep it, bytes for that batch), which are on, requests that matched nothing
 
 from typing import Dict, FrozenSet, List
 
+from ...plans import LAYER as LAYER_PLAN
 from ...plans import FoundPlan, PlanReport, Unmatched, match_requests
 from .graph import effect, frontier
 from .policy import LAYER, RecomputePolicy
@@ -48,8 +49,9 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
     ]
     plans += combinations(policy, profile)
     canonical = [e for r in policy.requests for e in r.canonical]
+    whole_plans = [str(r.entry) for r in policy.requests if r.entry.subgraph == LAYER_PLAN]
     level = policy.level
-    notes = []
+    notes = list(policy.notes)
     if level == 1:
         notes.append(
             "level 1: every layer is checkpointed whole (torch.utils.checkpoint); the table shows what the layers "
@@ -77,7 +79,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         optimizer_enabled=policy.active,
         level=level,
         requested=[str(r.entry) for r in policy.requests],
-        applied=[str(e) for e in canonical] if level == 0 else [p.config for p in plans],
+        applied=[str(e) for e in canonical] + whole_plans if level == 0 else [p.config for p in plans],
         plans=plans,
         dims=dims,
         notes=notes,

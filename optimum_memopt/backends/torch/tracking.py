@@ -78,7 +78,7 @@ class Made:
     """A storage an op created during this layer's forward."""
 
     plan: str
-    ref: object  # weakref to the output tensor
+    storage: object  # a weak reference to the storage (`_torch_api.storage_ref`): expired once it is freed
     nbytes: int
     version: int
     index: int
@@ -89,6 +89,8 @@ class Made:
     why_not: str = ""
     seconds: float = 0.0  # the op's time, when profiled
     op: int = 0  # the op call that made it (in step one's graph)
+    key: int = 0  # the storage's identity (its address while alive)
+    dtype: object = None
     own: bool = True  # at its first save: as the op made it (same version and dtype)
 
 
@@ -122,9 +124,8 @@ class LayerRun:
             for t in _torch_api.written_args(func, args, kwargs):
                 ptr = storage_key(t)
                 made = self.made.get(ptr)
-                alive = made.ref() if made is not None and made.recipe is not None else None
                 # a planned output still alive and written to (a freed one's address may be a new storage now)
-                if alive is not None and storage_key(alive) == ptr:
+                if made is not None and made.recipe is not None and not made.storage.expired():
                     made.recipe.changed.setdefault(made.index, str(func))
         name = plan_name(_torch_api.op_name(func))
         applying = name in self.apply
@@ -140,11 +141,11 @@ class LayerRun:
             if not ptr:
                 continue
             known = self.made.get(ptr)
-            if known is not None and known.ref() is not None and storage_key(known.ref()) == ptr:
+            if known is not None and not known.storage.expired():
                 continue  # an op that returns an alias without saying so in its schema (`_unsafe_view`)
-            made = Made(name, weakref.ref(t), storage_bytes(t), _torch_api.version(t), i, inputs, call)
+            made = Made(name, _torch_api.storage_ref(t), storage_bytes(t), _torch_api.version(t), i, inputs, call)
             made.seconds = seconds
-            made.op = self.ops
+            made.op, made.key, made.dtype = self.ops, ptr, t.dtype
             self.made[ptr] = made
             if self.record is not None:
                 self.all_made.append(made)
@@ -152,10 +153,8 @@ class LayerRun:
     def _input(self, t: torch.Tensor) -> Input:
         ptr = storage_key(t)
         maker = self.made.get(ptr)
-        if maker is not None:
-            alive = maker.ref()
-            if alive is None or storage_key(alive) != ptr:
-                maker = None  # a freed output's address, reused by a storage made elsewhere
+        if maker is not None and maker.storage.expired():
+            maker = None  # a freed output's address, reused by a storage made elsewhere
         nbytes = storage_bytes(t) if self.record is not None and maker is None else 0
         return Input(weakref.ref(t), maker, _torch_api.version(t), ptr, nbytes)
 
