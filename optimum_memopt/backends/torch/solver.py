@@ -1,3 +1,124 @@
-"""The budget solver: from a step-one `ModelProfile` and a memory budget, the `RecomputePolicy` that fits with the
-least recompute time. Empty until the budget issue lands it (an exact choice over layers x candidate policies);
-kept here so that the module layout it lands in exists and stays pure (no torch state)."""
+"""The budget solver's core: per layer, the configurations worth choosing from (keep, the sets of plans on the
+layer's frontier, the whole layer), and the choice over all layers that frees at least a given number of bytes with
+the least recompute time (a multiple-choice knapsack, solved by dynamic programming over the bytes: exactly, in units
+of the bytes' greatest common divisor, where that is at most EXACT_STEPS units; else in STEPS units, each candidate
+rounded down, so that a choice can only free more than asked, never less).
+
+Where the peak falls and how many bytes must go (the budget against the measured step) is the caller's; this module
+answers "free N bytes for the least time" from step one's profile. Pure (numpy for the table, no torch state).
+"""
+
+import math
+from dataclasses import dataclass
+from typing import FrozenSet, List, Optional, Sequence
+
+import numpy as np
+
+from .graph import frontier, whole_layer
+from .policy import LAYER, LayerPolicy, RecomputePolicy
+from .profile import ModelProfile
+
+STEPS = 4096  # the bytes to free are counted in at most this many units when they must be rounded
+EXACT_STEPS = 1 << 18  # or in up to this many units of their greatest common divisor (exact)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration of one layer: what it frees and what it costs each backward."""
+
+    ops: FrozenSet[str]  # plan names recomputed (empty: keep, or the whole layer)
+    whole: bool
+    freed_bytes: int
+    seconds: float
+
+    @property
+    def label(self) -> str:
+        if self.whole:
+            return "Layer+"
+        return "+".join(sorted(self.ops)) + "+" if self.ops else "keep"
+
+    def layer_policy(self) -> LayerPolicy:
+        if self.whole:
+            return LayerPolicy(LAYER)
+        return LayerPolicy.of_ops({name: "solver" for name in self.ops})
+
+
+KEEP = Candidate(frozenset(), False, 0, 0.0)
+
+
+def candidates(profile: ModelProfile) -> List[List[Candidate]]:
+    """Per layer: keep, each set of plans on its frontier, and the whole layer, without the dominated ones (one that
+    frees no more than another that costs no more)."""
+    out = []
+    for rec in profile.layers:
+        options = [KEEP]
+        if rec.graph is not None:
+            options += [Candidate(ops, False, e.freed_bytes, e.seconds) for ops, e in frontier(rec.graph)]
+            whole = whole_layer(rec.graph, rec.op_seconds)
+            options.append(Candidate(frozenset(), True, whole.freed_bytes, whole.seconds))
+        out.append(_undominated(options))
+    return out
+
+
+def _undominated(options: Sequence[Candidate]) -> List[Candidate]:
+    kept: List[Candidate] = []
+    for c in sorted(options, key=lambda c: (c.seconds, -c.freed_bytes, c.whole)):
+        if not kept or c.freed_bytes > kept[-1].freed_bytes:
+            kept.append(c)
+    return kept
+
+
+def choose(per_layer: Sequence[Sequence[Candidate]], need_bytes: int) -> Optional[List[Candidate]]:
+    """One candidate per layer freeing at least `need_bytes` in all, with the least total seconds; None when even the
+    most each layer can free is not enough. Exact for the bytes as counted: each candidate's bytes are rounded down
+    to the unit and the need up, so a choice found frees at least what was asked."""
+    if need_bytes <= 0:
+        return [KEEP for _ in per_layer]
+    if sum(max(c.freed_bytes for c in options) for options in per_layer) < need_bytes:
+        return None
+    unit = _unit(per_layer, need_bytes)
+    need = -(-need_bytes // unit)
+    states = np.arange(need + 1)
+    best = np.full(need + 1, np.inf)  # best[b]: least seconds freeing at least b units so far (b capped at need)
+    best[0] = 0.0
+    trail = []  # per layer: the candidate chosen and the state it came from, for each state
+    for options in per_layer:
+        new = np.full(need + 1, np.inf)
+        pick = np.zeros(need + 1, dtype=np.int64)
+        prev = np.zeros(need + 1, dtype=np.int64)
+        for k, c in enumerate(options):
+            w = min(c.freed_bytes // unit, need)
+            reach = np.full(need + 1, np.inf)
+            came = np.zeros(need + 1, dtype=np.int64)
+            reach[w:] = best[: need + 1 - w] + c.seconds  # from b units before to b + w
+            came[w:] = states[: need + 1 - w]
+            if w:  # the last state holds "need or more": any b >= need - w reaches it
+                j = need - w + int(np.argmin(best[need - w :]))
+                reach[need], came[need] = best[j] + c.seconds, j
+            better = reach < new
+            new[better], pick[better], prev[better] = reach[better], k, came[better]
+        best = new
+        trail.append((pick, prev))
+    if not np.isfinite(best[need]):
+        return None  # the bytes are there, but not in whole units: counted conservatively
+    chosen, b = [], need
+    for options, (pick, prev) in zip(reversed(per_layer), reversed(trail)):
+        chosen.append(options[int(pick[b])])
+        b = int(prev[b])
+    return list(reversed(chosen))
+
+
+def _unit(per_layer, need_bytes: int) -> int:
+    """The bytes per unit: their greatest common divisor where that keeps the table small (then the choice is exact:
+    every sum is a whole number of units), else need / STEPS (each candidate rounded down)."""
+    g = 0
+    for options in per_layer:
+        for c in options:
+            g = math.gcd(g, c.freed_bytes)
+    if g and -(-need_bytes // g) <= EXACT_STEPS:
+        return g
+    return max(1, -(-need_bytes // STEPS))
+
+
+def policy_of(choice: Sequence[Candidate]) -> RecomputePolicy:
+    return RecomputePolicy([c.layer_policy() for c in choice])
