@@ -100,6 +100,16 @@ def _parse_int(text: str, what: str, expected: str) -> int:
     return value
 
 
+def _selector_problem(item: str) -> Optional[str]:
+    """What is wrong with one item of a layer selector (`5`, `4-11`, `every2`), or None."""
+    if not item:
+        return "an empty item"
+    m = _ITEM_RE.match(item)
+    if m is None or (m.group(2) and int(m.group(2)) > int(m.group(3))) or (m.group(4) and int(m.group(4)) < 1):
+        return f"item {item!r}"
+    return None
+
+
 def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     """Parse and validate one ``Subgraph+:type:count`` string.
 
@@ -137,13 +147,7 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     if at:
         selector = selector.strip()
         for item in selector.split("+"):
-            m = _ITEM_RE.match(item.strip())
-            bad = (
-                "an empty item" if not item.strip()
-                else None if m and not (m.group(2) and int(m.group(2)) > int(m.group(3)))
-                and not (m.group(4) and int(m.group(4)) < 1)
-                else f"item {item.strip()!r}"
-            )  # fmt: skip
+            bad = _selector_problem(item.strip())
             if bad:
                 raise PlanError(
                     f"{prefix} has layer selector {selector!r} with {bad}; expected layer numbers from 0 (5), ranges "

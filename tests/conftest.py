@@ -27,3 +27,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_ort)
         if "torch_backend" in item.keywords and not TORCH_BACKEND:
             item.add_marker(skip_torch)
+
+
+@pytest.fixture
+def recomputed(monkeypatch):
+    """The ops the torch backend's recipes recompute, by name (`gelu`, `mm`), one entry per computation."""
+    from optimum_memopt.backends.torch import recipe
+
+    calls = []
+    real = recipe.Recipe.outputs
+
+    def counting(self):
+        if self.value is None:
+            calls.append(self.func.overloadpacket.__name__)
+        return real(self)
+
+    monkeypatch.setattr(recipe.Recipe, "outputs", counting)
+    return calls

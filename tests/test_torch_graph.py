@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 from torch_engine import engine, keep, ops, pair, step
 
-from optimum_memopt.backends.torch import recipe
 from optimum_memopt.backends.torch.graph import effect, frontier, saved_bytes, whole_layer
 from optimum_memopt.backends.torch.policy import RecomputePolicy
 
@@ -43,20 +42,6 @@ def attention_like(block, x):
 
 
 LAYERS = [gated_mlp, scaled, changed, dropped, attention_like]
-
-
-@pytest.fixture
-def recomputed(monkeypatch):
-    calls = []
-    real = recipe.Recipe.outputs
-
-    def counting(self):
-        if self.value is None:
-            calls.append(self.func.overloadpacket.__name__)
-        return real(self)
-
-    monkeypatch.setattr(recipe.Recipe, "outputs", counting)
-    return calls
 
 
 def graph_of(fn):
