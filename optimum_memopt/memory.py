@@ -23,6 +23,7 @@ import ctypes
 import ctypes.util
 import resource
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -132,6 +133,35 @@ class _PeakSampler:
 READABLE_DEVICES = ("cuda", "cpu")
 
 
+class _CudaPeaks:
+    """CUDA keeps one peak counter per process; each `MemoryMeter` reads its own peak from it. A meter that resets
+    the counter first folds the peak so far into every other open meter's, so one meter's phases (the memory-phase
+    callback's) and another's finer marks (the torch backend's step watch) do not cut each other's peaks short."""
+
+    def __init__(self):
+        self.folded: "weakref.WeakKeyDictionary[MemoryMeter, int]" = weakref.WeakKeyDictionary()
+
+    def open(self, meter) -> None:
+        self.folded[meter] = 0
+
+    def reset(self, meter) -> None:
+        peak = torch.cuda.max_memory_allocated()
+        for other in list(self.folded):
+            if other is not meter:
+                self.folded[other] = max(self.folded[other], peak)
+        torch.cuda.reset_peak_memory_stats()
+        self.folded[meter] = 0
+
+    def peak(self, meter) -> int:
+        return max(self.folded.get(meter, 0), torch.cuda.max_memory_allocated())
+
+    def close(self, meter) -> None:
+        self.folded.pop(meter, None)
+
+
+_CUDA_PEAKS = _CudaPeaks()
+
+
 def training_device(args=None, model=None) -> str:
     """The kind of device the training runs on: where the model's parameters are, else the arguments' device.
 
@@ -159,6 +189,8 @@ class MemoryMeter:
         self.resident_peak_resets = device == "cpu" and self._clear_refs()
         self.allocator = "cuda" if device == "cuda" else ("mallinfo2" if _MALLINFO2 is not None else None)
         self._sampler = _PeakSampler() if device == "cpu" and self.allocator else None
+        if device == "cuda":
+            _CUDA_PEAKS.open(self)
         if self._sampler is not None:
             self._sampler.reset()
             if sample:
@@ -175,7 +207,7 @@ class MemoryMeter:
 
     def reset_peak(self) -> None:
         if self.device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
+            _CUDA_PEAKS.reset(self)
             return
         if self._sampler is not None:
             self._sampler.reset()
@@ -187,7 +219,7 @@ class MemoryMeter:
             return MemoryReading(
                 "cuda",
                 torch.cuda.memory_allocated() / MIB,
-                torch.cuda.max_memory_allocated() / MIB,
+                _CUDA_PEAKS.peak(self) / MIB,
                 reserved_mb=torch.cuda.memory_reserved() / MIB,
             )
         current = peak = None
@@ -203,5 +235,7 @@ class MemoryMeter:
         return MemoryReading("cpu", current, peak, rss / 1024.0, (hwm if hwm is not None else rss) / 1024.0)
 
     def close(self) -> None:
+        if self.device == "cuda":
+            _CUDA_PEAKS.close(self)
         if self._sampler is not None:
             self._sampler.stop()

@@ -23,6 +23,7 @@ from transformers import Trainer, TrainerCallback
 
 from . import checkpoints, transformers_releases
 from .backends import Backend, WrapSettings, get_backend, optimizer_for
+from .backends.base import Budget
 from .losses import LossInGraph
 from .trainer_args import MemoptTrainingArguments
 
@@ -43,6 +44,22 @@ def _fire_pre_optimizer_step(trainer, optimizer) -> None:
         trainer.control = trainer.callback_handler.on_pre_optimizer_step(trainer.args, trainer.state, trainer.control)
 
     inner._memopt_pre_step_hook = inner.register_step_pre_hook(pre_step)
+
+
+IN_PROCESS = "step one with every layer recomputed whole, then the budget solver's choice from its measurements"
+
+
+class _StepDone(TrainerCallback):
+    """Tells the backend each optimizer step's end (the torch backend's budget solver counts steps by it)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        backend = self.trainer.memopt_backend
+        wrapped = backend.find(self.trainer.model) if backend is not None else None
+        if wrapped is not None:
+            backend.step_done(wrapped)
 
 
 class _OptimizerReady(TrainerCallback):
@@ -178,6 +195,7 @@ class MemoptTrainerMixin:
             self.add_callback(MeasureCallback(a.memory_measure_out, self))
         self._memopt_optimizer_ready = _OptimizerReady(self)
         self.add_callback(self._memopt_optimizer_ready)
+        self.add_callback(_StepDone(self))
 
     # -- the plans -----------------------------------------------------------------------------------
     def resolve_memory_plan(self, script_argv: Optional[List[str]] = None) -> str:
@@ -189,6 +207,11 @@ class MemoptTrainerMixin:
         """
         if self.memory_plan is not None:
             return self.memory_plan_reason or "plans given"
+        if self.memopt_backend is not None and self.memopt_backend.plans_in_process:
+            # chosen in this process from its first step (`WrapSettings.budget`), which runs with whole layers
+            self.memory_plan = ([], 1)
+            self.memory_plan_reason = IN_PROCESS
+            return IN_PROCESS
         argv = list(script_argv if script_argv is not None else sys.argv)
         if not argv or not os.path.isfile(argv[0]):
             raise RuntimeError(
@@ -300,11 +323,30 @@ class MemoptTrainerMixin:
             level=level,
             measure_memory=bool(a.print_memory_stats or a.memory_measure_out),
             options=self.memopt_backend.options(a) if self.memopt_backend is not None else {},
+            budget=self._memopt_budget() if self.memory_plan_reason == IN_PROCESS else None,
+        )
+
+    def _memopt_budget(self) -> Budget:
+        from .callbacks.base import show
+
+        a = self.args
+        rank0 = self.is_world_process_zero()
+        grads = 0
+        if a.gradient_accumulation_steps > 1 and self.model is not None:
+            grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        return Budget(
+            budget_mb=float(a.memory_opt.budget_mb),
+            say=show if rank0 else (lambda text: None),
+            report_dir=os.path.join(a.output_dir, "memory_auto") if rank0 else None,
+            grad_bytes=grads,
+            reset_peaks=a.skip_memory_metrics,
         )
 
     def _memopt_plan_summary(self) -> str:
         if self.memory_plan_reason is None:
             return self.args.memory_opt_summary
+        if self.memory_plan_reason == IN_PROCESS:
+            return f"{self.args.memory_opt_summary}: {IN_PROCESS}"
         entries, level = self.memory_plan
         chosen = f"level {level}" if level else (",".join(map(str, entries)) or "no recompute")
         return f"{chosen} (chosen by auto: {self.memory_plan_reason})"

@@ -301,9 +301,14 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
         )
         if config.auto and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Checked before the parent's __post_init__, which would start the distributed setup.
+            how = (
+                "chooses from one process's first step and does not yet agree on one choice across processes"
+                if self.use_ort and config.backend == "torch"
+                else "probes the script in single-process runs"
+            )
             raise ValueError(
-                f"`{CONFIG_FLAG} auto` probes the script in single-process runs and cannot run under a multi-process "
-                f"launch; run `memopt-probe --budget_mb MIB -- SCRIPT ...` once and pass the plans it chooses, as in "
+                f"`{CONFIG_FLAG} auto` {how}, so it cannot run under a multi-process launch; run it once on one "
+                f"process (or `memopt-probe --budget_mb MIB -- SCRIPT ...`) and pass the plans it chooses, as in "
                 f"`{CONFIG_FLAG} {EXAMPLE}`"
             )
         return config

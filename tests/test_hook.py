@@ -194,6 +194,7 @@ def test_mixin_with_trls_sft_trainer(tmp_path):
     assert logged[-1]["loss"] < 20
 
 
+@pytest.mark.ort  # the torch backend's auto re-runs nothing (tests/test_torch_budget.py)
 def test_auto_needs_a_script_to_re_run_and_says_what_to_do_instead(tmp_path, monkeypatch):
     args = make_args(tmp_path, "--memory_opt_config", "auto", "--memory_budget_mb", "1000")
     trainer = MemoptTrainer(model=tiny_model(), args=args, train_dataset=ClsData(n=8))

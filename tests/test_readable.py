@@ -120,6 +120,7 @@ def test_the_probe_measures_the_levels_the_backend_has(tmp_path):
         assert [a for a in asked if a not in (None, "0")] == levels, backend
 
 
+@pytest.mark.ort  # the torch backend's choice reaches the screen the same way (tests/test_torch_budget.py)
 def test_auto_shows_its_progress_and_choice_to_a_script_without_logging(tmp_path, no_handlers, capsys, monkeypatch):
     """`--memory_opt_config auto` probes for a minute or more before training: TRL's sft.py (no logging set up)
     showed nothing of it. Its progress, probe table and choice are shown as the plan table is (the children's runs

@@ -20,14 +20,19 @@ reports, after the first training step, what it found and applied (`PlanReport`)
 6. `plan_report(wrapped, settings)` after the first training step;
 7. `optimizer(args)` when the optimizer is built: a backend-specific optimizer for `args.optim`, or None;
 8. `on_optimizer_ready(optimizer, args, deepspeed)` once the optimizer exists: backend-specific changes
-   to it, returned as one honest log line (or None).
+   to it, returned as one honest log line (or None);
+9. `step_done(wrapped)` after each optimizer step.
+
+`--memory_opt_config auto`: a backend with `plans_in_process` gets the budget in `WrapSettings.budget` and chooses
+its plans from the run's own first step (it starts with the policy that needs the least memory); the others get the
+plans the advisor chose in fresh runs of the script (`optimum_memopt.advisor`), as `entries` / `level`.
 
 A new backend is one module implementing this class, registered in `optimum_memopt.backends`; its own flags
 (if any) are a dataclass joined into `optimum_memopt.backends.BackendFlags`.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
@@ -51,6 +56,17 @@ def checkpointing_asked(args) -> Optional[Tuple[str, str]]:
 
 
 @dataclass
+class Budget:
+    """`--memory_opt_config auto` chosen in the training process (a backend with `plans_in_process`)."""
+
+    budget_mb: float
+    say: Callable[[str], None] = print  # the choice and its check, to the user (rank 0; a no-op elsewhere)
+    report_dir: Optional[str] = None  # where the solver's figures go (rank 0)
+    grad_bytes: int = 0  # gradients held across micro-batches (gradient accumulation), 0 without
+    reset_peaks: bool = True  # False: the CUDA peak counter is the Trainer's (`--skip_memory_metrics false`)
+
+
+@dataclass
 class WrapSettings:
     """Everything a backend needs to wrap a model, already validated."""
 
@@ -58,6 +74,7 @@ class WrapSettings:
     level: int = 0
     measure_memory: bool = False  # memory is being measured: allocations must be visible to the meter
     options: dict = field(default_factory=dict)  # backend-specific, validated by the arguments
+    budget: Optional[Budget] = None  # choose the plans from the run's first step (`plans_in_process`)
 
 
 class Backend:
@@ -65,6 +82,7 @@ class Backend:
     title = "the base backend"  # how messages name what the backend runs
     flags: Dict[str, object] = {}  # the backend's own flags with their defaults (refused with another backend)
     optimizers: Tuple[str, ...] = ()  # `--optim` names the backend provides (`optimizer(args)` builds them)
+    plans_in_process = False  # `auto` chosen from the run's own first step (`WrapSettings.budget`), not fresh runs
     env_plans: Optional[str] = None  # environment variables read when `--memory_opt_config` / `_level` are absent
     env_level: Optional[str] = None
 
@@ -105,3 +123,6 @@ class Backend:
 
     def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:
         return None
+
+    def step_done(self, wrapped: nn.Module) -> None:
+        """After each optimizer step (the next training forward starts a new step)."""

@@ -110,3 +110,9 @@ def view_base(t: torch.Tensor) -> torch.Tensor:
 def version(t: torch.Tensor) -> int:
     """Autograd's version counter of a tensor (private `Tensor._version`): bumped by every in-place change."""
     return t._version
+
+
+def at_backward_end(fn) -> None:
+    """Run `fn()` when the backward pass now running ends (private `Variable._execution_engine.queue_callback`, as
+    DDP and FSDP use it); call it from a backward hook."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)

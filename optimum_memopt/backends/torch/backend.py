@@ -8,6 +8,7 @@ from typing import List, Optional
 from torch import nn
 
 from ... import _deepspeed
+from ...memory import MIB
 from ...plans import PlanError, PlanReport
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
@@ -21,6 +22,7 @@ STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the
 class TorchBackend(Backend):
     name = "torch"
     title = "the torch backend"
+    plans_in_process = True
 
     def __init__(self):
         self._mine = weakref.WeakSet()  # the states this backend installed
@@ -66,7 +68,19 @@ class TorchBackend(Backend):
             raise ValueError(f"`--memory_opt_config` {e}") from None
         for note in policy.notes:
             logger.warning("%s", note)
-        return self.apply_policy(model, policy)
+        model = self.apply_policy(model, policy)
+        if settings.budget is not None:
+            from .planner import BudgetPlanner
+
+            b = settings.budget
+            state = getattr(model, STATE)
+            state.planner = BudgetPlanner(
+                int(b.budget_mb * MIB), say=b.say, out_dir=b.report_dir, grad_bytes=b.grad_bytes, resets=b.reset_peaks
+            )
+        return model
+
+    def step_done(self, wrapped: nn.Module) -> None:
+        getattr(wrapped, STATE).step_done()
 
     def apply_policy(self, model: nn.Module, policy: RecomputePolicy) -> nn.Module:
         """Install `policy` on the model's layers (a model wrapped before, by another trainer, starts clean)."""

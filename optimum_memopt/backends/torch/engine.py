@@ -15,6 +15,7 @@ from .policy import LAYER, OPS, RecomputePolicy
 from .profile import LayerProfile, ModelProfile
 from .recipe import tensors_in
 from .tracking import LayerRun
+from .watch import StepWatch, first_grad_tensor
 
 
 class RecomputeState:
@@ -28,6 +29,9 @@ class RecomputeState:
         self.profile: Optional[ModelProfile] = None  # filled by the first training forward
         self._recording: Optional[List[LayerProfile]] = None
         self._forwards = LayerForwards(layers)
+        self.watch: Optional[StepWatch] = None  # reads the step's memory at each layer's marks (`auto`)
+        self.planner = None  # told when a new step starts (`planner.BudgetPlanner`)
+        self._step_ended = False
 
     @property
     def originals(self):
@@ -45,11 +49,23 @@ class RecomputeState:
             raise ValueError(f"a policy for {len(policy.layers)} layers given to a model with {len(self.layers)}")
         self.policy = policy
 
+    def step_done(self) -> None:
+        """The trainer's word that an optimizer step ended: the next training forward starts a new step."""
+        self._step_ended = True
+
     def layer_forward(self, index: int, *args, **kwargs):
         layer = self.layers[index]
         original = self.originals[index]
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
+        if index == 0 and self.planner is not None and (self._step_ended or self.planner.stage == "start"):
+            first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+            self.planner.at_step_start(self, first.device.type if first is not None else "cpu")
+        if index == 0:
+            self._step_ended = False
+        watch = self.watch
+        if watch is not None:
+            watch.layer_forward(index)
         if index == 0 and self.profile is None and self._recording is None:
             self._recording = [LayerProfile() for _ in self.layers]
         record = self._recording[index] if self._recording is not None else None
@@ -68,4 +84,24 @@ class RecomputeState:
             out = original(*args, **kwargs)
         if record is not None and index == len(self.layers) - 1:
             self.profile, self._recording = ModelProfile(self._recording), None
+        if watch is not None:
+            _mark_backward(watch, index, out)
+            if index == len(self.layers) - 1:
+                watch.forward_done()
         return out
+
+
+def _mark_backward(watch: StepWatch, index: int, out) -> None:
+    """Tell `watch` when backward reaches this layer's output (its backward starts), and, at layer 0, when the
+    backward pass ends."""
+    first = first_grad_tensor(out)
+    if first is None:
+        return
+
+    def reached(grad):
+        watch.layer_backward(index)
+        if index == 0:
+            _torch_api.at_backward_end(watch.backward_done)
+        return grad
+
+    first.register_hook(reached)

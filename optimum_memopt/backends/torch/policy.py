@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 from ...plans import LAYER as LAYER_PLAN
-from ...plans import PlanEntry
+from ...plans import PlanEntry, PlanError
 from .names import VIEW_NAMES, canonical_ops
 
 KEEP, OPS, LAYER = "keep", "ops", "layer"
@@ -66,7 +66,9 @@ def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_confi
 def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
     """Refuse plans that would silently do nothing here: a request naming only view operators (in PyTorch a view
     creates no storage, so there is nothing to recompute), and one op asked for by two requests (two names of one
-    op, as `mul+` and `Mul+`, or `Gelu+` and `FastGelu+`: which count would win is not the user's to guess)."""
+    op, as `mul+` and `Mul+`, or `Gelu+` and `FastGelu+`: which count would win is not the user's to guess). Two
+    requests with `@` selectors may share an op (`Mul+silu+:1:-1@0-1,silu+:1:-1@2-3`, as the solver writes its
+    choice); `from_plans` refuses them where their layers overlap, once the model's layer count is known."""
     claimed: Dict[str, PlanEntry] = {}
     for entry in entries:
         if entry.subgraph == LAYER_PLAN:
@@ -79,7 +81,7 @@ def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
                 f"makes the tensor, as in 'Gelu+:1:-1' (views ignored here: {', '.join(VIEW_NAMES)})"
             )
         for name in names:
-            if name in claimed:
+            if name in claimed and not (entry.layers and claimed[name].layers):
                 raise ValueError(
                     f"`{flag}` names the op {name!r} twice ({str(claimed[name])!r} and {str(entry)!r}): in the torch "
                     f"backend both stand for the same aten op; give it once, as in {f'{name}+:1:-1'!r}"
@@ -126,7 +128,12 @@ class RecomputePolicy:
                     overlaps.setdefault((str(r.entry), whole[i]), []).append(i)
                     continue
                 for name in r.names:
-                    ops[i].setdefault(name, str(r.entry))
+                    if ops[i].get(name, str(r.entry)) != str(r.entry):
+                        raise PlanError(
+                            f"entries {ops[i][name]!r} and {str(r.entry)!r} both name the op {name!r} in layer {i}; "
+                            f"give each layer's op once, as in 'Mul+silu+:1:-1@0-1,silu+:1:-1@2-3'"
+                        )
+                    ops[i][name] = str(r.entry)
         for (plan, layer_plan), where in overlaps.items():
             notes.append(
                 f"{plan!r} names {_layers(where)}, recomputed whole by {layer_plan!r}: the op plan applies to the "

@@ -37,8 +37,38 @@ class LayerProfile:
 
 
 @dataclass
+class Segment:
+    """A stretch of the measured step between two of its marks (a layer's forward or backward starting, the layers'
+    forward ending, backward ending), with the memory read there. Throughout it, what the first `held` layers kept
+    for backward is held: in a layer's forward, that layer's too (it builds up); in its backward, the layers before
+    it only: the layer's own tensors are then all back (kept, or recomputed for its backward), whatever its policy.
+    That holds as an upper bound for a step measured with every layer recomputed whole (`planner`), where the whole
+    forward comes back at once."""
+
+    name: str
+    held: int  # the first `held` layers' kept tensors are held here
+    start_bytes: int  # the reading as it began
+    peak_bytes: int  # the highest reading in it (on the CPU sampled, so a spike between samples can be missed)
+
+
+@dataclass
+class StepMemory:
+    """Where a training step's memory went, mark by mark: the step one profile's second half (`watch`)."""
+
+    device: str
+    segments: List[Segment]
+    start_bytes: int  # the reading as the first layer's forward began
+    how: str  # how the peaks were read (sampled / CUDA's counter / boundary readings only)
+
+    @property
+    def peak(self) -> Segment:
+        return max(self.segments, key=lambda s: s.peak_bytes)
+
+
+@dataclass
 class ModelProfile:
     layers: List[LayerProfile]
+    memory: Optional[StepMemory] = None  # the step's memory by segment, where the run watched it (`auto`)
 
     @property
     def shape(self) -> Tuple[int, ...]:

@@ -68,40 +68,56 @@ def _undominated(options: Sequence[Candidate]) -> List[Candidate]:
     return kept
 
 
-def choose(per_layer: Sequence[Sequence[Candidate]], need_bytes: int) -> Optional[List[Candidate]]:
+def choose(
+    per_layer: Sequence[Sequence[Candidate]], need_bytes: int, prefix_needs: Optional[Sequence[int]] = None
+) -> Optional[List[Candidate]]:
     """One candidate per layer freeing at least `need_bytes` in all, with the least total seconds; None when even the
-    most each layer can free is not enough. Exact for the bytes as counted: each candidate's bytes are rounded down
-    to the unit and the need up, so a choice found frees at least what was asked."""
-    if need_bytes <= 0:
+    most each layer can free is not enough. `prefix_needs[i]`, where given: the first i + 1 layers free at least
+    that many bytes (a segment of the step that holds only their tensors). Exact for the bytes as counted: each
+    candidate's bytes are rounded down to the unit and the needs up, so a choice found frees at least what was
+    asked."""
+    needs = [math.ceil(n) for n in prefix_needs] if prefix_needs is not None else [0] * len(per_layer)
+    if len(needs) != len(per_layer):
+        raise ValueError(f"{len(needs)} prefix needs for {len(per_layer)} layers")
+    if needs:
+        needs[-1] = max(needs[-1], math.ceil(need_bytes))
+    cap_bytes = max(needs, default=0)
+    if cap_bytes <= 0:
         return [KEEP for _ in per_layer]
-    if sum(max(c.freed_bytes for c in options) for options in per_layer) < need_bytes:
-        return None
-    unit = _unit(per_layer, need_bytes)
-    need = -(-need_bytes // unit)
-    states = np.arange(need + 1)
-    best = np.full(need + 1, np.inf)  # best[b]: least seconds freeing at least b units so far (b capped at need)
+    most = 0
+    for options, need in zip(per_layer, needs):
+        most += max(c.freed_bytes for c in options)
+        if most < need:
+            return None
+    unit = _unit(per_layer, cap_bytes)
+    cap = -(-cap_bytes // unit)
+    states = np.arange(cap + 1)
+    best = np.full(cap + 1, np.inf)  # best[b]: least seconds freeing at least b units so far (b capped at cap)
     best[0] = 0.0
     trail = []  # per layer: the candidate chosen and the state it came from, for each state
-    for options in per_layer:
-        new = np.full(need + 1, np.inf)
-        pick = np.zeros(need + 1, dtype=np.int64)
-        prev = np.zeros(need + 1, dtype=np.int64)
+    for options, need in zip(per_layer, needs):
+        new = np.full(cap + 1, np.inf)
+        pick = np.zeros(cap + 1, dtype=np.int64)
+        prev = np.zeros(cap + 1, dtype=np.int64)
         for k, c in enumerate(options):
-            w = min(c.freed_bytes // unit, need)
-            reach = np.full(need + 1, np.inf)
-            came = np.zeros(need + 1, dtype=np.int64)
-            reach[w:] = best[: need + 1 - w] + c.seconds  # from b units before to b + w
-            came[w:] = states[: need + 1 - w]
-            if w:  # the last state holds "need or more": any b >= need - w reaches it
-                j = need - w + int(np.argmin(best[need - w :]))
-                reach[need], came[need] = best[j] + c.seconds, j
+            w = min(c.freed_bytes // unit, cap)
+            reach = np.full(cap + 1, np.inf)
+            came = np.zeros(cap + 1, dtype=np.int64)
+            reach[w:] = best[: cap + 1 - w] + c.seconds  # from b units before to b + w
+            came[w:] = states[: cap + 1 - w]
+            if w:  # the last state holds "cap or more": any b >= cap - w reaches it
+                j = cap - w + int(np.argmin(best[cap - w :]))
+                reach[cap], came[cap] = best[j] + c.seconds, j
             better = reach < new
             new[better], pick[better], prev[better] = reach[better], k, came[better]
+        if need > 0:
+            new[: -(-need // unit)] = np.inf  # these layers must free `need` bytes by now
         best = new
         trail.append((pick, prev))
-    if not np.isfinite(best[need]):
+    end = int(np.argmin(best))
+    if not np.isfinite(best[end]):
         return None  # the bytes are there, but not in whole units: counted conservatively
-    chosen, b = [], need
+    chosen, b = [], end
     for options, (pick, prev) in zip(reversed(per_layer), reversed(trail)):
         chosen.append(options[int(pick[b])])
         b = int(prev[b])

@@ -1,0 +1,169 @@
+"""The budget: what a policy does to a measured step's peak, and the policy of least recompute that keeps the peak
+under a budget.
+
+Step one gives, per layer, what each configuration frees and costs (`solver.candidates`), and the step's memory by
+segment (`watch`): in a segment holding the first `held` layers' kept tensors, a policy that frees `f[j]` bytes in
+layer j instead of the `q[j]` the measured step's policy freed reads
+
+    peak(segment) + sum(q[j] - f[j] for j < held)  (+ what the next steps hold that step one did not: `extra`)
+
+and the step's peak is the highest of those. A layer counts as held from its forward's start to its backward's
+start; in its own backward its tensors are all back, kept or recomputed, whatever its policy (`profile.Segment`).
+A budget is then one constraint per segment on the bytes the first `held` layers free, which the solver's dynamic
+programme over the layers, in order, meets exactly (`solver.choose`'s `prefix_needs`). The segment after backward
+(the optimizer step, the next batch) holds no layer's tensors: no policy moves it, and a budget below it cannot be
+met by recompute (said so).
+
+`extra`: step one runs before the optimizer has its state (Adam's two moments are made in its first step) and, with
+gradient accumulation, before gradients are held across micro-batches; the caller measures it at the next step's
+start (what is held there that was not at step one's) and adds the gradients' bytes under accumulation. Pure.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+from ...memory import MIB
+from ...plans import LAYER as LAYER_PLAN
+from ...plans import PlanEntry
+from .graph import effect, whole_layer
+from .policy import LAYER, OPS, RecomputePolicy
+from .profile import ModelProfile, Segment, StepMemory
+from .solver import Candidate, candidates, choose, policy_of
+
+
+def freed_bytes(profile: ModelProfile, policy: RecomputePolicy) -> List[int]:
+    """Per layer: the bytes `policy` frees there, from step one's graphs (0 where a layer has none)."""
+    out = []
+    for rec, lp in zip(profile.layers, policy.layers):
+        if rec.graph is None or lp.mode not in (LAYER, OPS):
+            out.append(0)
+        elif lp.mode == LAYER:
+            out.append(whole_layer(rec.graph, rec.op_seconds).freed_bytes)
+        else:
+            out.append(effect(rec.graph, lp.ops).freed_bytes)
+    return out
+
+
+@dataclass(frozen=True)
+class Prediction:
+    peak_bytes: int
+    where: str  # the segment the peak falls in
+
+    @property
+    def peak_mb(self) -> float:
+        return self.peak_bytes / MIB
+
+
+def predict(memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0) -> Prediction:
+    """The step's peak with `freed` bytes freed per layer, from a step measured with `measured_freed`."""
+    best: Optional[Prediction] = None
+    for k, seg in enumerate(memory.segments):
+        value = _moved(seg, measured_freed, freed) + (extra if k < len(memory.segments) - 1 else 0)
+        if best is None or value > best.peak_bytes:
+            best = Prediction(value, seg.name)
+    return best
+
+
+def _moved(seg: Segment, measured_freed: Sequence[int], freed: Sequence[int]) -> int:
+    held = seg.held
+    return seg.peak_bytes + sum(measured_freed[:held]) - sum(freed[:held])
+
+
+@dataclass
+class Fit:
+    """The solver's answer for one budget."""
+
+    budget_bytes: int
+    measured: Prediction  # the measured step's peak, moved by `extra`
+    floor: Prediction  # the least peak recompute reaches (each layer freeing the most it can)
+    choice: Optional[List[Candidate]] = None  # None: nothing fits (`why_not`)
+    predicted: Optional[Prediction] = None
+    why_not: str = ""
+    extra_bytes: int = 0
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def recompute_seconds(self) -> float:
+        return sum(c.seconds for c in self.choice) if self.choice else 0.0
+
+    @property
+    def freed(self) -> int:
+        return sum(c.freed_bytes for c in self.choice) if self.choice else 0
+
+    def policy(self) -> RecomputePolicy:
+        return policy_of(self.choice)
+
+    def config(self) -> str:
+        """The choice in the plan grammar (`--memory_opt_config`), for a run without `auto`."""
+        return ",".join(str(e) for e in plan_entries(self.choice)) if self.choice else ""
+
+
+def fit(
+    profile: ModelProfile,
+    memory: StepMemory,
+    budget_bytes: int,
+    measured: RecomputePolicy,
+    extra_bytes: int = 0,
+    per_layer: Optional[Sequence[Sequence[Candidate]]] = None,
+) -> Fit:
+    """The least-recompute policy whose predicted peak is at most `budget_bytes`, from a step measured under
+    `measured` (its memory by segment and each layer's graph)."""
+    per_layer = list(per_layer) if per_layer is not None else candidates(profile)
+    q = freed_bytes(profile, measured)
+    most = [max(c.freed_bytes for c in options) for options in per_layer]
+    result = Fit(
+        budget_bytes,
+        measured=predict(memory, q, q, extra_bytes),
+        floor=predict(memory, q, most, extra_bytes),
+        extra_bytes=extra_bytes,
+    )
+    needs = [0] * len(per_layer)
+    last = len(memory.segments) - 1
+    for k, seg in enumerate(memory.segments):
+        need = seg.peak_bytes + (extra_bytes if k < last else 0) + sum(q[: seg.held]) - budget_bytes
+        if need <= 0:
+            continue
+        if seg.held == 0:
+            result.why_not = (
+                f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB {seg.name}, where no layer's tensors are "
+                f"held: recompute cannot lower it"
+            )
+            return result
+        needs[seg.held - 1] = max(needs[seg.held - 1], need)
+    if result.floor.peak_bytes > budget_bytes:
+        result.why_not = (
+            f"recomputing the most every layer can still peaks at {result.floor.peak_mb:,.1f} MiB "
+            f"({result.floor.where}), over the budget"
+        )
+        return result
+    result.choice = choose(per_layer, 0, prefix_needs=needs)
+    if result.choice is None:  # the bytes are there, but not in the solver's units
+        result.why_not = "no choice frees the bytes needed in the units the solver counts in"
+        return result
+    result.predicted = predict(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
+    return result
+
+
+def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:
+    """One plan per configuration chosen, with a selector of its layers: `Layer+:1:-1@2-3`, `Mul+silu+:1:-1@0-1`."""
+    groups: Dict[tuple, List[int]] = {}
+    for i, c in enumerate(choice):
+        if c.whole or c.ops:
+            groups.setdefault((c.whole, c.ops), []).append(i)
+    entries = []
+    for (whole, ops), layers in sorted(groups.items(), key=lambda kv: kv[1][0]):
+        subgraph = LAYER_PLAN if whole else "".join(f"{name}+" for name in sorted(ops))
+        entries.append(PlanEntry(subgraph, 1, -1, selector(layers)))
+    return entries
+
+
+def selector(layers: Sequence[int]) -> str:
+    """Layer indexes as a plan selector: [0, 1, 2, 5] -> '0-2+5'."""
+    parts, start = [], None
+    for k, i in enumerate(layers):
+        if start is None:
+            start = i
+        if k + 1 == len(layers) or layers[k + 1] != i + 1:
+            parts.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return "+".join(parts)

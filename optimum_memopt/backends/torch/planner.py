@@ -1,0 +1,193 @@
+"""`--memory_opt_config auto` on the torch backend, in the training process: measure one step, choose, apply, verify.
+
+1. Step one runs with every layer recomputed whole (the policy that needs the least memory, so the step fits if
+   anything does); the engine profiles it (each layer's graph, op times) and watches its memory (`watch`).
+2. At step two's start (the trainer says when a step ended: `RecomputeState.step_done`), what is held that step one
+   did not hold yet (the optimizer's state; gradients under accumulation) is read, the budget solver (`budget.fit`)
+   chooses per layer the configuration of least recompute time whose predicted peak fits, and the engine runs it
+   from this forward on. The choice, its predicted peak and cost are said (`say`) and written to `solver.json`.
+3. Step two's peak is measured; at step three's start it is compared with the prediction. Over the budget, the
+   solver chooses once more for a budget lowered by the miss; the new choice is verified and reported, not changed.
+
+Nothing fits (the floor of recompute, or a peak outside the layers, over the budget): RuntimeError with the figures.
+"""
+
+import json
+import os
+from typing import Callable, List, Optional
+
+from ...memory import MIB, READABLE_DEVICES, MemoryMeter
+from .budget import Fit, fit
+from .profile import StepMemory
+from .solver import candidates
+from .watch import StepWatch
+
+
+class BudgetPlanner:
+    def __init__(
+        self,
+        budget_bytes: int,
+        say: Callable[[str], None] = print,
+        out_dir: Optional[str] = None,
+        grad_bytes: int = 0,
+        resets: bool = True,
+    ):
+        self.budget_bytes = int(budget_bytes)
+        self.say = say
+        self.out_dir = out_dir
+        self.grad_bytes = grad_bytes  # held across micro-batches under gradient accumulation (0 without)
+        self.meter: Optional[MemoryMeter] = None  # on the device the layers run on, from step one
+        self.resets = resets
+        self.stage = "start"  # -> measure -> verify -> done
+        self.memory: Optional[StepMemory] = None
+        self.fits: List[Fit] = []
+        self.verified: List[dict] = []
+        self.watch: Optional[StepWatch] = None
+
+    @property
+    def budget_mb(self) -> float:
+        return self.budget_bytes / MIB
+
+    def arm(self, state, device: str) -> None:
+        """Watch the step about to start (step one) on `device` ('cuda' or 'cpu')."""
+        if device not in READABLE_DEVICES:
+            raise RuntimeError(
+                f"`--memory_opt_config auto` reads memory on {' and '.join(READABLE_DEVICES)}, and this run's layers "
+                f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
+            )
+        self.meter = MemoryMeter(device)
+        resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
+        self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets)
+        self.stage = "measure"
+
+    def _current(self) -> int:
+        return int(round((self.meter.read().current_mb or 0.0) * MIB))
+
+    def at_step_start(self, state, device: str) -> None:
+        """Called by the engine as the first layer's forward starts the run's first step and each step after one
+        ended (`RecomputeState.step_done`)."""
+        if self.stage == "start":
+            self.arm(state, device)
+        elif self.stage == "measure":
+            self._choose(state)
+        elif self.stage == "verify":
+            self._verify(state)
+
+    def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
+        if self.memory is None:
+            self.memory = self.watch.close()
+            state.watch = None
+            if self.memory is None:
+                raise RuntimeError(
+                    f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: "
+                    f"{self.watch.problem}; choose plans with `memopt-probe --budget_mb {self.budget_mb:g} -- "
+                    f"SCRIPT ...` (fresh runs of the script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
+                )
+            self.extra = self._current() - self.memory.start_bytes + self.grad_bytes
+            self.per_layer = candidates(state.profile)
+            self.measured_policy = state.policy
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        result = fit(state.profile, self.memory, budget, self.measured_policy, self.extra, self.per_layer)
+        self.fits.append(result)
+        self._write()
+        if result.choice is None:
+            raise RuntimeError(
+                f"`--memory_opt_config auto` found nothing that fits `--memory_budget_mb {self.budget_mb:g}`: "
+                f"{result.why_not}. The least any recompute reaches is {result.floor.peak_mb:,.1f} MiB "
+                f"({result.floor.where}); raise the budget or lower `--per_device_train_batch_size`"
+                + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
+            )
+        state.set_policy(result.policy())
+        self.say(self._describe(result, state))
+        if self.watch.resets:
+            self.meter.reset_peak()
+        self._start = self._current()
+        self.stage = "verify"
+
+    def _describe(self, result: Fit, state) -> str:
+        again = " (again, for a budget lowered by the miss)" if len(self.fits) > 1 else ""
+        config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
+        shape = "x".join(map(str, state.profile.shape)) or "?"
+        return (
+            f"memory_opt_config auto{again}: step one (every layer recomputed whole, first input {shape}) peaked at "
+            f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB ({self.memory.peak.name}); later steps hold "
+            f"{self.extra / MIB:+,.1f} MiB more (the optimizer's state{', gradients' if self.grad_bytes else ''}). "
+            f"Under {self.budget_mb:,.1f} MiB the solver chose {config}: predicted peak "
+            f"{result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
+            f"{result.freed / MIB:,.1f} MiB freed, {result.recompute_seconds * 1000:,.1f} ms of recompute per step "
+            f"(op time measured in step one). The least recompute can reach: {result.floor.peak_mb:,.1f} MiB "
+            f"({result.floor.where})"
+        )
+
+    def _verify(self, state) -> None:
+        peak = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)), self._start)
+        result = self.fits[-1]
+        predicted = result.predicted.peak_bytes
+        self.verified.append({"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB})
+        error = (peak - predicted) / predicted * 100 if predicted else 0.0
+        verdict = "within" if peak <= self.budget_bytes else "over"
+        what = (
+            "the step after the choice" if self.watch.resets else "training so far (CUDA's counter is the Trainer's)"
+        )
+        self.say(
+            f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB (predicted "
+            f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict} the budget of {self.budget_mb:,.1f} MiB"
+        )
+        if peak > self.budget_bytes and len(self.fits) == 1:
+            self._choose(state, self.budget_bytes - (peak - predicted))
+            return
+        self._write()
+        self.stage = "done"
+        self.meter.close()
+
+    def _write(self) -> None:
+        if not self.out_dir:
+            return
+        data = {
+            "budget_mb": self.budget_mb,
+            "memory": None
+            if self.memory is None
+            else {
+                "device": self.memory.device,
+                "how": self.memory.how,
+                "start_mb": self.memory.start_bytes / MIB,
+                "segments": [
+                    {
+                        "name": s.name,
+                        "layers_held": s.held,
+                        "start_mb": s.start_bytes / MIB,
+                        "peak_mb": s.peak_bytes / MIB,
+                    }
+                    for s in self.memory.segments
+                ],
+            },
+            "later_steps_hold_more_mb": getattr(self, "extra", 0) / MIB,
+            "candidates": [
+                [{"config": c.label, "freed_mb": c.freed_bytes / MIB, "recompute_ms": c.seconds * 1000} for c in opts]
+                for opts in getattr(self, "per_layer", [])
+            ],
+            "fits": [_fit_dict(f) for f in self.fits],
+            "verified": self.verified,
+        }
+        os.makedirs(self.out_dir, exist_ok=True)
+        path = os.path.join(self.out_dir, "solver.json")
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=2)
+        os.replace(tmp, path)
+
+
+def _fit_dict(f: Fit) -> dict:
+    return {
+        "budget_mb": f.budget_bytes / MIB,
+        "config": f.config() if f.choice else None,
+        "per_layer": [c.label for c in f.choice] if f.choice else None,
+        "predicted_peak_mb": f.predicted.peak_mb if f.predicted else None,
+        "predicted_peak_in": f.predicted.where if f.predicted else None,
+        "freed_mb": f.freed / MIB,
+        "recompute_ms": f.recompute_seconds * 1000,
+        "floor_mb": f.floor.peak_mb,
+        "floor_in": f.floor.where,
+        "measured_step_one_mb": f.measured.peak_mb,
+        "why_not": f.why_not or None,
+    }

@@ -1,0 +1,284 @@
+"""The budget solver: the step's memory by segment (`watch`), the peak any policy would reach (`budget.predict`),
+the least-recompute choice under a budget (`budget.fit`, against every combination), its plan-grammar form, and
+`--memory_opt_config auto` choosing in the training process (`planner`) on a decoder through the Trainer."""
+
+import itertools
+import json
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch_engine import engine, keep, pair, step
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
+from optimum_memopt.backends.torch.budget import fit, freed_bytes, plan_entries, predict, selector
+from optimum_memopt.backends.torch.planner import BudgetPlanner
+from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
+from optimum_memopt.backends.torch.profile import Segment, StepMemory
+from optimum_memopt.backends.torch.solver import Candidate, candidates, choose, policy_of
+from optimum_memopt.memory import MIB
+from optimum_memopt.plans import PlanError, parse_inline
+
+pytestmark = pytest.mark.torch_backend
+
+L = 3
+
+
+def gated_mlp(block, x):
+    return (F.silu(x @ block.w) * (x @ block.w.t())) @ block.w
+
+
+@pytest.fixture(scope="module")
+def profile():
+    """Step one's profile of three gated-MLP layers (graphs and op times)."""
+    _, model = pair(gated_mlp, n=L)
+    state = engine(model, keep(L))
+    step(model, torch.randn(64, 8))
+    return state.profile
+
+
+def whole(n=L):
+    return RecomputePolicy([LayerPolicy(LAYER) for _ in range(n)])
+
+
+def memory_of(fwd, head, bwd, after):
+    """A measured step: fwd[i] and bwd[i] the peaks in layer i's forward and backward."""
+    segs = [Segment(f"layer {i} forward", i + 1, 0, p) for i, p in enumerate(fwd)]
+    segs.append(Segment("after the layers: head and loss, forward and backward", len(fwd), 0, head))
+    segs += [Segment(f"layer {i} backward", i, 0, bwd[i]) for i in reversed(range(len(bwd)))]
+    segs.append(Segment("after backward: the optimizer step and the next batch", 0, 0, after))
+    return StepMemory("cpu", segs, 0, "test")
+
+
+# -- the solver with a constraint per prefix of layers ----------------------------------------------------------------
+
+
+def brute_force(per_layer, needs):
+    best = None
+    for combo in itertools.product(*per_layer):
+        running, ok = 0, True
+        for c, need in zip(combo, needs):
+            running += c.freed_bytes
+            ok = ok and running >= need
+        if ok:
+            t = sum(c.seconds for c in combo)
+            best = t if best is None or t < best - 1e-12 else best
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_prefix_needs_are_met_at_the_least_time(seed):
+    """Each prefix of layers must free its own need (a segment that holds only those layers' tensors)."""
+    rng = random.Random(seed)
+    per_layer = []
+    for _ in range(4):
+        options = [Candidate(frozenset(), False, 0, 0.0)]
+        options += [
+            Candidate(frozenset({f"op{k}"}), False, (1 << 20) * rng.randint(1, 40), rng.uniform(0.01, 1))
+            for k in range(4)
+        ]
+        per_layer.append(options)
+    most = [max(c.freed_bytes for c in o) for o in per_layer]
+    for _ in range(8):
+        needs = [rng.randint(-5, sum(most[: i + 1])) * (1 << 20) // 2 for i in range(4)]
+        got = choose(per_layer, 0, prefix_needs=needs)
+        want = brute_force(per_layer, needs)
+        if want is None:
+            assert got is None
+            continue
+        running = 0
+        for c, need in zip(got, needs):
+            running += c.freed_bytes
+            assert running >= need
+        assert sum(c.seconds for c in got) == pytest.approx(want)
+
+
+# -- the peak model and the fit ---------------------------------------------------------------------------------------
+
+
+def test_a_policy_moves_the_segments_that_hold_its_layers(profile):
+    q = freed_bytes(profile, whole())
+    keep_all = [0] * L
+    mem = memory_of([100, 110, 120], 200, [220, 250, 300 * 1000], 150)  # backward peaks of layers 0, 1, 2
+    # from whole layers to nothing recomputed: each segment rises by what the layers it holds stop freeing (a layer's
+    # own backward holds the layers before it)
+    got = predict(mem, q, keep_all)
+    assert got.peak_bytes == 300 * 1000 + q[0] + q[1] and got.where == "layer 2 backward"
+    mem = memory_of([100, 110, 120], 200 + 10**6, [220, 250, 300], 150)
+    assert predict(mem, q, keep_all).peak_bytes == 200 + 10**6 + sum(q)
+    assert predict(mem, q, keep_all).where == "after the layers: head and loss, forward and backward"
+    assert predict(mem, q, q).peak_bytes == 200 + 10**6
+    # what later steps hold more rises every segment but the last
+    assert predict(memory_of([1, 1, 1], 1, [1, 1, 1], 500), q, q, extra=100).peak_bytes == 500
+
+
+@pytest.mark.parametrize("share", [0.0, 0.25, 0.5, 0.75, 1.0])
+def test_the_fit_is_the_least_recompute_of_every_combination_that_fits(profile, share):
+    per_layer = candidates(profile)
+    q = freed_bytes(profile, whole())
+    base = 10 << 20
+    mem = memory_of([base + 1000] * L, base + 5000, [base + 4000] * L, base)
+    plain = predict(mem, q, [0] * L, extra=777).peak_bytes
+    floor = predict(mem, q, [max(c.freed_bytes for c in o) for o in per_layer], extra=777).peak_bytes
+    budget = int(floor + share * (plain - floor))
+    result = fit(profile, mem, budget, whole(), extra_bytes=777)
+    best = None
+    for combo in itertools.product(*per_layer):
+        if predict(mem, q, [c.freed_bytes for c in combo], extra=777).peak_bytes <= budget:
+            t = sum(c.seconds for c in combo)
+            best = t if best is None or t < best else best
+    assert result.choice is not None and result.predicted.peak_bytes <= budget
+    assert result.recompute_seconds == pytest.approx(best)
+    assert result.floor.peak_bytes == floor
+    if share == 1.0:
+        assert all(c.label == "keep" for c in result.choice) and result.config() == ""
+
+
+def test_what_no_recompute_can_fix_is_said(profile):
+    q = freed_bytes(profile, whole())
+    mem = memory_of([10] * L, 10 + 5000, [10] * L, 9000)
+    out = fit(profile, mem, 8000, whole())
+    assert out.choice is None
+    assert out.why_not == (
+        f"the step peaks at {9000 / MIB:,.1f} MiB after backward: the optimizer step and the next batch, where no "
+        f"layer's tensors are held: recompute cannot lower it"
+    )
+    mem = memory_of([10] * L, 10**7, [10] * L, 10)
+    out = fit(profile, mem, 10**7 - 1, whole())
+    assert out.choice is None and out.why_not.startswith("recomputing the most every layer can still peaks at")
+    assert out.floor.peak_bytes == 10**7 and out.floor.where.startswith("after the layers")
+    assert q  # the whole layers freed something to move
+
+
+# -- the choice in the plan grammar -----------------------------------------------------------------------------------
+
+
+def test_layer_selectors():
+    assert selector([0, 1, 2, 5]) == "0-2+5"
+    assert selector([3]) == "3"
+    assert selector([0, 2, 4]) == "0+2+4"
+
+
+def test_the_choice_written_as_plans_builds_the_same_policy():
+    mul_silu = Candidate(frozenset({"Mul", "silu"}), False, 10, 0.1)
+    silu = Candidate(frozenset({"silu"}), False, 5, 0.05)
+    layer = Candidate(frozenset(), True, 30, 0.3)
+    keep_c = Candidate(frozenset(), False, 0, 0.0)
+    choice = [mul_silu, mul_silu, layer, silu, keep_c, layer]
+    entries = plan_entries(choice)
+    assert ",".join(map(str, entries)) == "Mul+silu+:1:-1@0-1,Layer+:1:-1@2+5,silu+:1:-1@3"
+    rebuilt = RecomputePolicy.from_plans(parse_inline(",".join(map(str, entries))), 0, len(choice))
+    assert [(p.mode, p.ops) for p in rebuilt.layers] == [(p.mode, p.ops) for p in policy_of(choice).layers]
+
+
+def test_one_op_twice_in_one_layer_is_refused_naming_both():
+    with pytest.raises(PlanError, match=r"entries 'Mul\+silu\+:1:-1@0-1' and 'silu\+:1:-1@1' both name the op 'silu'"):
+        RecomputePolicy.from_plans(parse_inline("Mul+silu+:1:-1@0-1,silu+:1:-1@1"), 0, 3)
+
+
+# -- the planner on the engine ----------------------------------------------------------------------------------------
+
+
+def test_the_planner_watches_step_one_and_applies_its_choice_from_step_two():
+    plain, model = pair(gated_mlp, n=L)
+    state = engine(model, whole())
+    said = []
+    state.planner = BudgetPlanner(1 << 40, say=said.append)  # everything fits: nothing is recomputed
+    x = torch.randn(64, 8)
+    for seed in range(3):
+        got, want = step(model, x, seed=seed), step(plain, x, seed=seed)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        state.step_done()
+    names = [s.name for s in state.planner.memory.segments]
+    assert names == [
+        "layer 0 forward", "layer 1 forward", "layer 2 forward",
+        "after the layers: head and loss, forward and backward",
+        "layer 2 backward", "layer 1 backward", "layer 0 backward",
+        "after backward: the optimizer step and the next batch",
+    ]  # fmt: skip
+    assert [s.held for s in state.planner.memory.segments] == [1, 2, 3, 3, 2, 1, 0, 0]
+    assert not state.policy.active  # whole layers in step one, nothing from step two
+    assert said[0].startswith("memory_opt_config auto: step one (every layer recomputed whole, first input 64x8)")
+    assert "the solver chose to recompute nothing: predicted peak" in said[0]
+    assert said[1].startswith("memory_opt_config auto: the step after the choice peaked at")
+    assert state.planner.stage == "done"
+
+
+def test_layers_run_out_of_order_stop_the_planner_with_the_reason():
+    _, model = pair(gated_mlp, n=2)
+    state = engine(model, whole(2))
+    state.planner = BudgetPlanner(1 << 40, say=lambda s: None)
+    model.train()
+    x = torch.randn(4, 8, requires_grad=True)
+    model.layers[0](model.layers[1](model.layers[0](x))).sum().backward()
+    state.step_done()
+    with pytest.raises(RuntimeError, match=r"could not locate step one's peak: the layers ran out of a training "):
+        step(model, x)
+
+
+# -- through the Trainer ----------------------------------------------------------------------------------------------
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=64, seq=256, vocab=512):
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def decoder():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def train_auto(tmp_path, budget_mb, name):
+    args = MemoptTrainingArguments(
+        output_dir=str(tmp_path / name), use_cpu=True, max_steps=4, per_device_train_batch_size=8,
+        learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", seed=0,
+        memory_opt_backend="torch", memory_opt_config="auto", memory_budget_mb=budget_mb,
+    )  # fmt: skip
+    trainer = MemoptTrainer(model=decoder(), args=args, train_dataset=Tokens())
+    trainer.train()
+    planner = trainer.backend_model._memopt_recompute.planner
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, planner, losses
+
+
+@pytest.mark.slow
+def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path, capsys, monkeypatch):
+    """A budget with room for everything keeps everything (its step shows eager's peak); a budget halfway between
+    that and the floor of recompute gets a mixed choice, which the next step's measured peak meets, with the losses
+    of the first run (recompute is exact). No script is re-run (a notebook's kernel has none)."""
+    monkeypatch.setattr("sys.argv", [""])
+    _, roomy, plain_losses = train_auto(tmp_path, 10**6, "roomy")
+    assert roomy.fits[0].config() == ""
+    eager = roomy.verified[0]["measured_peak_mb"]
+    floor = roomy.fits[0].floor.peak_mb
+    assert floor < eager
+    budget = round((eager + floor) / 2, 1)
+    trainer, planner, losses = train_auto(tmp_path, budget, "tight")
+    final = planner.fits[-1]
+    assert final.choice is not None and final.predicted.peak_mb <= budget
+    assert any(c.freed_bytes for c in final.choice) and not all(c.whole for c in final.choice)
+    assert planner.verified[-1]["measured_peak_mb"] <= budget
+    assert losses == plain_losses
+    policy = trainer.backend_model._memopt_recompute.policy
+    rebuilt = RecomputePolicy.from_plans(parse_inline(final.config()), 0, 3)
+    assert [(p.mode, p.ops) for p in policy.layers] == [(p.mode, p.ops) for p in rebuilt.layers]
+    with open(tmp_path / "tight" / "memory_auto" / "solver.json") as f:
+        report = json.load(f)
+    assert report["budget_mb"] == budget and report["fits"][-1]["config"] == final.config()
+    assert len(report["memory"]["segments"]) == 2 * 3 + 2
+    out = capsys.readouterr().out
+    assert f"Under {budget:,.1f} MiB the solver chose `--memory_opt_config {final.config()}`" in out
