@@ -291,6 +291,9 @@ class FoundPlan:
     # a set of plans found (their ops recomputed together, chained), offered as one: its bytes are the set's rows'
     # (counted there, never added to them)
     combination: bool = False
+    # how much lower the first step's peak would be with this alone than with nothing recomputed (torch backend:
+    # from memory read at each layer's marks); below saving_bytes where the peak would fall outside the layers
+    peak_drop_bytes: Optional[float] = None
 
     @property
     def entries(self) -> List[PlanEntry]:

@@ -183,6 +183,7 @@ class MemoptTrainerMixin:
                 logger.info("%s", note)
         if self.model is not None:
             self._memopt_prepare(self.model)
+        self.add_callback(_StepDone(self))  # before the plan table's callback: step one's memory is complete there
         from .callbacks import default_callbacks
 
         present = {type(cb) for cb in self.callback_handler.callbacks}
@@ -195,7 +196,6 @@ class MemoptTrainerMixin:
             self.add_callback(MeasureCallback(a.memory_measure_out, self))
         self._memopt_optimizer_ready = _OptimizerReady(self)
         self.add_callback(self._memopt_optimizer_ready)
-        self.add_callback(_StepDone(self))
 
     # -- the plans -----------------------------------------------------------------------------------
     def resolve_memory_plan(self, script_argv: Optional[List[str]] = None) -> str:
@@ -324,6 +324,7 @@ class MemoptTrainerMixin:
             measure_memory=bool(a.print_memory_stats or a.memory_measure_out),
             options=self.memopt_backend.options(a) if self.memopt_backend is not None else {},
             budget=self._memopt_budget() if self.memory_plan_reason == IN_PROCESS else None,
+            reset_peaks=bool(a.skip_memory_metrics),
         )
 
     def _memopt_budget(self) -> Budget:
@@ -339,7 +340,6 @@ class MemoptTrainerMixin:
             say=show if rank0 else (lambda text: None),
             report_dir=os.path.join(a.output_dir, "memory_auto") if rank0 else None,
             grad_bytes=grads,
-            reset_peaks=a.skip_memory_metrics,
         )
 
     def _memopt_plan_summary(self) -> str:

@@ -63,7 +63,6 @@ class Budget:
     say: Callable[[str], None] = print  # the choice and its check, to the user (rank 0; a no-op elsewhere)
     report_dir: Optional[str] = None  # where the solver's figures go (rank 0)
     grad_bytes: int = 0  # gradients held across micro-batches (gradient accumulation), 0 without
-    reset_peaks: bool = True  # False: the CUDA peak counter is the Trainer's (`--skip_memory_metrics false`)
 
 
 @dataclass
@@ -75,6 +74,7 @@ class WrapSettings:
     measure_memory: bool = False  # memory is being measured: allocations must be visible to the meter
     options: dict = field(default_factory=dict)  # backend-specific, validated by the arguments
     budget: Optional[Budget] = None  # choose the plans from the run's first step (`plans_in_process`)
+    reset_peaks: bool = True  # False: CUDA's peak counter is the Trainer's (`--skip_memory_metrics false`)
 
 
 class Backend:

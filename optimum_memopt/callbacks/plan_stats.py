@@ -24,16 +24,21 @@ from .base import MetricsCallback, atomic_write, current_model, logger, show
 
 def format_plan_table(report: PlanReport) -> str:
     timed = any(p.recompute_seconds is not None for p in report.plans)
+    dropped = any(p.peak_drop_bytes is not None for p in report.plans)
     rows = [("#", "STATE", "CONFIG", "FREQ", "APPLIED", "SAVING (B)", "SAVING SYMBOLIC (B)")]
+    if dropped:  # the backend located the first step's peak: what each row would take off it
+        rows[0] = rows[0][:6] + ("PEAK DROP (B)",) + rows[0][6:]
     if timed:  # the backend measured what each plan's recompute costs
-        rows[0] = rows[0][:6] + ("RECOMPUTE (ms)",) + rows[0][6:]
+        rows[0] = rows[0][: 6 + dropped] + ("RECOMPUTE (ms)",) + rows[0][6 + dropped :]
     for i, p in enumerate(report.plans, 1):
         saving = f"{p.saving_bytes:,.0f}" if p.saving_bytes is not None else "?"
         applied = "-" if p.applied_count is None else f"{p.applied_count}/{p.frequency}"
         row = (str(i), "ON" if p.enabled else "OFF", p.config, str(p.frequency), applied, saving, p.saving_symbolic)
+        if dropped:
+            row = row[:6] + ("?" if p.peak_drop_bytes is None else f"{p.peak_drop_bytes:,.0f}",) + row[6:]
         if timed:
             cost = "-" if p.recompute_seconds is None else f"{p.recompute_seconds * 1000:,.1f}"
-            row = row[:6] + (cost,) + row[6:]
+            row = row[: 6 + dropped] + (cost,) + row[6 + dropped :]
         rows.append(row)
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]

@@ -69,14 +69,16 @@ class TorchBackend(Backend):
         for note in policy.notes:
             logger.warning("%s", note)
         model = self.apply_policy(model, policy)
+        state = getattr(model, STATE)
+        state.reset_peaks = settings.reset_peaks
         if settings.budget is not None:
             from .planner import BudgetPlanner
 
             b = settings.budget
-            state = getattr(model, STATE)
             state.planner = BudgetPlanner(
-                int(b.budget_mb * MIB), say=b.say, out_dir=b.report_dir, grad_bytes=b.grad_bytes, resets=b.reset_peaks
-            )
+                int(b.budget_mb * MIB), say=b.say, out_dir=b.report_dir, grad_bytes=b.grad_bytes,
+                resets=settings.reset_peaks,
+            )  # fmt: skip
         return model
 
     def step_done(self, wrapped: nn.Module) -> None:

@@ -7,6 +7,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from ...memory import READABLE_DEVICES, MemoryMeter
 from . import _torch_api
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
@@ -29,8 +30,9 @@ class RecomputeState:
         self.profile: Optional[ModelProfile] = None  # filled by the first training forward
         self._recording: Optional[List[LayerProfile]] = None
         self._forwards = LayerForwards(layers)
-        self.watch: Optional[StepWatch] = None  # reads the step's memory at each layer's marks (`auto`)
+        self.watch: Optional[StepWatch] = None  # reads step one's memory at each layer's marks
         self.planner = None  # told when a new step starts (`planner.BudgetPlanner`)
+        self.reset_peaks = True  # False: CUDA's peak counter is the Trainer's (`--skip_memory_metrics false`)
         self._step_ended = False
 
     @property
@@ -50,24 +52,35 @@ class RecomputeState:
         self.policy = policy
 
     def step_done(self) -> None:
-        """The trainer's word that an optimizer step ended: the next training forward starts a new step."""
+        """The trainer's word that an optimizer step ended: the next training forward starts a new step, and step
+        one's memory, watched since its first layer, is complete (`profile.memory`)."""
         self._step_ended = True
+        watch, self.watch = self.watch, None
+        if watch is not None:
+            memory = watch.close()
+            if self.profile is not None:
+                self.profile.memory, self.profile.memory_problem = memory, watch.problem
+            if self.planner is None:
+                watch.meter.close()
 
     def layer_forward(self, index: int, *args, **kwargs):
         layer = self.layers[index]
         original = self.originals[index]
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
-        if index == 0 and self.planner is not None and (self._step_ended or self.planner.stage == "start"):
-            first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
-            self.planner.at_step_start(self, first.device.type if first is not None else "cpu")
         if index == 0:
+            first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+            device = first.device.type if first is not None else "cpu"
+            if self.planner is not None and (self._step_ended or self.planner.stage == "start"):
+                self.planner.at_step_start(self, device)
             self._step_ended = False
+            if self.profile is None and self._recording is None:
+                self._recording = [LayerProfile() for _ in self.layers]
+                if self.watch is None and device in READABLE_DEVICES:
+                    self.watch = StepWatch(len(self.layers), MemoryMeter(device), self.reset_peaks or device == "cpu")
         watch = self.watch
         if watch is not None:
             watch.layer_forward(index)
-        if index == 0 and self.profile is None and self._recording is None:
-            self._recording = [LayerProfile() for _ in self.layers]
         record = self._recording[index] if self._recording is not None else None
         if record is not None and not record.shape:
             first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)

@@ -75,13 +75,13 @@ class BudgetPlanner:
 
     def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
         if self.memory is None:
-            self.memory = self.watch.close()
-            state.watch = None
+            self.memory = state.profile.memory if state.profile is not None else None
             if self.memory is None:
+                why = (state.profile.memory_problem if state.profile is not None else None) or "no step one recorded"
                 raise RuntimeError(
-                    f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: "
-                    f"{self.watch.problem}; choose plans with `memopt-probe --budget_mb {self.budget_mb:g} -- "
-                    f"SCRIPT ...` (fresh runs of the script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
+                    f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: {why}; choose "
+                    f"plans with `memopt-probe --budget_mb {self.budget_mb:g} -- SCRIPT ...` (fresh runs of the "
+                    f"script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
                 )
             self.extra = self._current() - self.memory.start_bytes + self.grad_bytes
             self.per_layer = candidates(state.profile)

@@ -68,7 +68,8 @@ class StepMemory:
 @dataclass
 class ModelProfile:
     layers: List[LayerProfile]
-    memory: Optional[StepMemory] = None  # the step's memory by segment, where the run watched it (`auto`)
+    memory: Optional[StepMemory] = None  # step one's memory by segment (`watch`), once the step ended
+    memory_problem: Optional[str] = None  # why step one's memory could not be followed layer by layer
 
     @property
     def shape(self) -> Tuple[int, ...]:

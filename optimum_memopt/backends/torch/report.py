@@ -1,18 +1,21 @@
 """The plan table from the step-one profile and the policy that ran: plans grouped by operator (frequency = layers
 that keep it, bytes for that batch), which are on, requests that matched nothing and why. Pure."""
 
-from typing import Dict, FrozenSet, List
+from typing import Callable, Dict, FrozenSet, List, Optional
 
+from ...memory import MIB
 from ...plans import LAYER as LAYER_PLAN
 from ...plans import FoundPlan, PlanReport, Unmatched, match_requests
+from .budget import freed_bytes, predict
 from .graph import effect, frontier
-from .policy import LAYER, RecomputePolicy
+from .policy import LAYER, LayerPolicy, RecomputePolicy
 from .profile import ModelProfile
 
 BACKEND = "torch"
 
 
 def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
+    drop = _peak_drop(policy, profile)
     totals: Dict[str, int] = {}
     freq: Dict[str, int] = {}
     applied_layers: Dict[str, int] = {}
@@ -44,10 +47,11 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
             applied_count=applied_layers.get(name, 0),
             applied_saving_bytes=float(applied_bytes.get(name, 0)),
             recompute_seconds=_seconds(profile, name),
+            peak_drop_bytes=drop([_freed(rec, [name]) for rec in profile.layers]) if drop else None,
         )
         for name in sorted(totals, key=lambda k: -totals[k])
     ]
-    plans += combinations(policy, profile)
+    plans += combinations(policy, profile, drop)
     canonical = [e for r in policy.requests for e in r.canonical]
     whole_plans = [str(r.entry) for r in policy.requests if r.entry.subgraph == LAYER_PLAN]
     level = policy.level
@@ -63,6 +67,12 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
             f"{'layers' if len(whole) > 1 else 'layer'} {', '.join(map(str, whole))} "
             f"{'are' if len(whole) > 1 else 'is'} checkpointed whole (torch.utils.checkpoint): everything kept there "
             f"is counted as applied"
+        )
+    if drop is not None:
+        notes.append(_where_the_peak_is(policy, profile))
+    elif profile.memory_problem:
+        notes.append(
+            f"step one's memory could not be followed layer by layer ({profile.memory_problem}): no PEAK DROP"
         )
     if blocked:
         listed = ", ".join(f"{k} {blocked[k] / 2**20:.2f}" for k in sorted(blocked, key=lambda k: -blocked[k]))
@@ -89,6 +99,42 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
     return report
 
 
+def _freed(rec, ops) -> int:
+    return (
+        effect(rec.graph, ops).freed_bytes if rec.graph is not None else sum(rec.recomputable.get(n, 0) for n in ops)
+    )
+
+
+def _peak_drop(policy: RecomputePolicy, profile: ModelProfile) -> Optional[Callable[[List[int]], float]]:
+    """Bytes per layer freed -> how much lower step one's peak would be with that alone than with nothing recomputed
+    (`budget.predict` over step one's memory by segment); None where step one's memory was not followed."""
+    memory = profile.memory
+    if memory is None or not memory.segments:
+        return None
+    q = freed_bytes(profile, policy)
+    none = predict(memory, q, [0] * len(q)).peak_bytes
+    return lambda freed: float(none - predict(memory, q, freed).peak_bytes)
+
+
+def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
+    memory = profile.memory
+    q = freed_bytes(profile, policy)
+    peak = memory.peak
+    whole = predict(memory, q, freed_bytes(profile, RecomputePolicy([LayerPolicy(LAYER)] * len(q))))
+    head = next((s for s in memory.segments if s.name.startswith("after the layers")), None)
+    held = ""
+    if head is not None:
+        added = (head.peak_bytes - head.start_bytes) / MIB
+        held = f"; the head and the loss add {added:,.1f} MiB to what is held as the layers' forward ends"
+    return (
+        f"step one peaked at {peak.peak_bytes / MIB:,.1f} MiB, {peak.name} (read at each layer's forward and "
+        f"backward, {memory.how}; the optimizer's state is not held yet in step one). PEAK DROP: how much lower "
+        f"that peak would be with the row's plans alone than with nothing recomputed, by the same readings; below "
+        f"SAVING where the peak would fall outside the layers{held}; with every layer recomputed whole it would be "
+        f"{whole.peak_mb:,.1f} MiB, {whole.where}"
+    )
+
+
 def _seconds(profile: ModelProfile, name: str) -> float:
     """The op time recomputing this plan alone adds to a backward: from each layer's graph, else the time of the ops
     that made its bytes."""
@@ -96,7 +142,9 @@ def _seconds(profile: ModelProfile, name: str) -> float:
     return sum(effect(rec.graph, [name]).seconds if rec.graph else rec.seconds.get(name, 0.0) for rec in layers)
 
 
-def combinations(policy: RecomputePolicy, profile: ModelProfile) -> List[FoundPlan]:
+def combinations(
+    policy: RecomputePolicy, profile: ModelProfile, drop: Optional[Callable[[List[int]], float]] = None
+) -> List[FoundPlan]:
     """Sets of plans applied together (a planned output recomputed from another's is a chain), the best for their
     recompute time in each layer's graph (`graph.frontier`: each frees more than every set that costs less), with
     bytes and time summed over the layers where a set is among the best. Layers with the same graph share one
@@ -106,7 +154,8 @@ def combinations(policy: RecomputePolicy, profile: ModelProfile) -> List[FoundPl
     fronts: Dict[tuple, List[FrozenSet[str]]] = {}
     rows: Dict[FrozenSet[str], List[float]] = {}  # ops -> [bytes, seconds, layers, applied, applied bytes]
     order: Dict[FrozenSet[str], str] = {}
-    for layer_policy, rec in zip(policy.layers, profile.layers):
+    per_layer: Dict[FrozenSet[str], List[int]] = {}  # ops -> bytes freed in each layer where the set is offered
+    for index, (layer_policy, rec) in enumerate(zip(policy.layers, profile.layers)):
         graph = rec.graph
         key = graph.signature()
         if key not in fronts:
@@ -122,6 +171,7 @@ def combinations(policy: RecomputePolicy, profile: ModelProfile) -> List[FoundPl
             row[2] += 1
             row[3] += int(on)
             row[4] += e.freed_bytes if on else 0
+            per_layer.setdefault(ops, [0] * len(profile.layers))[index] = e.freed_bytes
     return [
         FoundPlan(
             config=order[ops],
@@ -132,6 +182,7 @@ def combinations(policy: RecomputePolicy, profile: ModelProfile) -> List[FoundPl
             applied_saving_bytes=row[4],
             recompute_seconds=row[1],
             combination=True,
+            peak_drop_bytes=drop(per_layer[ops]) if drop else None,
         )
         for ops, row in sorted(rows.items(), key=lambda kv: -kv[1][0])
     ]
