@@ -28,6 +28,14 @@ class DecoderArguments:
     seq: int = field(default=512, metadata={"help": "Sequence length of every sample."})
     vocab: int = field(default=1000, metadata={"help": "Vocabulary size."})
     samples: int = field(default=256, metadata={"help": "Generated training samples."})
+    sac: str = field(
+        default="",
+        metadata={
+            "help": "`titan`: selective activation checkpointing of every layer as torchtitan's `op` mode does it "
+            "(torch.utils.checkpoint with a policy: SDPA outputs and every other matmul saved, the rest recomputed); "
+            "with `--use_ort false`."
+        },
+    )
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -56,11 +64,59 @@ def build_model(d: DecoderArguments) -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
+SAVED = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu", "max"}  # fmt: skip
+
+
+def titan_policy():
+    """torchtitan's `op`-mode policy, restated: save the attention ops' outputs and every second matmul's (the first
+    of each pair is recomputed), recompute every other op. One counter per forward (the recompute counts again)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    def policy(ctx, op, *args, **kwargs):
+        name = op.overloadpacket.__name__
+        if name == "mm":
+            key = "recompute_mm" if ctx.is_recompute else "forward_mm"
+            count = ctx.__dict__[key] = ctx.__dict__.get(key, 0) + 1
+            return CheckpointPolicy.MUST_SAVE if count % 2 == 0 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if name in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_titan_sac(model):
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from optimum_memopt.backends.torch.checkpoint import without_cache
+    from optimum_memopt.backends.torch.layers import find_layers
+
+    for layer in find_layers(model):
+        original = layer.forward
+
+        def forward(*args, _layer=layer, _original=original, **kwargs):
+            if not (_layer.training and torch.is_grad_enabled()):
+                return _original(*args, **kwargs)
+            contexts = partial(create_selective_checkpoint_contexts, titan_policy())
+            return checkpoint(
+                _original, *args, use_reentrant=False, context_fn=contexts, **without_cache(_layer, kwargs)
+            )
+
+        layer.forward = forward
+
+
 def main(argv=None):
     parser = HfArgumentParser((DecoderArguments, MemoptTrainingArguments))
     d, args = parser.parse_args_into_dataclasses(argv)
     torch.manual_seed(args.seed)
     model = build_model(d)
+    if d.sac == "titan":
+        if args.use_ort:
+            raise SystemExit("`--sac titan` recomputes with torch's own checkpointing: add `--use_ort false`")
+        apply_titan_sac(model)
+    elif d.sac:
+        raise SystemExit(f"`--sac {d.sac}`: the one policy here is `titan`")
     trainer = MemoptTrainer(model=model, args=args, train_dataset=Tokens(d.samples, d.seq, d.vocab))
     trainer.train()
 

@@ -113,6 +113,7 @@ class Measurement:
     error: Optional[str] = None
     wall_s: float = 0.0
     device: Optional[str] = None
+    first_step_s: Optional[float] = None  # the first step alone (a compiled run's compile time is in it)
     plans: Optional[PlanReport] = field(default=None, repr=False)
 
     def as_dict(self) -> Dict:
@@ -293,6 +294,7 @@ def run_child(
             samples_per_s=(batch_size / step) if step else None,
             wall_s=wall,
             device=data["device"],
+            first_step_s=data["step_times"][0] if data["step_times"] else None,
             plans=PlanReport.from_dict(data["plans"]) if data.get("plans") else None,
         )
     except subprocess.TimeoutExpired:

@@ -121,4 +121,10 @@ class TorchBackend(Backend):
         state = getattr(wrapped, STATE)
         if state.profile is None:
             return None
-        return plan_report(state.policy, state.profile)
+        report = plan_report(state.policy, state.profile)
+        if state.planner is not None and state.planner.stage in ("start", "measure"):
+            report.notes.append(
+                f"--memory_opt_config auto under {state.planner.budget_mb:g} MiB: this first step ran with every "
+                f"layer recomputed whole, to measure; the solver's choice runs from the next step (said then)"
+            )
+        return report

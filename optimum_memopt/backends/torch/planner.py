@@ -16,9 +16,9 @@ import json
 import os
 from typing import Callable, List, Optional
 
-from ...memory import MIB, READABLE_DEVICES, MemoryMeter
+from ...memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
 from .budget import Fit, fit
-from .profile import StepMemory
+from .profile import Segment, StepMemory
 from .solver import candidates
 from .watch import StepWatch
 
@@ -43,6 +43,10 @@ class BudgetPlanner:
         self.fits: List[Fit] = []
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
+        # On the CPU the allocator counts the whole process: figures are taken above its level before training (as
+        # the advisor's probe and `--memory_budget_mb` count them); CUDA's counter holds tensors only, from 0.
+        self._cpu_base = allocator_bytes_in_use() or 0
+        self.base = 0
 
     @property
     def budget_mb(self) -> float:
@@ -56,12 +60,13 @@ class BudgetPlanner:
                 f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
             )
         self.meter = MemoryMeter(device)
+        self.base = self._cpu_base if device == "cpu" else 0
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
         self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets)
         self.stage = "measure"
 
     def _current(self) -> int:
-        return int(round((self.meter.read().current_mb or 0.0) * MIB))
+        return int(round((self.meter.read().current_mb or 0.0) * MIB)) - self.base
 
     def at_step_start(self, state, device: str) -> None:
         """Called by the engine as the first layer's forward starts the run's first step and each step after one
@@ -75,7 +80,7 @@ class BudgetPlanner:
 
     def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
         if self.memory is None:
-            self.memory = state.profile.memory if state.profile is not None else None
+            self.memory = _above(state.profile.memory, self.base) if state.profile is not None else None
             if self.memory is None:
                 why = (state.profile.memory_problem if state.profile is not None else None) or "no step one recorded"
                 raise RuntimeError(
@@ -117,10 +122,15 @@ class BudgetPlanner:
             f"{result.freed / MIB:,.1f} MiB freed, {result.recompute_seconds * 1000:,.1f} ms of recompute per step "
             f"(op time measured in step one). The least recompute can reach: {result.floor.peak_mb:,.1f} MiB "
             f"({result.floor.where})"
+            + (
+                f". MiB above the allocator's {self.base / MIB:,.1f} MiB before training, as the probe counts them"
+                if self.base
+                else ""
+            )
         )
 
     def _verify(self, state) -> None:
-        peak = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)), self._start)
+        peak = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)) - self.base, self._start)
         result = self.fits[-1]
         predicted = result.predicted.peak_bytes
         self.verified.append({"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB})
@@ -145,6 +155,7 @@ class BudgetPlanner:
             return
         data = {
             "budget_mb": self.budget_mb,
+            "counted_from_mb": self.base / MIB,  # CPU: the allocator's level before training, left out of every figure
             "memory": None
             if self.memory is None
             else {
@@ -175,6 +186,14 @@ class BudgetPlanner:
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2)
         os.replace(tmp, path)
+
+
+def _above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
+    """Step one's memory counted from `base` bytes."""
+    if memory is None:
+        return None
+    segments = [Segment(s.name, s.held, s.start_bytes - base, s.peak_bytes - base) for s in memory.segments]
+    return StepMemory(memory.device, segments, memory.start_bytes - base, memory.how)
 
 
 def _fit_dict(f: Fit) -> dict:
