@@ -22,6 +22,7 @@ from .plans import PlanEntry, PlanError
 CONFIG_FLAG = "--memory_opt_config"
 LEVEL_FLAG = "--memory_opt_level"
 BUDGET_FLAG = "--memory_budget_mb"
+SHARE_FLAG = "--activation_memory_budget"
 BACKENDS = ("ort", "torch")
 BACKEND_FLAG = "--memory_opt_backend"
 LEVELS = {0: "the plans of --memory_opt_config", 1: "layer-wise recompute", 2: "layer-wise recompute with compromise"}
@@ -41,6 +42,9 @@ class MemoryOptConfig:
         level: 0 = the plans; 1 = layer-wise recompute; 2 = layer-wise recompute with compromise.
         backend: the backend that applies them: `"ort"` (ONNX Runtime's ORTModule) or `"torch"` (current PyTorch).
         budget_mb: with `plans="auto"`, the peak (MiB) the chosen plans must fit under.
+        activation_budget: with `plans="auto"` (torch backend), instead of `budget_mb`: the share (0 to 1) of the
+            bytes the layers keep for backward without recompute that the chosen plans may keep, as
+            `torch.compile`'s `activation_memory_budget` is a share.
         probe_max_plans, probe_steps: with `plans="auto"`, how many plans to measure, for how many steps each.
         sources: where each value came from (`{"plans": "$ORTMODULE_MEMORY_OPT_CONFIG"}`), for messages.
     """
@@ -49,6 +53,7 @@ class MemoryOptConfig:
     level: int = 0
     backend: str = "ort"
     budget_mb: Optional[float] = None
+    activation_budget: Optional[float] = None
     probe_max_plans: int = 6
     probe_steps: int = 6
     sources: Dict[str, str] = field(default_factory=dict)
@@ -134,15 +139,43 @@ class MemoryOptConfig:
                     f"{_where(config_src, CONFIG_FLAG)} is {self.plans!r}; add `{CONFIG_FLAG} auto`, or drop "
                     f"`{BUDGET_FLAG}`"
                 )
-        if self.auto and self.budget_mb is None:
+        if self.activation_budget is not None:
+            self._check_share(config_src)
+        if self.auto and self.budget_mb is None and self.activation_budget is None:
             raise ValueError(
                 f"`{CONFIG_FLAG} auto` needs a budget: add `{BUDGET_FLAG}`, as in "
                 f"`{CONFIG_FLAG} auto {BUDGET_FLAG} 4000`"
+                + (f" (or a share of the activations, `{SHARE_FLAG} 0.3`)" if self.backend == "torch" else "")
             )
         for name in ("probe_max_plans", "probe_steps"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:
                 raise ValueError(f"`--memory_{name}` is {v!r}; expected a positive integer, as in `--memory_{name} 6`")
+
+    def _check_share(self, config_src: str) -> None:
+        v = self.activation_budget
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1
+        if not ok:
+            raise ValueError(
+                f"`{SHARE_FLAG}` is {v!r}; expected the share of the layers' activations to keep, from 0 to 1, as "
+                f"in `{CONFIG_FLAG} auto {SHARE_FLAG} 0.3`"
+            )
+        if not self.auto:
+            raise ValueError(
+                f"`{SHARE_FLAG} {v:g}` is only used by `{CONFIG_FLAG} auto`, but {_where(config_src, CONFIG_FLAG)} "
+                f"is {self.plans!r}; add `{CONFIG_FLAG} auto`, or drop `{SHARE_FLAG}`"
+            )
+        if self.budget_mb is not None:
+            raise ValueError(
+                f"`{BUDGET_FLAG} {self.budget_mb:g}` and `{SHARE_FLAG} {v:g}` are two budgets; give one, as in "
+                f"`{CONFIG_FLAG} auto {BUDGET_FLAG} 4000` or `{CONFIG_FLAG} auto {SHARE_FLAG} 0.3`"
+            )
+        if self.backend != "torch":
+            raise ValueError(
+                f"`{SHARE_FLAG}` is chosen from the first step by the torch backend (`--memory_opt_backend torch`); "
+                f"the {self.backend} backend's `auto` measures fresh runs under a peak: use `{BUDGET_FLAG}`, as in "
+                f"`{CONFIG_FLAG} auto {BUDGET_FLAG} 4000`"
+            )
 
     @property
     def enabled_entries(self) -> List[PlanEntry]:
@@ -156,6 +189,8 @@ class MemoryOptConfig:
     def summary(self) -> str:
         if self.level:
             return f"level {self.level} ({LEVELS[self.level]})"
+        if self.auto and self.activation_budget is not None:
+            return f"auto keeping {self.activation_budget:.0%} of the layers' activations"
         if self.auto:
             return f"auto under {self.budget_mb:g} MiB"
         if self.entries:

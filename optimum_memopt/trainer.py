@@ -336,7 +336,8 @@ class MemoptTrainerMixin:
         if a.gradient_accumulation_steps > 1 and self.model is not None:
             grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
         return Budget(
-            budget_mb=float(a.memory_opt.budget_mb),
+            budget_mb=None if a.memory_opt.budget_mb is None else float(a.memory_opt.budget_mb),
+            share=a.memory_opt.activation_budget,
             say=show if rank0 else (lambda text: None),
             report_dir=os.path.join(a.output_dir, "memory_auto") if rank0 else None,
             grad_bytes=grads,

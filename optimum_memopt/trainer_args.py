@@ -37,6 +37,7 @@ SHARED_FLAGS = {
     "memory_opt_config": None,
     "memory_opt_level": None,
     "memory_budget_mb": None,
+    "activation_memory_budget": None,
 }
 
 
@@ -72,6 +73,10 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             `ORTMODULE_MEMORY_OPT_LEVEL`, then 0.
         memory_budget_mb (`float`, *optional*):
             With `--memory_opt_config auto`: the peak memory (MiB) the chosen plans must fit under.
+        activation_memory_budget (`float`, *optional*):
+            With `--memory_opt_config auto` on the torch backend, instead of `--memory_budget_mb`: the share (0 to 1)
+            of the bytes the layers keep for backward without recompute that the chosen plans may keep (as
+            `torch.compile`'s `activation_memory_budget`); the least recompute time that keeps no more.
         memory_probe_max_plans (`int`, defaults to 6), memory_probe_steps (`int`, defaults to 6):
             With `--memory_opt_config auto`: how many plans to measure, and for how many steps each.
         ort_log_level (`str`, defaults to `"WARNING"`):
@@ -139,6 +144,14 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
     memory_budget_mb: Optional[float] = field(
         default=None,
         metadata={"help": "With --memory_opt_config auto: peak memory in MiB the chosen plans must fit under."},
+    )
+    activation_memory_budget: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "With --memory_opt_config auto on the torch backend, instead of --memory_budget_mb: the share "
+            "(0 to 1) of the layers' activations the chosen plans may keep, as torch.compile's "
+            "activation_memory_budget."
+        },
     )
     memory_probe_max_plans: int = field(
         default=6, metadata={"help": "With --memory_opt_config auto: how many plans to measure, largest first."}
@@ -295,6 +308,7 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             level=level,
             backend=backend,
             budget_mb=self.memory_budget_mb,
+            activation_budget=self.activation_memory_budget,
             probe_max_plans=self.memory_probe_max_plans,
             probe_steps=self.memory_probe_steps,
             sources=sources,

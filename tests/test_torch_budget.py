@@ -13,7 +13,8 @@ from torch_engine import engine, keep, pair, step
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
-from optimum_memopt.backends.torch.budget import fit, freed_bytes, plan_entries, predict, selector
+from optimum_memopt.backends.torch.budget import fit, fit_share, freed_bytes, plan_entries, predict, selector
+from optimum_memopt.backends.torch.graph import saved_bytes
 from optimum_memopt.backends.torch.planner import BudgetPlanner
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 from optimum_memopt.backends.torch.profile import Segment, StepMemory
@@ -134,6 +135,23 @@ def test_the_fit_is_the_least_recompute_of_every_combination_that_fits(profile, 
     assert result.floor.peak_bytes == floor
     if share == 1.0:
         assert all(c.label == "keep" for c in result.choice) and result.config() == ""
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0])
+def test_a_share_of_the_activations_is_kept_at_the_least_recompute(profile, share):
+    """`--activation_memory_budget`: keep at most that share of what the layers keep with nothing recomputed."""
+    per_layer = candidates(profile)
+    total = sum(saved_bytes(rec.graph) for rec in profile.layers)
+    mem = memory_of([1000] * L, 5000, [4000] * L, 10)
+    result = fit_share(profile, mem, share, whole())
+    best = min(
+        sum(c.seconds for c in combo)
+        for combo in itertools.product(*per_layer)
+        if sum(c.freed_bytes for c in combo) >= (1 - share) * total
+    )
+    assert result.activation_bytes == total and total - result.freed <= share * total
+    assert result.recompute_seconds == pytest.approx(best)
+    assert result.predicted == predict(mem, freed_bytes(profile, whole()), [c.freed_bytes for c in result.choice])
 
 
 def test_what_no_recompute_can_fix_is_said(profile):
@@ -288,7 +306,7 @@ def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path, cap
     with open(tmp_path / "tight" / "memory_plans.json") as f:
         table = json.load(f)
     assert (
-        f"--memory_opt_config auto under {budget:g} MiB: this first step ran with every layer recomputed"
+        f"--memory_opt_config auto (`--memory_budget_mb {budget:g}`): this first step ran with every layer recomputed"
         in " ".join(table["notes"])
     )
     out = capsys.readouterr().out
@@ -316,3 +334,13 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path):
         measured = (memory.peak.peak_bytes - memory.start_bytes) - (ran.peak.peak_bytes - ran.start_bytes)
         predicted = rows[config]["peak_drop_bytes"]
         assert abs(predicted - measured) <= 0.15 * measured, (config, predicted / MIB, measured / MIB)
+
+
+def test_auto_with_a_share_of_the_activations(tmp_path, capsys):
+    trainer = train_decoder(tmp_path, "share", steps=3, memory_opt_config="auto", activation_memory_budget=0.5)
+    planner = trainer.backend_model._memopt_recompute.planner
+    result = planner.fits[-1]
+    assert result.share == 0.5 and result.freed >= result.activation_bytes / 2 and len(planner.fits) == 1
+    out = capsys.readouterr().out
+    assert f"Keeping at most 50% of the {result.activation_bytes / MIB:,.1f} MiB the layers keep for backward" in out
+    assert "(the budget is a share of the activations: `--activation_memory_budget 0.5`)" in out

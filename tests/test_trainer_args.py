@@ -367,6 +367,26 @@ def test_memory_config_alone():
     assert math.isfinite(MemoryOptConfig(plans="auto", budget_mb=10).budget_mb)
 
 
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        ({"activation_budget": 1.5}, r"^`--activation_memory_budget` is 1.5; expected the share of the layers' activations to keep, from 0 to 1, as in `--memory_opt_config auto --activation_memory_budget 0.3`$"),
+        ({"activation_budget": float("nan")}, r"^`--activation_memory_budget` is nan; expected the share"),
+        ({"activation_budget": 0.3, "plans": "Gelu+:1:-1"}, r"^`--activation_memory_budget 0.3` is only used by `--memory_opt_config auto`, but `--memory_opt_config` is 'Gelu\+:1:-1'; add `--memory_opt_config auto`, or drop `--activation_memory_budget`$"),
+        ({"activation_budget": 0.3, "budget_mb": 4000}, r"^`--memory_budget_mb 4000` and `--activation_memory_budget 0.3` are two budgets; give one"),
+        ({"activation_budget": 0.3, "backend": "ort"}, r"^`--activation_memory_budget` is chosen from the first step by the torch backend \(`--memory_opt_backend torch`\); the ort backend's `auto` measures fresh runs under a peak: use `--memory_budget_mb`"),
+        ({"backend": "torch"}, r"^`--memory_opt_config auto` needs a budget: add `--memory_budget_mb`, as in `--memory_opt_config auto --memory_budget_mb 4000` \(or a share of the activations, `--activation_memory_budget 0.3`\)$"),
+    ],
+)  # fmt: skip
+def test_a_share_of_the_activations_as_the_budget(kwargs, pattern):
+    """`--activation_memory_budget`: with auto, on the torch backend, instead of a peak in MiB."""
+    with pytest.raises(ValueError, match=pattern):
+        MemoryOptConfig(**{"plans": "auto", "backend": "torch", **kwargs})
+    config = MemoryOptConfig(plans="auto", backend="torch", activation_budget=0.25)
+    assert config.summary() == "auto keeping 25% of the layers' activations"
+    assert MemoryOptConfig(plans="auto", backend="torch", activation_budget=0).activation_budget == 0
+
+
 def test_parsing_probes_nothing(monkeypatch):
     # installation, CUDA and kernel checks run when the trainer is built, not while parsing
     monkeypatch.setattr(ort, "_onnxruntime_dir", lambda: None)

@@ -59,7 +59,10 @@ def checkpointing_asked(args) -> Optional[Tuple[str, str]]:
 class Budget:
     """`--memory_opt_config auto` chosen in the training process (a backend with `plans_in_process`)."""
 
-    budget_mb: float
+    budget_mb: Optional[float]  # the peak to fit under, or None with `share`
+    share: Optional[float] = (
+        None  # instead: the share of the layers' activations to keep (`--activation_memory_budget`)
+    )
     say: Callable[[str], None] = print  # the choice and its check, to the user (rank 0; a no-op elsewhere)
     report_dir: Optional[str] = None  # where the solver's figures go (rank 0)
     grad_bytes: int = 0  # gradients held across micro-batches (gradient accumulation), 0 without

@@ -76,9 +76,13 @@ class TorchBackend(Backend):
 
             b = settings.budget
             state.planner = BudgetPlanner(
-                int(b.budget_mb * MIB), say=b.say, out_dir=b.report_dir, grad_bytes=b.grad_bytes,
+                None if b.budget_mb is None else int(b.budget_mb * MIB),
+                share=b.share,
+                say=b.say,
+                out_dir=b.report_dir,
+                grad_bytes=b.grad_bytes,
                 resets=settings.reset_peaks,
-            )  # fmt: skip
+            )
         return model
 
     def step_done(self, wrapped: nn.Module) -> None:
@@ -124,7 +128,7 @@ class TorchBackend(Backend):
         report = plan_report(state.policy, state.profile)
         if state.planner is not None and state.planner.stage in ("start", "measure"):
             report.notes.append(
-                f"--memory_opt_config auto under {state.planner.budget_mb:g} MiB: this first step ran with every "
+                f"--memory_opt_config auto ({state.planner.asked}): this first step ran with every "
                 f"layer recomputed whole, to measure; the solver's choice runs from the next step (said then)"
             )
         return report

@@ -19,13 +19,14 @@ gradient accumulation, before gradients are held across micro-batches; the calle
 start (what is held there that was not at step one's) and adds the gradients' bytes under accumulation. Pure.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 from ...memory import MIB
 from ...plans import LAYER as LAYER_PLAN
 from ...plans import PlanEntry
-from .graph import effect, whole_layer
+from .graph import effect, saved_bytes, whole_layer
 from .policy import LAYER, OPS, RecomputePolicy
 from .profile import ModelProfile, Segment, StepMemory
 from .solver import Candidate, candidates, choose, policy_of
@@ -81,6 +82,8 @@ class Fit:
     why_not: str = ""
     extra_bytes: int = 0
     notes: List[str] = field(default_factory=list)
+    share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
+    activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
 
     @property
     def recompute_seconds(self) -> float:
@@ -139,6 +142,40 @@ def fit(
     result.choice = choose(per_layer, 0, prefix_needs=needs)
     if result.choice is None:  # the bytes are there, but not in the solver's units
         result.why_not = "no choice frees the bytes needed in the units the solver counts in"
+        return result
+    result.predicted = predict(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
+    return result
+
+
+def fit_share(
+    profile: ModelProfile,
+    memory: StepMemory,
+    share: float,
+    measured: RecomputePolicy,
+    extra_bytes: int = 0,
+    per_layer: Optional[Sequence[Sequence[Candidate]]] = None,
+) -> Fit:
+    """The least-recompute policy keeping at most `share` of what the layers keep for backward with nothing
+    recomputed (their own tensors: `graph.saved_bytes`), as `torch.compile`'s `activation_memory_budget` is a share;
+    its peak predicted from the measured step as `fit` does."""
+    per_layer = list(per_layer) if per_layer is not None else candidates(profile)
+    q = freed_bytes(profile, measured)
+    total = sum(saved_bytes(rec.graph) for rec in profile.layers if rec.graph is not None)
+    most = [max(c.freed_bytes for c in options) for options in per_layer]
+    result = Fit(
+        0,
+        measured=predict(memory, q, q, extra_bytes),
+        floor=predict(memory, q, most, extra_bytes),
+        extra_bytes=extra_bytes,
+        share=share,
+        activation_bytes=total,
+    )
+    result.choice = choose(per_layer, math.ceil((1 - share) * total))
+    if result.choice is None:
+        result.why_not = (
+            f"keeping {share:.0%} of {total / MIB:,.1f} MiB frees {(1 - share) * total / MIB:,.1f} MiB; the layers "
+            f"can free {sum(most) / MIB:,.1f} MiB at most"
+        )
         return result
     result.predicted = predict(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
     return result

@@ -17,7 +17,7 @@ import os
 from typing import Callable, List, Optional
 
 from ...memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
-from .budget import Fit, fit
+from .budget import Fit, fit, fit_share
 from .profile import Segment, StepMemory
 from .solver import candidates
 from .watch import StepWatch
@@ -26,13 +26,17 @@ from .watch import StepWatch
 class BudgetPlanner:
     def __init__(
         self,
-        budget_bytes: int,
+        budget_bytes: Optional[int],
         say: Callable[[str], None] = print,
+        share: Optional[float] = None,
         out_dir: Optional[str] = None,
         grad_bytes: int = 0,
         resets: bool = True,
     ):
-        self.budget_bytes = int(budget_bytes)
+        if (budget_bytes is None) == (share is None):
+            raise ValueError("a budget planner takes a peak in bytes or a share of the activations, one of them")
+        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        self.share = share  # keep at most this share of the layers' activations (`fit_share`), instead of a peak
         self.say = say
         self.out_dir = out_dir
         self.grad_bytes = grad_bytes  # held across micro-batches under gradient accumulation (0 without)
@@ -49,8 +53,15 @@ class BudgetPlanner:
         self.base = 0
 
     @property
-    def budget_mb(self) -> float:
-        return self.budget_bytes / MIB
+    def budget_mb(self) -> Optional[float]:
+        return None if self.budget_bytes is None else self.budget_bytes / MIB
+
+    @property
+    def asked(self) -> str:
+        """The budget as the user gave it."""
+        if self.share is not None:
+            return f"`--activation_memory_budget {self.share:g}`"
+        return f"`--memory_budget_mb {self.budget_mb:g}`"
 
     def arm(self, state, device: str) -> None:
         """Watch the step about to start (step one) on `device` ('cuda' or 'cpu')."""
@@ -85,19 +96,24 @@ class BudgetPlanner:
                 why = (state.profile.memory_problem if state.profile is not None else None) or "no step one recorded"
                 raise RuntimeError(
                     f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: {why}; choose "
-                    f"plans with `memopt-probe --budget_mb {self.budget_mb:g} -- SCRIPT ...` (fresh runs of the "
+                    f"plans with `memopt-probe --budget_mb MIB -- SCRIPT ...` (fresh runs of the "
                     f"script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
                 )
             self.extra = self._current() - self.memory.start_bytes + self.grad_bytes
             self.per_layer = candidates(state.profile)
             self.measured_policy = state.policy
-        budget = self.budget_bytes if budget_bytes is None else budget_bytes
-        result = fit(state.profile, self.memory, budget, self.measured_policy, self.extra, self.per_layer)
+        if self.share is not None:
+            result = fit_share(
+                state.profile, self.memory, self.share, self.measured_policy, self.extra, self.per_layer
+            )
+        else:
+            budget = self.budget_bytes if budget_bytes is None else budget_bytes
+            result = fit(state.profile, self.memory, budget, self.measured_policy, self.extra, self.per_layer)
         self.fits.append(result)
         self._write()
         if result.choice is None:
             raise RuntimeError(
-                f"`--memory_opt_config auto` found nothing that fits `--memory_budget_mb {self.budget_mb:g}`: "
+                f"`--memory_opt_config auto` found nothing that fits {self.asked}: "
                 f"{result.why_not}. The least any recompute reaches is {result.floor.peak_mb:,.1f} MiB "
                 f"({result.floor.where}); raise the budget or lower `--per_device_train_batch_size`"
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
@@ -117,7 +133,7 @@ class BudgetPlanner:
             f"memory_opt_config auto{again}: step one (every layer recomputed whole, first input {shape}) peaked at "
             f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB ({self.memory.peak.name}); later steps hold "
             f"{self.extra / MIB:+,.1f} MiB more (the optimizer's state{', gradients' if self.grad_bytes else ''}). "
-            f"Under {self.budget_mb:,.1f} MiB the solver chose {config}: predicted peak "
+            f"{self._under(result)} the solver chose {config}: predicted peak "
             f"{result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
             f"{result.freed / MIB:,.1f} MiB freed, {result.recompute_seconds * 1000:,.1f} ms of recompute per step "
             f"(op time measured in step one). The least recompute can reach: {result.floor.peak_mb:,.1f} MiB "
@@ -129,21 +145,32 @@ class BudgetPlanner:
             )
         )
 
+    def _under(self, result: Fit) -> str:
+        if result.share is not None:
+            return (
+                f"Keeping at most {result.share:.0%} of the {result.activation_bytes / MIB:,.1f} MiB the layers keep "
+                f"for backward with nothing recomputed,"
+            )
+        return f"Under {self.budget_mb:,.1f} MiB"
+
     def _verify(self, state) -> None:
         peak = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)) - self.base, self._start)
         result = self.fits[-1]
         predicted = result.predicted.peak_bytes
         self.verified.append({"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB})
         error = (peak - predicted) / predicted * 100 if predicted else 0.0
-        verdict = "within" if peak <= self.budget_bytes else "over"
+        if self.budget_bytes is None:
+            verdict = f"(the budget is a share of the activations: {self.asked})"
+        else:
+            verdict = f"{'within' if peak <= self.budget_bytes else 'over'} the budget of {self.budget_mb:,.1f} MiB"
         what = (
             "the step after the choice" if self.watch.resets else "training so far (CUDA's counter is the Trainer's)"
         )
         self.say(
             f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB (predicted "
-            f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict} the budget of {self.budget_mb:,.1f} MiB"
+            f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
-        if peak > self.budget_bytes and len(self.fits) == 1:
+        if self.budget_bytes is not None and peak > self.budget_bytes and len(self.fits) == 1:
             self._choose(state, self.budget_bytes - (peak - predicted))
             return
         self._write()
@@ -155,6 +182,7 @@ class BudgetPlanner:
             return
         data = {
             "budget_mb": self.budget_mb,
+            "activation_memory_budget": self.share,
             "counted_from_mb": self.base / MIB,  # CPU: the allocator's level before training, left out of every figure
             "memory": None
             if self.memory is None
@@ -198,7 +226,9 @@ def _above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
 
 def _fit_dict(f: Fit) -> dict:
     return {
-        "budget_mb": f.budget_bytes / MIB,
+        "budget_mb": f.budget_bytes / MIB if f.share is None else None,
+        "activation_share": f.share,
+        "activation_mb": f.activation_bytes / MIB if f.share is not None else None,
         "config": f.config() if f.choice else None,
         "per_layer": [c.label for c in f.choice] if f.choice else None,
         "predicted_peak_mb": f.predicted.peak_mb if f.predicted else None,
