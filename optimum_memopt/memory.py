@@ -234,6 +234,12 @@ class MemoryMeter:
             return MemoryReading("cpu", current, peak, maxrss, maxrss)
         return MemoryReading("cpu", current, peak, rss / 1024.0, (hwm if hwm is not None else rss) / 1024.0)
 
+    def __del__(self):
+        try:
+            self.close()  # a meter dropped without close() stops its sampler thread
+        except Exception:
+            pass
+
     def close(self) -> None:
         if self.device == "cuda":
             _CUDA_PEAKS.close(self)

@@ -71,6 +71,7 @@ class TorchBackend(Backend):
         model = self.apply_policy(model, policy)
         state = getattr(model, STATE)
         state.reset_peaks = settings.reset_peaks
+        state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
         if settings.budget is not None:
             from .planner import BudgetPlanner
 

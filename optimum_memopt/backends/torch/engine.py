@@ -33,6 +33,9 @@ class RecomputeState:
         self.watch: Optional[StepWatch] = None  # reads step one's memory at each layer's marks
         self.planner = None  # told when a new step starts (`planner.BudgetPlanner`)
         self.reset_peaks = True  # False: CUDA's peak counter is the Trainer's (`--skip_memory_metrics false`)
+        # True where a trainer calls `step_done` after each optimizer step (`TorchBackend.wrap`); elsewhere (a loop of
+        # one's own) a step ends where the next training forward starts
+        self.steps_reported = False
         self._step_ended = False
 
     @property
@@ -55,6 +58,9 @@ class RecomputeState:
         """The trainer's word that an optimizer step ended: the next training forward starts a new step, and step
         one's memory, watched since its first layer, is complete (`profile.memory`)."""
         self._step_ended = True
+        self._close_watch()
+
+    def _close_watch(self) -> None:
         watch, self.watch = self.watch, None
         if watch is not None:
             memory = watch.close()
@@ -68,6 +74,8 @@ class RecomputeState:
         original = self.originals[index]
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
+        if index == 0 and self.watch is not None and self.watch.backward_ended and not self.steps_reported:
+            self._close_watch()  # step two of a loop that does not report steps: step one ended before it
         if index == 0:
             first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
             device = first.device.type if first is not None else "cpu"

@@ -45,6 +45,11 @@ class StepWatch:
             return "readings at the marks only (the peak counter is not reset)"
         return "CUDA's peak counter" if self.meter.device == "cuda" else "the allocator, sampled every 2 ms"
 
+    @property
+    def backward_ended(self) -> bool:
+        """The step's backward has ended (what follows is the optimizer step and the next batch)."""
+        return self._stage == "after" and self.problem is None
+
     def _read(self) -> Tuple[int, int]:
         r = self.meter.read()
         current = int(round((r.current_mb or 0.0) * MIB))
