@@ -20,7 +20,7 @@ start (what is held there that was not at step one's) and adds the gradients' by
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from ...memory import MIB
@@ -81,7 +81,6 @@ class Fit:
     predicted: Optional[Prediction] = None
     why_not: str = ""
     extra_bytes: int = 0
-    notes: List[str] = field(default_factory=list)
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
 
@@ -111,15 +110,8 @@ def fit(
 ) -> Fit:
     """The least-recompute policy whose predicted peak is at most `budget_bytes`, from a step measured under
     `measured` (its memory by segment and each layer's graph)."""
-    per_layer = list(per_layer) if per_layer is not None else candidates(profile)
-    q = freed_bytes(profile, measured)
-    most = [max(c.freed_bytes for c in options) for options in per_layer]
-    result = Fit(
-        budget_bytes,
-        measured=predict(memory, q, q, extra_bytes),
-        floor=predict(memory, q, most, extra_bytes),
-        extra_bytes=extra_bytes,
-    )
+    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer)
+    result.budget_bytes = budget_bytes
     needs = [0] * len(per_layer)
     last = len(memory.segments) - 1
     for k, seg in enumerate(memory.segments):
@@ -158,27 +150,31 @@ def fit_share(
     """The least-recompute policy keeping at most `share` of what the layers keep for backward with nothing
     recomputed (their own tensors: `graph.saved_bytes`), as `torch.compile`'s `activation_memory_budget` is a share;
     its peak predicted from the measured step as `fit` does."""
-    per_layer = list(per_layer) if per_layer is not None else candidates(profile)
-    q = freed_bytes(profile, measured)
+    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer)
     total = sum(saved_bytes(rec.graph) for rec in profile.layers if rec.graph is not None)
-    most = [max(c.freed_bytes for c in options) for options in per_layer]
-    result = Fit(
-        0,
-        measured=predict(memory, q, q, extra_bytes),
-        floor=predict(memory, q, most, extra_bytes),
-        extra_bytes=extra_bytes,
-        share=share,
-        activation_bytes=total,
-    )
+    result.share, result.activation_bytes = share, total
     result.choice = choose(per_layer, math.ceil((1 - share) * total))
     if result.choice is None:
         result.why_not = (
             f"keeping {share:.0%} of {total / MIB:,.1f} MiB frees {(1 - share) * total / MIB:,.1f} MiB; the layers "
-            f"can free {sum(most) / MIB:,.1f} MiB at most"
+            f"can free {sum(max(c.freed_bytes for c in o) for o in per_layer) / MIB:,.1f} MiB at most"
         )
         return result
     result.predicted = predict(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
     return result
+
+
+def _start(profile, memory, measured, extra_bytes, per_layer):
+    """What `fit` and `fit_share` share: the candidates, what the measured policy freed per layer, and the answer
+    begun with the measured step's peak and the floor (each layer freeing the most it can)."""
+    per_layer = list(per_layer) if per_layer is not None else candidates(profile)
+    q = freed_bytes(profile, measured)
+    most = [max(c.freed_bytes for c in options) for options in per_layer]
+    result = Fit(
+        0, measured=predict(memory, q, q, extra_bytes), floor=predict(memory, q, most, extra_bytes),
+        extra_bytes=extra_bytes,
+    )  # fmt: skip
+    return per_layer, q, result
 
 
 def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:

@@ -77,13 +77,12 @@ class RecomputeState:
         if index == 0 and self.watch is not None and self.watch.backward_ended and not self.steps_reported:
             self._close_watch()  # step two of a loop that does not report steps: step one ended before it
         if index == 0:
-            first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
-            device = first.device.type if first is not None else "cpu"
             if self.planner is not None and (self._step_ended or self.planner.stage == "start"):
-                self.planner.at_step_start(self, device)
+                self.planner.at_step_start(self, _device(args, kwargs))
             self._step_ended = False
             if self.profile is None and self._recording is None:
                 self._recording = [LayerProfile() for _ in self.layers]
+                device = _device(args, kwargs)
                 if self.watch is None and device in READABLE_DEVICES:
                     self.watch = StepWatch(len(self.layers), MemoryMeter(device), self.reset_peaks or device == "cpu")
         watch = self.watch
@@ -110,6 +109,12 @@ class RecomputeState:
             if index == len(self.layers) - 1:
                 watch.forward_done()
         return out
+
+
+def _device(args, kwargs) -> str:
+    """The device kind of a layer's first tensor argument."""
+    first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+    return first.device.type if first is not None else "cpu"
 
 
 def _mark_backward(watch: StepWatch, index: int, out) -> None:

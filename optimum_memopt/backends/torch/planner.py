@@ -13,14 +13,18 @@ Nothing fits (the floor of recompute, or a peak outside the layers, over the bud
 """
 
 import json
+import logging
 import os
 from typing import Callable, List, Optional
 
+from ...callbacks.base import atomic_write
 from ...memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
 from .budget import Fit, fit, fit_share
 from .profile import Segment, StepMemory
 from .solver import candidates
 from .watch import StepWatch
+
+logger = logging.getLogger(__name__)
 
 
 class BudgetPlanner:
@@ -45,6 +49,8 @@ class BudgetPlanner:
         self.stage = "start"  # -> measure -> verify -> done
         self.memory: Optional[StepMemory] = None
         self.fits: List[Fit] = []
+        self.extra = 0  # what later steps hold that step one did not, read at step two's start
+        self.per_layer: list = []  # each layer's candidates, from step one
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
         # On the CPU the allocator counts the whole process: figures are taken above its level before training (as
@@ -200,20 +206,25 @@ class BudgetPlanner:
                     for s in self.memory.segments
                 ],
             },
-            "later_steps_hold_more_mb": getattr(self, "extra", 0) / MIB,
+            "later_steps_hold_more_mb": self.extra / MIB,
             "candidates": [
                 [{"config": c.label, "freed_mb": c.freed_bytes / MIB, "recompute_ms": c.seconds * 1000} for c in opts]
-                for opts in getattr(self, "per_layer", [])
+                for opts in self.per_layer
             ],
             "fits": [_fit_dict(f) for f in self.fits],
             "verified": self.verified,
         }
-        os.makedirs(self.out_dir, exist_ok=True)
         path = os.path.join(self.out_dir, "solver.json")
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-        os.replace(tmp, path)
+
+        def write(tmp):
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=2)
+
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            atomic_write(path, write)
+        except OSError as e:  # a report must never cost the run
+            logger.error("could not write %s (%s); training goes on without it", path, e)
 
 
 def _above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
