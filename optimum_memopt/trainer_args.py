@@ -313,17 +313,14 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             probe_steps=self.memory_probe_steps,
             sources=sources,
         )
-        if config.auto and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        in_process = self.use_ort and config.backend == "torch"  # chosen from the run's own first step, on rank 0
+        if config.auto and not in_process and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Checked before the parent's __post_init__, which would start the distributed setup.
-            how = (
-                "chooses from one process's first step and does not yet agree on one choice across processes"
-                if self.use_ort and config.backend == "torch"
-                else "probes the script in single-process runs"
-            )
             raise ValueError(
-                f"`{CONFIG_FLAG} auto` {how}, so it cannot run under a multi-process launch; run it once on one "
-                f"process (or `memopt-probe --budget_mb MIB -- SCRIPT ...`) and pass the plans it chooses, as in "
-                f"`{CONFIG_FLAG} {EXAMPLE}`"
+                f"`{CONFIG_FLAG} auto` probes the script in single-process runs, so it cannot run under a "
+                f"multi-process launch; run it once on one process (or `memopt-probe --budget_mb MIB -- SCRIPT ...`) "
+                f"and pass the plans it chooses, as in `{CONFIG_FLAG} {EXAMPLE}`, or choose in the training process "
+                f"with `--memory_opt_backend torch`"
             )
         return config
 

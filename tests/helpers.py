@@ -10,6 +10,8 @@ from transformers import (
     DebertaV2ForMaskedLM,
     DebertaV2ForSequenceClassification,
     HfArgumentParser,
+    LlamaConfig,
+    LlamaForCausalLM,
     RobertaConfig,
     RobertaForMaskedLM,
     RobertaForSequenceClassification,
@@ -44,6 +46,31 @@ def tiny_model(arch="deberta", task="cls", seed=0, attn=None):
     if attn:
         cfg._attn_implementation = attn
     return cls(cfg)
+
+
+def tiny_decoder():
+    """A small Llama-style decoder (3 layers, SDPA, sequences of 256 tokens: `Tokens`) whose step is big enough for
+    the CPU's sampled memory to see each layer: the budget solver's model."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=256, attn_implementation="sdpa",
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Random token sequences of one length, labelled with themselves (causal LM)."""
+
+    def __init__(self, n=64, seq=256, vocab=512):
+        self.n, self.seq, self.vocab = n, seq, vocab
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
 
 
 class ClsData(torch.utils.data.Dataset):

@@ -100,3 +100,37 @@ def test_failing_rank_stops_the_launch(tmp_path):
     res = launch("fail_rank1", tmp_path, timeout=300)
     assert res.returncode != 0
     assert "rank 1 failed on purpose" in res.stderr + res.stdout
+
+
+@pytest.mark.skipif(BACKEND != "torch", reason="auto chooses in the training process on the torch backend")
+def test_auto_rank0_chooses_for_both_processes(tmp_path):
+    """`--memory_opt_config auto --memory_budget_mb` under DDP: rank 0 chooses from both ranks' step one, both
+    train its choice, both ranks' next peaks are checked against the budget (re-planned once on a miss), and the
+    losses are those of the run that recomputes nothing. Nothing fitting stops both ranks with one message."""
+    roomy = tmp_path / "roomy"
+    res = launch("auto:1000000", roomy)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    r0, r1 = reports(roomy, 2)
+    assert r0["wrapped"] == r1["wrapped"] == "DistributedDataParallel"
+    assert r0["configs"] == r1["configs"] == [""]
+    eager = r0["verified"][0]["measured_peak_mb"]
+    assert eager == max(r0["verified"][0]["measured_peak_mb_by_rank"])
+    budget = round((eager + r0["floor_mb"]) / 2, 1)
+
+    tight = tmp_path / "tight"
+    res = launch(f"auto:{budget}", tight)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    t0, t1 = reports(tight, 2)
+    assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1]
+    assert any(mode != "keep" for mode, _ in t0["policy"]) and any(mode != "layer" for mode, _ in t0["policy"])
+    assert t0["predicted_mb"][-1] <= budget and t0["verified"] == t1["verified"]
+    assert max(t0["verified"][-1]["measured_peak_mb_by_rank"]) <= budget
+    assert t0["losses"] == r0["losses"] and t1["losses"] == r1["losses"] and t0["param_sum"] == r0["param_sum"]
+    out = res.stdout + res.stderr
+    assert out.count(f"on each of the 2 processes the solver chose `--memory_opt_config {t0['configs'][0]}`") == 1
+
+    res = launch("auto:1", tmp_path / "none", timeout=300)
+    assert res.returncode != 0
+    out = res.stdout + res.stderr
+    said = "`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 1`"
+    assert out.count(said) >= 2, out[-6000:]  # raised on each rank (torchrun prints each failure)

@@ -41,7 +41,7 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 def test_the_torch_backend_is_a_package_of_small_modules():
     sizes = {n: sum(1 for _ in open(os.path.join(TORCH_PKG, n))) for n in os.listdir(TORCH_PKG) if n.endswith(".py")}
     want = {"names", "policy", "layers", "tracking", "recipe", "hooks", "checkpoint", "profile", "report"}
-    want |= {"_torch_api", "solver", "engine", "backend", "graph", "__init__", "budget", "planner", "watch"}
+    want |= {"_torch_api", "solver", "engine", "backend", "graph", "__init__", "budget", "planner", "watch", "ranks"}
     assert {n[:-3] for n in sizes} == want
     assert max(sizes.values()) <= 300, sizes
     assert not os.path.exists(os.path.join(PKG, "backends", "torch_recompute.py"))

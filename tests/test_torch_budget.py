@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import Tokens
+from helpers import tiny_decoder as decoder
 from torch_engine import engine, keep, pair, step
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
 from optimum_memopt.backends.torch.budget import fit, fit_share, freed_bytes, plan_entries, predict, selector
@@ -265,27 +266,6 @@ def test_layers_run_out_of_order_stop_the_planner_with_the_reason():
 
 
 # -- through the Trainer ----------------------------------------------------------------------------------------------
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=64, seq=256, vocab=512):
-        self.n, self.seq, self.vocab = n, seq, vocab
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        ids = torch.randint(0, self.vocab, (self.seq,), generator=torch.Generator().manual_seed(i))
-        return {"input_ids": ids, "labels": ids}
-
-
-def decoder():
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=256, attn_implementation="sdpa",
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
 
 
 def train_decoder(tmp_path, name, steps=4, **memory):

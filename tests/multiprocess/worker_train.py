@@ -1,6 +1,7 @@
 """Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
 
-MODE: ddp | zero1 | zero2 | single (world of 1, same global batch) | fail_rank1. BACKEND (optional): ort | torch.
+MODE: ddp | zero1 | zero2 | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
+auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend). BACKEND (optional): ort | torch.
 Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
 """
 
@@ -12,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from helpers import ClsData, LossRecordingTrainer, make_args, tiny_model  # noqa: E402
+from helpers import ClsData, LossRecordingTrainer, Tokens, make_args, tiny_decoder, tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,6 +33,35 @@ class SequentialTrainer(LossRecordingTrainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
+def auto(budget_mb: str, out: str, rank: int) -> None:
+    """Rank 0 chooses from both ranks' step one; both train its choice."""
+    args = make_args(
+        out, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--ddp_backend", "gloo",
+        "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb",
+        budget_mb,
+    )  # fmt: skip
+    trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=Tokens(n=32))
+    trainer.train()
+    state = trainer.backend_model._memopt_recompute
+    planner = state.planner
+    params = torch.cat([p.detach().float().flatten() for p in trainer.plain_model.parameters()])
+    report = {
+        "rank": rank,
+        "world": int(os.environ.get("WORLD_SIZE", "1")),
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "losses": trainer.losses,
+        "param_sum": float(params.sum()),
+        "configs": [f.config() for f in planner.fits],
+        "predicted_mb": [f.predicted.peak_mb for f in planner.fits],
+        "floor_mb": planner.fits[0].floor.peak_mb,
+        "predicted_in": [f.predicted.where for f in planner.fits],
+        "verified": planner.verified,
+        "policy": [[lp.mode, sorted(lp.ops)] for lp in state.policy.layers],
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     backend = sys.argv[3] if len(sys.argv) > 3 else "ort"
@@ -39,6 +69,8 @@ def main():
     if mode == "fail_rank1" and rank == 1:
         raise RuntimeError("rank 1 failed on purpose")
     logging.basicConfig(format="%(levelname)s %(name)s - %(message)s")  # as a user's script does
+    if mode.startswith("auto:"):
+        return auto(mode.split(":", 1)[1], out, rank)
     handler = CountingHandler()
     logging.getLogger("optimum_memopt").addHandler(handler)
     per_device = "8" if mode == "single" else "4"

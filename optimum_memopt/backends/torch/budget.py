@@ -70,6 +70,40 @@ def _moved(seg: Segment, measured_freed: Sequence[int], freed: Sequence[int]) ->
     return seg.peak_bytes + sum(measured_freed[:held]) - sum(freed[:held])
 
 
+def above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
+    """The step's memory counted from `base` bytes (the CPU allocator's level before training)."""
+    if memory is None:
+        return None
+    segments = [Segment(s.name, s.held, s.start_bytes - base, s.peak_bytes - base) for s in memory.segments]
+    return StepMemory(memory.device, segments, memory.start_bytes - base, memory.how)
+
+
+def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -> StepMemory:
+    """The step's memory as if no layer had freed anything, with what later steps hold more (`extra`) added to every
+    segment but the last (after backward, where step one already made what the next steps hold): the form in which
+    steps measured on several processes, each freeing what its own graphs say, are put side by side (`merged`)."""
+    last = len(memory.segments) - 1
+    segments = [
+        Segment(s.name, s.held, s.start_bytes, _moved(s, measured_freed, [0] * s.held) + (extra if k < last else 0))
+        for k, s in enumerate(memory.segments)
+    ]
+    return StepMemory(memory.device, segments, memory.start_bytes, memory.how)
+
+
+def merged(kept: Sequence[StepMemory], measured_freed: Sequence[int]) -> StepMemory:
+    """Steps in `as_kept`'s form (one per process, rank order) as one step measured under `measured_freed` (the
+    choosing process's), with no `extra` left to add: a peak predicted from it is the highest of every process's,
+    and a budget met on it is met on each. Segments are named with their rank where there are several."""
+    segments = []
+    for rank, memory in enumerate(kept):
+        on = f" on rank {rank}" if len(kept) > 1 else ""
+        for s in memory.segments:
+            back = sum(measured_freed[: s.held])
+            segments.append(Segment(s.name + on, s.held, s.start_bytes, s.peak_bytes - back))
+    first = kept[0]
+    return StepMemory(first.device, segments, first.start_bytes, first.how)
+
+
 @dataclass
 class Fit:
     """The solver's answer for one budget."""

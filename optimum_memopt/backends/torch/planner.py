@@ -10,6 +10,10 @@
    solver chooses once more for a budget lowered by the miss; the new choice is verified and reported, not changed.
 
 Nothing fits (the floor of recompute, or a peak outside the layers, over the budget): RuntimeError with the figures.
+
+Under a multi-process launch (DDP, DeepSpeed) every process measures its own step one; rank 0 chooses from all of
+them (the budget is per device: a peak predicted on any rank counts) and the others run its choice (`Ranks`), so every
+process trains under one policy and stops with the same message when nothing fits.
 """
 
 import json
@@ -19,8 +23,9 @@ from typing import Callable, List, Optional
 
 from ...callbacks.base import atomic_write
 from ...memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
-from .budget import Fit, fit, fit_share
-from .profile import Segment, StepMemory
+from .budget import Fit, above, as_kept, fit, fit_share, freed_bytes, merged
+from .profile import StepMemory
+from .ranks import Ranks
 from .solver import candidates
 from .watch import StepWatch
 
@@ -53,6 +58,8 @@ class BudgetPlanner:
         self.per_layer: list = []  # each layer's candidates, from step one
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
+        self.ranks: Optional[Ranks] = None  # from step one's start, where any process group is up
+        self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
         # On the CPU the allocator counts the whole process: figures are taken above its level before training (as
         # the advisor's probe and `--memory_budget_mb` count them); CUDA's counter holds tensors only, from 0.
         self._cpu_base = allocator_bytes_in_use() or 0
@@ -76,6 +83,7 @@ class BudgetPlanner:
                 f"`--memory_opt_config auto` reads memory on {' and '.join(READABLE_DEVICES)}, and this run's layers "
                 f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
             )
+        self.ranks = Ranks()
         self.meter = MemoryMeter(device)
         self.base = self._cpu_base if device == "cpu" else 0
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
@@ -96,25 +104,19 @@ class BudgetPlanner:
             self._verify(state)
 
     def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
-        if self.memory is None:
-            self.memory = _above(state.profile.memory, self.base) if state.profile is not None else None
-            if self.memory is None:
-                why = (state.profile.memory_problem if state.profile is not None else None) or "no step one recorded"
-                raise RuntimeError(
-                    f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: {why}; choose "
-                    f"plans with `memopt-probe --budget_mb MIB -- SCRIPT ...` (fresh runs of the "
-                    f"script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
-                )
-            self.extra = self._current() - self.memory.start_bytes + self.grad_bytes
-            self.per_layer = candidates(state.profile)
-            self.measured_policy = state.policy
-        if self.share is not None:
-            result = fit_share(
-                state.profile, self.memory, self.share, self.measured_policy, self.extra, self.per_layer
-            )
-        else:
-            budget = self.budget_bytes if budget_bytes is None else budget_bytes
-            result = fit(state.profile, self.memory, budget, self.measured_policy, self.extra, self.per_layer)
+        if self.solved is None:
+            self._gather(state)
+        result = None
+        if self.ranks.rank == 0:
+            try:
+                result = self._fit(state, budget_bytes)
+            except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
+                result = e
+        result = self.ranks.from_rank0(result)
+        if isinstance(result, Exception):
+            if self.ranks.rank == 0:
+                raise result
+            raise RuntimeError(f"`--memory_opt_config auto`: rank 0 could not choose: {result}")
         self.fits.append(result)
         self._write()
         if result.choice is None:
@@ -131,15 +133,48 @@ class BudgetPlanner:
         self._start = self._current()
         self.stage = "verify"
 
+    def _gather(self, state) -> None:
+        """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""
+        memory = above(state.profile.memory, self.base) if state.profile is not None else None
+        mine = None
+        if memory is None:
+            why = (state.profile.memory_problem if state.profile is not None else None) or "no step one recorded"
+        else:
+            self.memory = memory
+            self.extra = self._current() - memory.start_bytes + self.grad_bytes
+            self.measured_policy = state.policy
+            self.measured_freed = freed_bytes(state.profile, state.policy)
+            mine, why = as_kept(memory, self.measured_freed, self.extra), None
+        everyone = self.ranks.gather((mine, why))
+        missing = [(rank, why) for rank, (kept, why) in enumerate(everyone) if kept is None]
+        if missing:
+            where = "; ".join((f"rank {rank}: " if self.ranks.size > 1 else "") + str(why) for rank, why in missing)
+            raise RuntimeError(
+                f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: {where}; choose "
+                f"plans with `memopt-probe --budget_mb MIB -- SCRIPT ...` (fresh runs of the "
+                f"script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
+            )
+        self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
+        self.per_layer = candidates(state.profile)
+
+    def _fit(self, state, budget_bytes: Optional[int]) -> Fit:
+        if self.share is not None:
+            return fit_share(state.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        return fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer)
+
     def _describe(self, result: Fit, state) -> str:
         again = " (again, for a budget lowered by the miss)" if len(self.fits) > 1 else ""
         config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
         shape = "x".join(map(str, state.profile.shape)) or "?"
+        ranks = self.ranks.size
         return (
             f"memory_opt_config auto{again}: step one (every layer recomputed whole, first input {shape}) peaked at "
-            f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB ({self.memory.peak.name}); later steps hold "
+            f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
+            f"({self.memory.peak.name}); later steps hold "
             f"{self.extra / MIB:+,.1f} MiB more (the optimizer's state{', gradients' if self.grad_bytes else ''}). "
-            f"{self._under(result)} the solver chose {config}: predicted peak "
+            f"{self._under(result)}{f' on each of the {ranks} processes' if ranks > 1 else ''} the solver chose "
+            f"{config}{' for all of them' if ranks > 1 else ''}: predicted peak "
             f"{result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
             f"{result.freed / MIB:,.1f} MiB freed, {result.recompute_seconds * 1000:,.1f} ms of recompute per step "
             f"(op time measured in step one). The least recompute can reach: {result.floor.peak_mb:,.1f} MiB "
@@ -160,10 +195,15 @@ class BudgetPlanner:
         return f"Under {self.budget_mb:,.1f} MiB"
 
     def _verify(self, state) -> None:
-        peak = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)) - self.base, self._start)
+        mine = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)) - self.base, self._start)
+        peaks = self.ranks.gather(mine)
+        peak = max(peaks)
         result = self.fits[-1]
         predicted = result.predicted.peak_bytes
-        self.verified.append({"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB})
+        self.verified.append(
+            {"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB}
+            | ({"measured_peak_mb_by_rank": [p / MIB for p in peaks]} if len(peaks) > 1 else {})
+        )
         error = (peak - predicted) / predicted * 100 if predicted else 0.0
         if self.budget_bytes is None:
             verdict = f"(the budget is a share of the activations: {self.asked})"
@@ -172,12 +212,19 @@ class BudgetPlanner:
         what = (
             "the step after the choice" if self.watch.resets else "training so far (CUDA's counter is the Trainer's)"
         )
+        where = ""
+        if len(peaks) > 1:
+            where = (
+                f" on rank {peaks.index(peak)} ("
+                + ", ".join(f"rank {r}: {p / MIB:,.1f}" for r, p in enumerate(peaks))
+                + ")"
+            )
         self.say(
-            f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB (predicted "
+            f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted "
             f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
         if self.budget_bytes is not None and peak > self.budget_bytes and len(self.fits) == 1:
-            self._choose(state, self.budget_bytes - (peak - predicted))
+            self._choose(state, self.budget_bytes - (peak - predicted))  # every rank: each saw the same peaks
             return
         self._write()
         self.stage = "done"
@@ -189,6 +236,7 @@ class BudgetPlanner:
         data = {
             "budget_mb": self.budget_mb,
             "activation_memory_budget": self.share,
+            "processes": self.ranks.size if self.ranks is not None else 1,  # rank 0 chose for all of them
             "counted_from_mb": self.base / MIB,  # CPU: the allocator's level before training, left out of every figure
             "memory": None
             if self.memory is None
@@ -225,14 +273,6 @@ class BudgetPlanner:
             atomic_write(path, write)
         except OSError as e:  # a report must never cost the run
             logger.error("could not write %s (%s); training goes on without it", path, e)
-
-
-def _above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
-    """Step one's memory counted from `base` bytes."""
-    if memory is None:
-        return None
-    segments = [Segment(s.name, s.held, s.start_bytes - base, s.peak_bytes - base) for s in memory.segments]
-    return StepMemory(memory.device, segments, memory.start_bytes - base, memory.how)
 
 
 def _fit_dict(f: Fit) -> dict:

@@ -1,0 +1,29 @@
+"""The processes that choose one recompute policy together (`planner`): rank 0 decides, the others follow."""
+
+import torch.distributed as dist
+
+
+class Ranks:
+    """The processes that choose together: the default process group where one with several processes is up, else
+    this process alone. Every call is a collective: every rank makes it, at the same point of the same step."""
+
+    def __init__(self):
+        self._dist = dist
+        self.size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        self.rank = dist.get_rank() if self.size > 1 else 0
+
+    def gather(self, obj) -> list:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        self._dist.all_gather_object(out, obj)
+        return out
+
+    def from_rank0(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        self._dist.broadcast_object_list(box, src=0)
+        return box[0]
