@@ -129,6 +129,19 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     out = res.stdout + res.stderr
     assert out.count(f"on each of the 2 processes the solver chose `--memory_opt_config {t0['configs'][0]}`") == 1
 
+    # ZeRO-2: its gradient partitions and buckets (made in step one and kept) are in what later steps hold more
+    zero = tmp_path / "zero2"
+    res = launch("auto-zero2:1000000", zero)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    z0, _ = reports(zero, 2)
+    assert z0["wrapped"] == "DeepSpeedEngine" and z0["configs"] == [""]
+    budget = round((z0["verified"][0]["measured_peak_mb"] + z0["floor_mb"]) / 2, 1)
+    res = launch(f"auto-zero2:{budget}", zero)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    z0, z1 = reports(zero, 2)
+    assert z0["configs"] == z1["configs"] and z0["configs"][-1] and z0["policy"] == z1["policy"]
+    assert max(z0["verified"][-1]["measured_peak_mb_by_rank"]) <= budget
+
     res = launch("auto:1", tmp_path / "none", timeout=300)
     assert res.returncode != 0
     out = res.stdout + res.stderr

@@ -1,7 +1,7 @@
 """Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
 
 MODE: ddp | zero1 | zero2 | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
-auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend). BACKEND (optional): ort | torch.
+auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend) | auto-zero2:MIB (the same under ZeRO-2). BACKEND (optional): ort | torch.
 Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
 """
 
@@ -33,12 +33,13 @@ class SequentialTrainer(LossRecordingTrainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
-def auto(budget_mb: str, out: str, rank: int) -> None:
-    """Rank 0 chooses from both ranks' step one; both train its choice."""
+def auto(budget_mb: str, out: str, rank: int, zero: str = "") -> None:
+    """Rank 0 chooses from both ranks' step one; both train its choice (under DDP, or DeepSpeed with `zero`)."""
+    deepspeed = ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{zero}.json")] if zero else []
     args = make_args(
         out, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--ddp_backend", "gloo",
         "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb",
-        budget_mb,
+        budget_mb, *deepspeed,
     )  # fmt: skip
     trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=Tokens(n=32))
     trainer.train()
@@ -69,8 +70,9 @@ def main():
     if mode == "fail_rank1" and rank == 1:
         raise RuntimeError("rank 1 failed on purpose")
     logging.basicConfig(format="%(levelname)s %(name)s - %(message)s")  # as a user's script does
-    if mode.startswith("auto:"):
-        return auto(mode.split(":", 1)[1], out, rank)
+    if mode.startswith("auto"):  # auto:MIB (DDP) or auto-zero2:MIB
+        how, budget = mode.split(":", 1)
+        return auto(budget, out, rank, how[len("auto-") :])
     handler = CountingHandler()
     logging.getLogger("optimum_memopt").addHandler(handler)
     per_device = "8" if mode == "single" else "4"

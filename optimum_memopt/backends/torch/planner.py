@@ -171,8 +171,9 @@ class BudgetPlanner:
         return (
             f"memory_opt_config auto{again}: step one (every layer recomputed whole, first input {shape}) peaked at "
             f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
-            f"({self.memory.peak.name}); later steps hold "
-            f"{self.extra / MIB:+,.1f} MiB more (the optimizer's state{', gradients' if self.grad_bytes else ''}). "
+            f"({self.memory.peak.name}); later steps hold {self.extra / MIB:+,.1f} MiB more "
+            f"(made in step one and kept: the optimizer's state, any engine's buffers"
+            f"{'; gradients across micro-batches' if self.grad_bytes else ''}). "
             f"{self._under(result)}{f' on each of the {ranks} processes' if ranks > 1 else ''} the solver chose "
             f"{config}{' for all of them' if ranks > 1 else ''}: predicted peak "
             f"{result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
