@@ -294,12 +294,17 @@ def test_cli_end_to_end_with_a_stubbed_runner(tmp_path, capsys):
 def test_cli_exits_non_zero_when_nothing_fits_or_the_script_fails(tmp_path, capsys):
     script = tmp_path / "train.py"
     script.write_text("")
-    assert (
-        cli.main(["--budget_mb", "100", "--report_dir", str(tmp_path / "a"), "--", str(script)], runner=FakeRunner())
-        == 1
-    )
+    ort = [str(script), "--memory_opt_backend", "ort"]  # the stub answers as ORT would
+    assert cli.main(["--budget_mb", "100", "--report_dir", str(tmp_path / "a"), "--", *ort], runner=FakeRunner()) == 1
     err = capsys.readouterr().err
     assert "no probed configuration fits 100.0 MiB" in err and "raise `--budget_mb`" in err  # the probe's own flag
+    torch = ["--budget_mb", "100", "--batch_size", "32", "--report_dir", str(tmp_path / "t"), "--", str(script),
+             "--memory_opt_backend", "torch"]  # fmt: skip
+    assert cli.main(torch, runner=FakeSolverRunner()) == 1
+    assert (
+        "the budget solver's run under 100.0 MiB stopped: RuntimeError: found nothing that fits"
+        in capsys.readouterr().err
+    )
     assert (
         cli.main(["--report_dir", str(tmp_path / "b"), "--", str(script)], runner=FakeRunner(fail_baseline=True)) == 1
     )
@@ -383,3 +388,79 @@ def test_measuring_children_do_not_inherit_the_advisors_flags():
     assert cmd[cmd.index("--memory_measure_out") + 1] == "/w/m.json"
     cmd = child_command(argv, memory_flags(True, config="Gelu+:1:-1"), 8, 3, "/w", "/w/m.json", python="py")
     assert "--ort_log_level" in cmd and cmd[-1] == "Gelu+:1:-1"
+
+
+# -- the torch backend: the budget solver chooses, the probe checks -------------------------------------
+class FakeSolverRunner(FakeRunner):
+    """A torch-backend script: the solver's runs (`--memory_opt_config auto`) answer with a choice for the budget
+    they were given; its first choice misses a 400 MiB budget when run as given, the second (for 390) meets it."""
+
+    CHOICES = {"400.000": ("Mul+:1:-1@0", 398.0), "390.000": ("MatMul+Mul+:1:-1@0-1", 388.0)}
+    RUN = {"Mul+:1:-1@0": 410.0, "MatMul+Mul+:1:-1@0-1": 385.0}
+
+    def __call__(self, script_argv, label, flags, batch_size, steps=6, timeout=1800):
+        f = dict(zip(flags[::2], flags[1::2]))
+        config = f.get("--memory_opt_config", "")
+        if config == "auto":
+            self.calls.append((label, list(flags), batch_size))
+            if batch_size > 24:  # the solver's own refusal, as the script prints it
+                return Measurement(
+                    label, list(flags), batch_size, False, error="RuntimeError: found nothing that fits"
+                )
+            chosen, predicted = self.CHOICES[f["--memory_budget_mb"]] if batch_size == 16 else ("Layer+:1:-1", 300.0)
+            auto = {"config": chosen, "predicted_peak_mb": predicted, "recompute_ms": 12.5, "choices": 1}
+            return Measurement(label, list(flags), batch_size, True, peak_mb=predicted * batch_size / 16,
+                               step_time_s=1.2, samples_per_s=batch_size / 1.2, device="cpu", auto=auto)  # fmt: skip
+        if config in self.RUN:
+            self.calls.append((label, list(flags), batch_size))
+            return Measurement(label, list(flags), batch_size, True, peak_mb=self.RUN[config], step_time_s=1.1,
+                               device="cpu")  # fmt: skip
+        return super().__call__(script_argv, label, flags, batch_size, steps, timeout)
+
+
+def test_memopt_probe_on_the_torch_backend_asks_the_budget_solver(tmp_path, capsys):
+    """The choice under `--budget_mb` is the solver's (a run of the script with `auto`), checked in a fresh run as
+    given; a check over the budget solves again for the budget lowered by the miss; the batch search lets the
+    solver choose again at each batch size."""
+    script = tmp_path / "train.py"
+    script.write_text("")
+    runner = FakeSolverRunner()
+    argv = ["--budget_mb", "400", "--search_batch_size", "--levels", "1", "--report_dir", str(tmp_path / "rep"), "--",
+            str(script), "--per_device_train_batch_size", "16", "--memory_opt_backend", "torch"]  # fmt: skip
+    assert cli.main(argv, runner=runner) == 0
+    out = capsys.readouterr().out
+    calls = [(label, batch) for label, _, batch in runner.calls]
+    first = calls.index(("solver", 16))
+    assert calls[first : first + 5] == [
+        ("solver", 16), ("Mul+:1:-1@0", 16), ("solver", 16), ("MatMul+Mul+:1:-1@0-1", 16), ("batch 16", 16),
+    ]  # fmt: skip
+    solved = runner.calls[first : first + 3 : 2]
+    solver_budgets = [dict(zip(f[::2], f[1::2]))["--memory_budget_mb"] for _, f, _ in solved]
+    assert solver_budgets == ["400.000", "390.000"]  # 400 - (410 - 400)
+    advice = json.loads((tmp_path / "rep" / "probe.json").read_text())
+    choice = advice["choice"]
+    assert choice["config"] == "MatMul+Mul+:1:-1@0-1" and choice["verified_peak_mb"] == 385.0
+    assert choice["estimated_peak_mb"] == 388.0
+    assert "the budget solver chose it from one measured step (after Mul+:1:-1@0 measured 410.0 MiB" in out
+    assert "solved again for 390.0 MiB)" in out
+    searched = {b["label"]: (b["batch_size"], b["flags"]) for b in advice["max_batch_size"]}
+    batch, flags = searched["torch backend, the solver's choice at each batch (auto)"]
+    assert flags[-4:] == ["--memory_opt_config", "auto", "--memory_budget_mb", "400.000"]
+    assert batch in (20, 21)  # the stub: peak 300 MiB * b / 16 <= 400 up to 21, found to within 1/8
+
+
+@pytest.mark.slow
+@pytest.mark.torch_backend
+def test_a_solver_run_hands_its_choice_to_the_probe(tmp_path):
+    """A real run of the recipe with `auto` (torch backend): the measuring child reports what the solver chose,
+    and its peak meets the budget."""
+    from optimum_memopt.advisor import run_child
+
+    argv = [*SMALL, "--memory_opt_backend", "torch"]
+    base = run_child(argv, "base", memory_flags(True), 16, steps=3)
+    assert base.ok and base.auto is None
+    budget = round(base.peak_mb * 0.7, 1)
+    m = run_child(argv, "solver", memory_flags(True, "auto", extra=["--memory_budget_mb", str(budget)]), 16, steps=4)
+    assert m.ok, m.error
+    assert m.auto["config"] and m.auto["predicted_peak_mb"] <= budget and m.auto["recompute_ms"] > 0
+    assert m.peak_mb <= budget and m.auto["measured_peak_mb"] <= budget

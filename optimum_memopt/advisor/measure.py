@@ -67,6 +67,12 @@ class MeasureCallback(TrainerCallback):
         report = backend.plan_report(wrapped, trainer.memopt_wrap_settings())
         return None if report is None else report.to_dict()
 
+    def _auto_choice(self) -> Optional[dict]:
+        trainer = self.trainer
+        backend = getattr(trainer, "memopt_backend", None)
+        wrapped = backend.find(trainer.model) if backend is not None and trainer.model is not None else None
+        return backend.auto_choice(wrapped) if wrapped is not None else None
+
     def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.meter is None:
             return
@@ -90,6 +96,7 @@ class MeasureCallback(TrainerCallback):
             "step_times": self.times,
             "batch_size": args.per_device_train_batch_size,
             "plans": self._plan_report(model),
+            "auto": self._auto_choice() if self.trainer is not None else None,
         }
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:
@@ -115,6 +122,7 @@ class Measurement:
     device: Optional[str] = None
     first_step_s: Optional[float] = None  # the first step alone (a compiled run's compile time is in it)
     plans: Optional[PlanReport] = field(default=None, repr=False)
+    auto: Optional[dict] = None  # what `--memory_opt_config auto` chose in the run (`Backend.auto_choice`)
 
     def as_dict(self) -> Dict:
         d = asdict(self)
@@ -155,6 +163,7 @@ def memory_flags(use_ort: bool = True, config: str = "", level: int = 0, extra: 
 ADVISOR_FLAGS = {
     "--memory_opt_config": True,
     "--memory_budget_mb": True,
+    "--activation_memory_budget": True,
     "--memory_probe_max_plans": True,
     "--memory_probe_steps": True,
 }
@@ -296,6 +305,7 @@ def run_child(
             device=data["device"],
             first_step_s=data["step_times"][0] if data["step_times"] else None,
             plans=PlanReport.from_dict(data["plans"]) if data.get("plans") else None,
+            auto=data.get("auto"),
         )
     except subprocess.TimeoutExpired:
         return Measurement(

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Sequence
 
 from .measure import WARMUP_STEPS, Runner, memory_flags, run_child
 from .probe import ProbeReport, format_table, plot, probe
-from .select import Choice, NoFit, choose, max_batch_size, verify
+from .select import Choice, NoFit, choose, max_batch_size, solve, verify
 
 SCHEMA = "optimum-memopt/advice/1"
 
@@ -127,15 +127,18 @@ def advise(
     if budget_mb is None:
         return advice
     try:
-        advice.choice = verify(
-            report,
-            choose(report, budget_mb, budget_flag),
-            budget_mb,
-            steps,
-            progress=progress,
-            timeout=timeout,
-            runner=runner,
-        )
+        if report.backend == "torch":  # the budget solver, from one measured step
+            advice.choice = solve(report, budget_mb, steps, progress, timeout, runner, budget_flag)
+        else:
+            advice.choice = verify(
+                report,
+                choose(report, budget_mb, budget_flag),
+                budget_mb,
+                steps,
+                progress=progress,
+                timeout=timeout,
+                runner=runner,
+            )
     except NoFit as e:
         advice.no_fit = str(e)
         return advice
@@ -143,7 +146,11 @@ def advise(
         c = advice.choice
         what = f"level {c.level}" if c.level else (c.config or "no recompute")
         name = report.label
-        for label, flags in ((f"{name}, no recompute", memory_flags(True)), (f"{name}, {what}", c.flags)):
+        searches = [(f"{name}, no recompute", memory_flags(True)), (f"{name}, {what}", c.flags)]
+        if report.backend == "torch":  # the solver chooses again at each batch size
+            auto = memory_flags(True, config="auto", extra=["--memory_budget_mb", f"{budget_mb:.3f}"])
+            searches[1] = (f"{name}, the solver's choice at each batch (auto)", auto)
+        for label, flags in searches:
             best, tried = max_batch_size(
                 script_argv,
                 flags,

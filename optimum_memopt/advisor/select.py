@@ -105,6 +105,70 @@ def choose(report: ProbeReport, budget_mb: float, budget_flag: str = "--memory_b
     )
 
 
+def solve(
+    report: ProbeReport,
+    budget_mb: float,
+    steps: int,
+    progress: Callable[[str], None] = print,
+    timeout: float = 1800,
+    runner: Runner = run_child,
+    budget_flag: str = "--memory_budget_mb",
+) -> Choice:
+    """The torch backend's choice: its budget solver, in one run of the script (`--memory_opt_config auto`: step one
+    measured, then per layer the least recompute whose predicted peak fits), checked in a fresh run of the plans as
+    a user would pass them. A check over the budget solves once more for the budget lowered by the miss (as `auto`
+    does in the training process); levels the probe measured under the budget are the last resort."""
+    base = report.baseline
+    if base is None or not base.measurement.ok:
+        raise NoFit("the probe's baseline run failed; nothing to choose from")
+    if base.measurement.peak_mb <= budget_mb:
+        return choose(report, budget_mb, budget_flag)  # nothing to recompute: said as for any backend
+    target, misses = budget_mb, []
+    for _ in range(2):
+        progress(f"[auto] the budget solver under {target:,.1f} MiB at batch {report.batch_size} ...")
+        flags = memory_flags(True, config="auto", extra=["--memory_budget_mb", f"{target:.3f}"])
+        m = runner(report.script_argv, "solver", flags, report.batch_size, steps=steps, timeout=timeout)
+        if not m.ok or not m.auto:
+            why = m.error if not m.ok else "the run trained without choosing (no step after the first)"
+            raise NoFit(f"the budget solver's run under {target:,.1f} MiB stopped: {why}")
+        config = m.auto["config"]
+        progress(f"[auto] verifying the solver's choice {config or '(nothing to recompute)'} in a fresh run ...")
+        check = runner(
+            report.script_argv, config, memory_flags(True, config=config), report.batch_size, steps, timeout=timeout
+        )
+        if not check.ok:
+            raise NoFit(f"the solver's choice {config} failed when run as given: {check.error}")
+        misses.append(f"{config or 'nothing'} measured {check.peak_mb:,.1f} MiB")
+        if check.peak_mb <= budget_mb:
+            note = f" (after {misses[0]}: solved again for {target:,.1f} MiB)" if len(misses) > 1 else ""
+            return Choice(
+                config,
+                0,
+                f"the budget solver chose it from one measured step{note}: predicted peak "
+                f"{m.auto['predicted_peak_mb']:,.1f} MiB, {m.auto['recompute_ms']:,.1f} ms of recompute per step "
+                f"(op time measured in step one); verified in a fresh run: peak {check.peak_mb:,.1f} MiB <= "
+                f"{budget_mb:,.1f} MiB",
+                m.auto["predicted_peak_mb"],
+                check,
+                considered=[config],
+            )
+        target -= check.peak_mb - budget_mb
+    for row in sorted((r for r in report.rows if r.kind == "level" and r.measurement.ok), key=lambda r: r.level):
+        if row.measurement.peak_mb <= budget_mb:
+            return Choice(
+                "",
+                row.level,
+                f"the solver's choices missed the budget when run ({'; '.join(misses)}); level {row.level} "
+                f"measured {row.measurement.peak_mb:,.1f} MiB",
+                row.measurement.peak_mb,
+                row.measurement,
+            )
+    raise NoFit(
+        f"the solver's choices missed {budget_mb:,.1f} MiB when run ({'; '.join(misses)}), and no level fits; "
+        f"lower the batch size or raise `{budget_flag}`"
+    )
+
+
 def verify(
     report: ProbeReport,
     choice: Choice,

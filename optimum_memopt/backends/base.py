@@ -127,5 +127,10 @@ class Backend:
     def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:
         return None
 
+    def auto_choice(self, wrapped: nn.Module) -> Optional[dict]:
+        """What `auto` chose in this process (`plans_in_process`): its plans in the grammar ("config"), the predicted
+        and measured peaks (MiB) and the recompute per step (ms); None where nothing was chosen here."""
+        return None
+
     def step_done(self, wrapped: nn.Module) -> None:
         """After each optimizer step (the next training forward starts a new step)."""

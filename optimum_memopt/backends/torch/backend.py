@@ -86,6 +86,10 @@ class TorchBackend(Backend):
             )
         return model
 
+    def auto_choice(self, wrapped: nn.Module) -> Optional[dict]:
+        planner = getattr(wrapped, STATE).planner
+        return planner.summary() if planner is not None else None
+
     def step_done(self, wrapped: nn.Module) -> None:
         getattr(wrapped, STATE).step_done()
 

@@ -153,9 +153,15 @@ def fit(
         if need <= 0:
             continue
         if seg.held == 0:
+            where = (
+                "where no other layer's tensors are held and its own are all back for its backward, whatever its "
+                "policy"
+                if "backward" in seg.name and not seg.name.startswith("after")
+                else "where no layer's tensors are held"
+            )
             result.why_not = (
-                f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB {seg.name}, where no layer's tensors are "
-                f"held: recompute cannot lower it"
+                f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB in {seg.name}, {where}: recompute cannot "
+                f"lower it"
             )
             return result
         needs[seg.held - 1] = max(needs[seg.held - 1], need)

@@ -231,6 +231,21 @@ class BudgetPlanner:
         self.stage = "done"
         self.meter.close()
 
+    def summary(self) -> Optional[dict]:
+        """The last choice and its check (`Backend.auto_choice`); None before one was made."""
+        if not self.fits or self.fits[-1].choice is None:
+            return None
+        last = self.fits[-1]
+        return {
+            "config": last.config(),
+            "predicted_peak_mb": last.predicted.peak_mb,
+            "recompute_ms": last.recompute_seconds * 1000,
+            "measured_peak_mb": self.verified[-1]["measured_peak_mb"]
+            if len(self.verified) == len(self.fits)
+            else None,
+            "choices": len(self.fits),
+        }
+
     def _write(self) -> None:
         if not self.out_dir:
             return
