@@ -129,6 +129,24 @@ class Fit:
     def policy(self) -> RecomputePolicy:
         return policy_of(self.choice)
 
+    def as_dict(self) -> dict:
+        """The answer in `memory_auto/solver.json`."""
+        return {
+            "budget_mb": self.budget_bytes / MIB if self.share is None else None,
+            "activation_share": self.share,
+            "activation_mb": self.activation_bytes / MIB if self.share is not None else None,
+            "config": self.config() if self.choice else None,
+            "per_layer": [c.label for c in self.choice] if self.choice else None,
+            "predicted_peak_mb": self.predicted.peak_mb if self.predicted else None,
+            "predicted_peak_in": self.predicted.where if self.predicted else None,
+            "freed_mb": self.freed / MIB,
+            "recompute_ms": self.recompute_seconds * 1000,
+            "floor_mb": self.floor.peak_mb,
+            "floor_in": self.floor.where,
+            "measured_step_one_mb": self.measured.peak_mb,
+            "why_not": self.why_not or None,
+        }
+
     def config(self) -> str:
         """The choice in the plan grammar (`--memory_opt_config`), for a run without `auto`."""
         return ",".join(str(e) for e in plan_entries(self.choice)) if self.choice else ""
@@ -156,12 +174,12 @@ def fit(
             where = (
                 "where no other layer's tensors are held and its own are all back for its backward, whatever its "
                 "policy"
-                if "backward" in seg.name and not seg.name.startswith("after")
+                if seg.name.startswith("layer")
                 else "where no layer's tensors are held"
             )
             result.why_not = (
-                f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB in {seg.name}, {where}: recompute cannot "
-                f"lower it"
+                f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB "
+                f"{'in ' if seg.name.startswith('layer') else ''}{seg.name}, {where}: recompute cannot lower it"
             )
             return result
         needs[seg.held - 1] = max(needs[seg.held - 1], need)

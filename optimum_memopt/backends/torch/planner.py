@@ -275,7 +275,7 @@ class BudgetPlanner:
                 [{"config": c.label, "freed_mb": c.freed_bytes / MIB, "recompute_ms": c.seconds * 1000} for c in opts]
                 for opts in self.per_layer
             ],
-            "fits": [_fit_dict(f) for f in self.fits],
+            "fits": [f.as_dict() for f in self.fits],
             "verified": self.verified,
         }
         path = os.path.join(self.out_dir, "solver.json")
@@ -289,21 +289,3 @@ class BudgetPlanner:
             atomic_write(path, write)
         except OSError as e:  # a report must never cost the run
             logger.error("could not write %s (%s); training goes on without it", path, e)
-
-
-def _fit_dict(f: Fit) -> dict:
-    return {
-        "budget_mb": f.budget_bytes / MIB if f.share is None else None,
-        "activation_share": f.share,
-        "activation_mb": f.activation_bytes / MIB if f.share is not None else None,
-        "config": f.config() if f.choice else None,
-        "per_layer": [c.label for c in f.choice] if f.choice else None,
-        "predicted_peak_mb": f.predicted.peak_mb if f.predicted else None,
-        "predicted_peak_in": f.predicted.where if f.predicted else None,
-        "freed_mb": f.freed / MIB,
-        "recompute_ms": f.recompute_seconds * 1000,
-        "floor_mb": f.floor.peak_mb,
-        "floor_in": f.floor.where,
-        "measured_step_one_mb": f.measured.peak_mb,
-        "why_not": f.why_not or None,
-    }
