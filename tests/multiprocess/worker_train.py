@@ -133,3 +133,7 @@ def main():
 
 if __name__ == "__main__":
     main()
+    # Without this, Gloo's worker threads can still hold work objects at interpreter shutdown and abort the process
+    # (SIGABRT, "terminate called without an active exception"; seen once under ZeRO-2): docs/STACK.md.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -56,6 +56,7 @@ class BudgetPlanner:
         self.fits: List[Fit] = []
         self.extra = 0  # what later steps hold that step one did not, read at step two's start
         self.per_layer: list = []  # each layer's candidates, from step one
+        self.measured_freed: list = []  # bytes step one's policy (whole layers) freed per layer
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
         self.ranks: Optional[Ranks] = None  # from step one's start, where any process group is up
@@ -271,6 +272,7 @@ class BudgetPlanner:
                 ],
             },
             "later_steps_hold_more_mb": self.extra / MIB,
+            "step_one_freed_mb": [q / MIB for q in self.measured_freed],  # per layer, by its policy
             "candidates": [
                 [{"config": c.label, "freed_mb": c.freed_bytes / MIB, "recompute_ms": c.seconds * 1000} for c in opts]
                 for opts in self.per_layer
