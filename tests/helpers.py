@@ -109,6 +109,14 @@ class MlmData(torch.utils.data.Dataset):
         return {"input_ids": ids, "attention_mask": torch.ones(SEQ, dtype=torch.long), "labels": labels}
 
 
+class CausalData(MlmData):
+    """MlmData's padded sequences as a causal LM's batch (labels = the inputs)."""
+
+    def __getitem__(self, i):
+        item = super().__getitem__(i)
+        return {"input_ids": item["input_ids"], "attention_mask": item["attention_mask"], "labels": item["input_ids"]}
+
+
 def make_args(output_dir, *flags):
     base = [
         "--output_dir",

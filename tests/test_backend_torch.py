@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from helpers import SEQ, VOCAB, ClsData, LossRecordingTrainer, MlmData, make_args, tiny_model
+from helpers import SEQ, VOCAB, CausalData, ClsData, LossRecordingTrainer, make_args, tiny_model
 from torch_engine import Counting
 from transformers import (
     AutoModelForSequenceClassification,
@@ -65,12 +65,6 @@ def build_model(arch, seed=0, dropout=0.0):
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
     return Qwen2ForCausalLM(Qwen2Config(**common))
-
-
-class CausalData(MlmData):
-    def __getitem__(self, i):
-        item = super().__getitem__(i)
-        return {"input_ids": item["input_ids"], "attention_mask": item["attention_mask"], "labels": item["input_ids"]}
 
 
 def data_for(arch):
