@@ -64,11 +64,15 @@ def build_model(arch, seed=0, dropout=0.0):
     )
     if arch == "llama":
         return LlamaForCausalLM(LlamaConfig(**common))
+    if arch == "qwen3":  # a decoder family of transformers 5.x: q/k RMS norms, explicit head_dim
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
     return Qwen2ForCausalLM(Qwen2Config(**common))
 
 
 def data_for(arch):
-    return CausalData(n=16 * STEPS) if arch in ("llama", "qwen2") else ClsData(n=8 * STEPS)
+    return CausalData(n=16 * STEPS) if arch in ("llama", "qwen2", "qwen3") else ClsData(n=8 * STEPS)
 
 
 def train(tmp_path, arch, *flags, steps=STEPS, dropout=0.0, name="run"):
@@ -101,7 +105,13 @@ def test_plan_names_map_ort_operators_to_torch_ops(subgraph, names, unknown):
 
 
 @pytest.mark.parametrize(
-    "arch,cls", [("bert", "BertLayer"), ("llama", "LlamaDecoderLayer"), ("qwen2", "Qwen2DecoderLayer")]
+    "arch,cls",
+    [
+        ("bert", "BertLayer"),
+        ("llama", "LlamaDecoderLayer"),
+        ("qwen2", "Qwen2DecoderLayer"),
+        ("qwen3", "Qwen3DecoderLayer"),
+    ],
 )
 def test_layers_are_found(arch, cls):
     layers = find_layers(build_model(arch))
@@ -228,7 +238,7 @@ def _plans_to_try(tmp_path, arch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["bert", "roberta", "deberta", "llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["bert", "roberta", "deberta", "llama", "qwen2", "qwen3"])
 def test_every_plan_and_level_1_train_as_plain_pytorch(tmp_path, arch):
     eager = train(tmp_path, arch, "--use_ort", "false", name="eager").losses
     assert len(eager) == STEPS
@@ -527,3 +537,20 @@ def test_a_layer_selector_beyond_the_models_layers_is_refused_naming_the_flag(tm
     with pytest.raises(ValueError, match=r"`--memory_opt_config` entry 'Layer\+:1:-1@1-2' names layer 2, but the model "
                                          r"has 2 layers \(0-1\)"):  # fmt: skip
         train(tmp_path, "llama", "--memory_opt_backend", "torch", "--memory_opt_config", "Layer+:1:-1@1-2", steps=1)
+
+
+def test_a_model_without_repeated_layers_is_refused_naming_what_was_looked_for():
+    from optimum_memopt.backends.base import WrapSettings
+    from optimum_memopt.backends.torch.backend import TorchBackend
+
+    class TwoLinears(torch.nn.Module):  # no nn.ModuleList of blocks: nothing the backend recomputes inside
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    with pytest.raises(ValueError, match=r"found no list of repeated layers in TwoLinears \(an nn.ModuleList of "
+                                         r"blocks\); train it with `--use_ort false`"):  # fmt: skip
+        TorchBackend().wrap(TwoLinears(), WrapSettings(level=1))
