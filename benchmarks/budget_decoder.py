@@ -76,6 +76,18 @@ def solve(a, budget):
         return json.load(f)
 
 
+def budget_of(a, script_flags) -> float:
+    """`--budget_mb`, else eager's peak at half the batch (measured now), said."""
+    if a.budget_mb is not None:
+        print(f"budget: {a.budget_mb:.1f} MiB (given)", flush=True)
+        return a.budget_mb
+    half = run_child([DECODER], "eager at half the batch", PLAIN + script_flags, a.batch // 2, a.steps)
+    if not half.ok:
+        raise SystemExit(f"eager at batch {a.batch // 2} failed: {half.error}")
+    print(f"budget: eager's peak at batch {a.batch // 2}: {half.peak_mb:.1f} MiB", flush=True)
+    return half.peak_mb
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=16, help="the batch to fit (the budget is eager's peak at half)")
@@ -90,15 +102,7 @@ def main(argv=None):
     a.device_flags = ["--use_cpu"] if a.device == "cpu" else []
     script_flags = a.device_flags + ["--seed", "42"]
 
-    if a.budget_mb is None:
-        half = run_child([DECODER], "eager at half the batch", PLAIN + script_flags, a.batch // 2, a.steps)
-        if not half.ok:
-            raise SystemExit(f"eager at batch {a.batch // 2} failed: {half.error}")
-        budget = half.peak_mb
-        print(f"budget: eager's peak at batch {a.batch // 2}: {budget:.1f} MiB", flush=True)
-    else:
-        budget = a.budget_mb
-        print(f"budget: {budget:.1f} MiB (given)", flush=True)
+    budget = budget_of(a, script_flags)
     solver = solve(a, budget)
     fit = solver["fits"][-1]
     choice = fit["config"]

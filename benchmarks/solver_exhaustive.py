@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from budget_decoder import DECODER, PLAIN, TORCH, solve  # noqa: E402
+from budget_decoder import DECODER, TORCH, budget_of, solve  # noqa: E402
 
 from optimum_memopt.advisor import run_child  # noqa: E402
 from optimum_memopt.backends.torch.budget import plan_entries  # noqa: E402
@@ -75,14 +75,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     a.device_flags = ["--use_cpu"]
     flags = a.device_flags + ["--seed", "42"]
-    if a.budget_mb is None:
-        half = run_child([DECODER], "eager at half the batch", PLAIN + flags, a.batch // 2, a.steps)
-        if not half.ok:
-            raise SystemExit(f"eager at batch {a.batch // 2} failed: {half.error}")
-        budget = half.peak_mb
-    else:
-        budget = a.budget_mb
-    print(f"budget: {budget:.1f} MiB", flush=True)
+    budget = budget_of(a, flags)
     solver = solve(a, budget)
     fit = solver["fits"][-1]
     combos = every_combination(solver)

@@ -57,20 +57,22 @@ class MeasureCallback(TrainerCallback):
         if self.meter is not None and self._t0 is not None:
             self.times.append(time.perf_counter() - self._t0)
 
-    def _plan_report(self, model) -> Optional[dict]:
+    def _wrapped(self, model):
+        """(the trainer's backend, the model it wrapped), or (backend, None) where it wrapped none."""
         trainer = self.trainer
         backend = getattr(trainer, "memopt_backend", None)
         model = trainer.model if trainer is not None and getattr(trainer, "model", None) is not None else model
-        wrapped = backend.find(model) if backend is not None and model is not None else None
+        return backend, (backend.find(model) if backend is not None and model is not None else None)
+
+    def _plan_report(self, model) -> Optional[dict]:
+        backend, wrapped = self._wrapped(model)
         if wrapped is None:
             return None
-        report = backend.plan_report(wrapped, trainer.memopt_wrap_settings())
+        report = backend.plan_report(wrapped, self.trainer.memopt_wrap_settings())
         return None if report is None else report.to_dict()
 
-    def _auto_choice(self) -> Optional[dict]:
-        trainer = self.trainer
-        backend = getattr(trainer, "memopt_backend", None)
-        wrapped = backend.find(trainer.model) if backend is not None and trainer.model is not None else None
+    def _auto_choice(self, model) -> Optional[dict]:
+        backend, wrapped = self._wrapped(model)
         return backend.auto_choice(wrapped) if wrapped is not None else None
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
@@ -96,7 +98,7 @@ class MeasureCallback(TrainerCallback):
             "step_times": self.times,
             "batch_size": args.per_device_train_batch_size,
             "plans": self._plan_report(model),
-            "auto": self._auto_choice() if self.trainer is not None else None,
+            "auto": self._auto_choice(model),
         }
         tmp = f"{self.path}.tmp"
         with open(tmp, "w") as f:

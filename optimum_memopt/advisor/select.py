@@ -153,16 +153,11 @@ def solve(
                 considered=[config],
             )
         target -= check.peak_mb - budget_mb
-    for row in sorted((r for r in report.rows if r.kind == "level" and r.measurement.ok), key=lambda r: r.level):
-        if row.measurement.peak_mb <= budget_mb:
-            return Choice(
-                "",
-                row.level,
-                f"the solver's choices missed the budget when run ({'; '.join(misses)}); level {row.level} "
-                f"measured {row.measurement.peak_mb:,.1f} MiB",
-                row.measurement.peak_mb,
-                row.measurement,
-            )
+    level = _measured_level(
+        report, budget_mb, f"the solver's choices missed the budget when run ({'; '.join(misses)})"
+    )
+    if level is not None:
+        return level
     raise NoFit(
         f"the solver's choices missed {budget_mb:,.1f} MiB when run ({'; '.join(misses)}), and no level fits; "
         f"lower the batch size or raise `{budget_flag}`"
@@ -207,17 +202,24 @@ def verify(
         if nxt is None:
             break
         config = f"{config},{nxt}"
+    level = _measured_level(report, budget_mb, "the plan sets missed the budget when measured together")
+    if level is not None:
+        return level
+    raise NoFit(f"the chosen plans measured above {budget_mb:,.1f} MiB together, and no level fits either")
+
+
+def _measured_level(report: ProbeReport, budget_mb: float, why: str) -> Optional[Choice]:
+    """The lowest level the probe measured under the budget, as the last resort after `why`; None if none fits."""
     for row in sorted((r for r in report.rows if r.kind == "level" and r.measurement.ok), key=lambda r: r.level):
         if row.measurement.peak_mb <= budget_mb:
             return Choice(
                 "",
                 row.level,
-                f"the plan sets missed the budget when measured together; level {row.level} "
-                f"measured {row.measurement.peak_mb:,.1f} MiB",
+                f"{why}; level {row.level} measured {row.measurement.peak_mb:,.1f} MiB",
                 row.measurement.peak_mb,
                 row.measurement,
             )
-    raise NoFit(f"the chosen plans measured above {budget_mb:,.1f} MiB together, and no level fits either")
+    return None
 
 
 def max_batch_size(

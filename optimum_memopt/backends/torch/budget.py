@@ -114,7 +114,6 @@ class Fit:
     choice: Optional[List[Candidate]] = None  # None: nothing fits (`why_not`)
     predicted: Optional[Prediction] = None
     why_not: str = ""
-    extra_bytes: int = 0
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
 
@@ -228,10 +227,7 @@ def _start(profile, memory, measured, extra_bytes, per_layer):
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
     most = [max(c.freed_bytes for c in options) for options in per_layer]
-    result = Fit(
-        0, measured=predict(memory, q, q, extra_bytes), floor=predict(memory, q, most, extra_bytes),
-        extra_bytes=extra_bytes,
-    )  # fmt: skip
+    result = Fit(0, measured=predict(memory, q, q, extra_bytes), floor=predict(memory, q, most, extra_bytes))
     return per_layer, q, result
 
 
