@@ -99,3 +99,27 @@ def test_a_storage_is_referenced_weakly_past_the_tensor_that_made_it():
     assert not ref.expired()
     del view
     assert ref.expired()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_checkpoint_around_the_code_is_seen_in_its_forward_and_recompute(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    assert hasattr(torch._C, "_current_graph_task_id")  # else a reentrant recompute goes unseen
+    seen = []
+
+    def f(x):
+        seen.append(_torch_api.foreign_recompute())
+        return (x * 2).sin()
+
+    x = torch.randn(3, requires_grad=True)
+    checkpoint(f, x, use_reentrant=reentrant).sum().backward()
+    if reentrant:  # its forward runs without grad (the backend's layers pass through); the recompute is seen
+        assert seen == [None, "during a backward pass (a recompute: torch.utils.checkpoint with use_reentrant=True)"]
+    else:
+        assert seen == ["inside torch.utils.checkpoint", "inside torch.utils.checkpoint's recompute"]
+    seen.clear()
+    f(x).sum().backward()
+    assert seen == [None]

@@ -6,6 +6,7 @@ CI, not a user's run; where a public fallback exists, it is used when the privat
 """
 
 import weakref
+from typing import Optional
 
 import torch
 
@@ -116,3 +117,21 @@ def at_backward_end(fn) -> None:
     """Run `fn()` when the backward pass now running ends (private `Variable._execution_engine.queue_callback`, as
     DDP and FSDP use it); call it from a backward hook."""
     torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+def foreign_recompute() -> Optional[str]:
+    """How code running now is under someone else's recompute, or None: a non-reentrant `torch.utils.checkpoint`
+    (its saved-tensor hooks are the innermost: its first forward, or its recompute in backward), or a forward run
+    inside a backward pass (a reentrant checkpoint's recompute). Private: the hooks' qualified names in
+    torch.utils.checkpoint, and `torch._C._current_graph_task_id` (-1 outside backward)."""
+    top = top_saved_tensors_hooks()
+    pack = top[0] if top is not None else None
+    if getattr(pack, "__module__", None) == "torch.utils.checkpoint":
+        name = getattr(pack, "__qualname__", "")
+        if name.startswith("_recomputation_hook"):
+            return "inside torch.utils.checkpoint's recompute"
+        return "inside torch.utils.checkpoint"
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    if task is not None and task() != -1:
+        return "during a backward pass (a recompute: torch.utils.checkpoint with use_reentrant=True)"
+    return None

@@ -2,6 +2,7 @@
 building the arguments (which asks backends to check their flags) loads no dispatch mode or hook machinery."""
 
 import logging
+import os
 import weakref
 from typing import List, Optional
 
@@ -12,11 +13,24 @@ from ...memory import MIB
 from ...plans import PlanError, PlanReport
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
-from .layers import find_layers
+from .layers import checkpointed_elsewhere, find_layers
 from .policy import RecomputePolicy, check_requests
 
 logger = logging.getLogger(__name__)
 STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state
+
+
+def _fsdp_checkpointing(args) -> Optional[str]:
+    """How FSDP's own activation checkpointing is on for this run (`fsdp_config` or accelerate's config), or None."""
+    value = (getattr(args, "fsdp_config", None) or {}).get("activation_checkpointing", False)
+    if getattr(args, "fsdp", None) and str(value).lower() in ("true", "1"):
+        return "`fsdp_config['activation_checkpointing']`"
+    env = os.environ
+    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1") and env.get(
+        "FSDP_ACTIVATION_CHECKPOINTING", ""
+    ).lower() in ("true", "1"):
+        return "`fsdp_activation_checkpointing: true` in accelerate's config ($FSDP_ACTIVATION_CHECKPOINTING)"
+    return None
 
 
 class TorchBackend(Backend):
@@ -38,6 +52,13 @@ class TorchBackend(Backend):
                 f"{what} with the torch backend would recompute the same layers twice over; use the backend's "
                 f"whole-layer recompute instead, as in `--memory_opt_level 1 --{name} false`, or pass `--use_ort "
                 f"false` to keep transformers' checkpointing"
+            )
+        fsdp_ac = _fsdp_checkpointing(args)
+        if fsdp_ac:
+            raise ValueError(
+                f"{fsdp_ac} with the torch backend would recompute the same layers twice over (FSDP wraps them in "
+                f"torch's `checkpoint_wrapper`); turn it off and use the backend's whole-layer recompute instead, as "
+                f"in `--memory_opt_level 1`, or pass `--use_ort false` to keep FSDP's checkpointing"
             )
         if args.torch_compile:
             raise ValueError(
@@ -62,6 +83,9 @@ class TorchBackend(Backend):
                 f"the torch backend recomputes inside transformer layers, but found no list of repeated layers in "
                 f"{type(model).__name__} (an nn.ModuleList of blocks); train it with `--use_ort false`"
             )
+        twice = checkpointed_elsewhere(model, layers)
+        if twice is not None:
+            raise ValueError(twice)
         try:
             policy = RecomputePolicy.from_plans(settings.entries, settings.level, len(layers))
         except PlanError as e:  # a layer selector naming a layer this model does not have

@@ -74,6 +74,7 @@ class RecomputeState:
         original = self.originals[index]
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
+        _check_alone(layer, index)
         if index == 0 and self.watch is not None and self.watch.backward_ended and not self.steps_reported:
             self._close_watch()  # step two of a loop that does not report steps: step one ended before it
         if index == 0:
@@ -109,6 +110,30 @@ class RecomputeState:
             if index == len(self.layers) - 1:
                 watch.forward_done()
         return out
+
+
+def _check_alone(layer, index: int) -> None:
+    """Refuse a layer recomputed by something besides the backend, found as it runs (turned on after the model was
+    wrapped; the wrap refuses what it can see then), before it is recomputed twice over."""
+    around = _torch_api.foreign_recompute()
+    if around is not None:
+        cause = (
+            f"ran {around}: something outside the backend recomputes it (a `checkpoint_wrapper` or a checkpoint call "
+            f"around the layers), and the backend would recompute it again; remove that checkpointing"
+        )
+    elif getattr(layer, "gradient_checkpointing", False) is True:
+        cause = (
+            "has transformers' activation checkpointing turned on since the backend wrapped the model "
+            "(`model.activation_checkpointing_enable()` or `gradient_checkpointing_enable()` called after the Trainer "
+            "was built), so it would be recomputed twice over; call `model.activation_checkpointing_disable()`"
+        )
+    else:
+        return
+    raise RuntimeError(
+        f"optimum-memopt: layer {index} ({type(layer).__name__}) of the torch backend {cause}, and use the backend's "
+        f"`--memory_opt_level 1` (every layer) or `--memory_opt_config 'Layer+:1:-1@every2'` (every other layer) "
+        f"for whole-layer recompute"
+    )
 
 
 def _device(args, kwargs) -> str:

@@ -1,7 +1,7 @@
 """Finding a model's transformer layers, and replacing their `forward` on the instance (and giving it back).
 Replacing the instance's `forward` leaves the module tree, `state_dict` keys and DDP / DeepSpeed wrapping alone."""
 
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 from torch import nn
 
@@ -40,3 +40,40 @@ class LayerForwards:
                 layer.forward = original
             else:
                 vars(layer).pop("forward", None)
+
+
+def _as_flag(indexes: List[int], n_layers: int) -> str:
+    """Our flag for whole-layer recompute of these layers."""
+    if indexes == list(range(n_layers)):
+        return "`--memory_opt_level 1`"
+    step = indexes[1] - indexes[0] if len(indexes) > 1 else 0
+    if step > 1 and indexes == list(range(0, n_layers, step)):
+        return f"`--memory_opt_config 'Layer+:1:-1@every{step}'`"
+    return f"`--memory_opt_config 'Layer+:1:-1@{'+'.join(map(str, indexes))}'`"
+
+
+def checkpointed_elsewhere(model: nn.Module, layers: List[nn.Module]) -> Optional[str]:
+    """Why the model's layers are already recomputed by something other than this backend (transformers' activation
+    checkpointing turned on, or torch's `checkpoint_wrapper` around them), which would recompute them twice over;
+    None when nothing is."""
+    wrapped = [i for i, layer in enumerate(layers) if hasattr(layer, "_checkpoint_wrapped_module")]
+    if wrapped:
+        return (
+            f"{len(wrapped)} of {type(model).__name__}'s {len(layers)} layers are wrapped in torch's "
+            f"`checkpoint_wrapper` (FSDP's `activation_checkpointing`, `fsdp_config={{'activation_checkpointing': "
+            f"True}}` or `fsdp_activation_checkpointing: true` in accelerate's config, or a script's own "
+            f"`apply_activation_checkpointing`), so with the torch backend they would be recomputed twice over; "
+            f"turn it off and pass {_as_flag(wrapped, len(layers))} for the same recompute, or pass `--use_ort "
+            f"false` to keep it"
+        )
+    on = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False) is True]
+    if not on:
+        return None
+    return (
+        f"transformers' activation checkpointing is on in {len(on)} of {type(model).__name__}'s {len(layers)} layers "
+        f"(`model.activation_checkpointing_enable()` or `gradient_checkpointing_enable()` was called on it: by the "
+        f"script, by PEFT's `prepare_model_for_kbit_training`, or by a trainer given `gradient_checkpointing=True`), "
+        f"so with the torch backend they would be recomputed twice over; call `model.activation_checkpointing_"
+        f"disable()` and pass {_as_flag(on, len(layers))} for the same recompute, or pass `--use_ort false` to keep "
+        f"transformers' checkpointing"
+    )
