@@ -8,6 +8,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_DISABLED", "true")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from optimum_memopt.backends import ort as _ort  # noqa: E402
 from optimum_memopt.backends import torch as _torch_backend  # noqa: E402
@@ -44,3 +45,27 @@ def recomputed(monkeypatch):
 
     monkeypatch.setattr(recipe.Recipe, "outputs", counting)
     return calls
+
+
+@pytest.fixture
+def recomputed_as_first(monkeypatch):
+    """Each planned output the torch backend recomputes, against the tensor the first forward made: a list of
+    (op name, dtype made, dtype recomputed, bitwise equal), one entry per tensor backward asked for."""
+    from optimum_memopt.backends.torch import _torch_api, recipe
+
+    made, seen = {}, []
+    real_init, real_materialize = recipe.Stashed.__init__, recipe.Stashed.materialize
+
+    def init(self, r, index, t, saved=True):
+        real_init(self, r, index, t, saved)
+        made[id(self)] = (_torch_api.op_name(r.func), t.detach().clone())
+
+    def materialize(self):
+        out = real_materialize(self)
+        name, first = made.pop(id(self))
+        seen.append((name, first.dtype, out.dtype, torch.equal(first, out)))
+        return out
+
+    monkeypatch.setattr(recipe.Stashed, "__init__", init)
+    monkeypatch.setattr(recipe.Stashed, "materialize", materialize)
+    return seen

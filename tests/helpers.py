@@ -48,6 +48,25 @@ def tiny_model(arch="deberta", task="cls", seed=0, attn=None):
     return cls(cfg)
 
 
+def small_decoder(arch="llama", layers=2, seed=0):
+    """A very small causal LM of a decoder family (llama, qwen2, qwen3: q/k RMS norms, explicit head_dim), for
+    `CausalData`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    raise ValueError(f"no small decoder {arch!r}")
+
+
 def tiny_decoder():
     """A small Llama-style decoder (3 layers, SDPA, sequences of 256 tokens: `Tokens`) whose step is big enough for
     the CPU's sampled memory to see each layer: the budget solver's model."""

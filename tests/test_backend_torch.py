@@ -7,17 +7,9 @@ import logging
 
 import pytest
 import torch
-from helpers import SEQ, VOCAB, CausalData, ClsData, LossRecordingTrainer, make_args, tiny_model
+from helpers import SEQ, VOCAB, CausalData, ClsData, LossRecordingTrainer, make_args, small_decoder, tiny_model
 from torch_engine import Counting
-from transformers import (
-    AutoModelForSequenceClassification,
-    BertConfig,
-    BertForSequenceClassification,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
 from optimum_memopt import MemoptTrainingArguments
 from optimum_memopt.backends.torch.layers import find_layers
@@ -53,22 +45,7 @@ def build_model(arch, seed=0, dropout=0.0):
         if dropout:
             cfg._attn_implementation = "eager"  # the attention dropout outside the fused SDPA kernel
         return BertForSequenceClassification(cfg)
-    common = dict(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        max_position_embeddings=64,
-    )
-    if arch == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common))
-    if arch == "qwen3":  # a decoder family of transformers 5.x: q/k RMS norms, explicit head_dim
-        from transformers import Qwen3Config, Qwen3ForCausalLM
-
-        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
-    return Qwen2ForCausalLM(Qwen2Config(**common))
+    return small_decoder(arch, seed=seed)
 
 
 def data_for(arch):

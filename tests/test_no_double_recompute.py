@@ -4,9 +4,9 @@ the backend's flag for the same recompute, whenever they are turned on: never re
 
 import pytest
 import torch
-from helpers import CausalData, LossRecordingTrainer, make_args
+from helpers import CausalData, LossRecordingTrainer, make_args, small_decoder
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, apply_activation_checkpointing
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import TrainerCallback
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from optimum_memopt import MemoptTrainingArguments
@@ -18,12 +18,7 @@ BASE = dict(output_dir="unused_out", report_to="none", use_cpu=True, memory_opt_
 
 
 def llama(layers=2):
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64,
-    )  # fmt: skip
-    return LlamaForCausalLM(config)
+    return small_decoder("llama", layers)
 
 
 def trainer(tmp_path, model, *flags, callbacks=None):

@@ -178,3 +178,39 @@ def test_a_linear_layers_output_on_a_3d_input_chains_too(recomputed):
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert outer_planned.nbytes == outer_plain.nbytes - 4 * (4 * 8 * 4)
     assert sorted(recomputed) == ["mm", "mm", "mul", "silu"]
+
+
+def _fp32_inside_autocast(block, x):
+    # a product computed in fp32 in a region with autocast off (as models do for precision), then one in bf16
+    with torch.autocast("cpu", enabled=False):
+        h = F.silu(x.float() @ block.w)
+    return F.gelu(h @ block.w)
+
+
+@pytest.mark.parametrize("over_backward", [False, True], ids=["autocast-forward", "autocast-over-backward"])
+def test_planned_outputs_under_autocast_are_recomputed_bitwise_in_their_dtype(recomputed_as_first, over_backward):
+    """bf16 autocast (CPU): each recomputed output equals the first forward's bitwise and in its dtype, the
+    gradients equal plain PyTorch's, with autocast over the forward only (the Trainer's) or over backward too (the
+    replay runs the kernel autocast chose in the forward, not autocast's choice again)."""
+    plain, planned = pair(_fp32_inside_autocast, n=2)
+    engine(planned, ops("MatMul", "silu", "Gelu", n=2))
+    x = torch.randn(4, 8)
+
+    def run(model):
+        model.train()
+        xg = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(xg).float().square().sum()
+            if over_backward:
+                loss.backward()
+        if not over_backward:
+            loss.backward()
+        return [xg.grad] + [p.grad for p in model.parameters()]
+
+    for _ in range(2):  # the profiled step one, then a plain step
+        recomputed_as_first.clear()
+        got, want = run(planned), run(plain)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        dtypes = {(name, made) for name, made, _, _ in recomputed_as_first}
+        assert {("mm", torch.float32), ("mm", torch.bfloat16)} <= dtypes  # fp32 in the region, bf16 after
+        assert all(same and made == back for _, made, back, same in recomputed_as_first), recomputed_as_first

@@ -1,6 +1,7 @@
 """Recipes: how to recompute one op's outputs in backward (the op, its inputs, the RNG state of a random op), and
 the stand-in autograd holds instead of a planned output."""
 
+import contextlib
 from typing import List, Optional
 
 import torch
@@ -72,6 +73,17 @@ def changed_in_place(t: torch.Tensor, saved_version: int) -> None:
         )
 
 
+def _without_autocast(args, kwargs) -> contextlib.ExitStack:
+    """Autocast off for a replay: the op recorded is the kernel autocast chose in the forward, inputs already cast;
+    under an autocast active in backward, an op that ran in fp32 (in a region with autocast off) would come back in
+    bf16, a silently different value."""
+    stack = contextlib.ExitStack()
+    kinds = {"cpu"} | {t.device.type for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)}
+    for kind in sorted(kinds):
+        stack.enter_context(torch.autocast(kind, enabled=False))
+    return stack
+
+
 class Recipe:
     """How to recompute one op's outputs: the op, its inputs (kept alive by autograd anyway, or stand-ins for
     planned outputs recomputed in turn: a chain), the RNG state. Computed once per backward, when first asked for,
@@ -101,7 +113,7 @@ class Recipe:
                     f"pass, so its output cannot be recomputed for backward; drop the plan for "
                     f"{plan_name(_torch_api.op_name(self.func))!r}"
                 )
-            with torch.no_grad():
+            with torch.no_grad(), _without_autocast(self.args, self.kwargs):
                 # inputs recomputed in turn (a chain) are asked for once, here, and let go of once this is computed
                 args, kwargs = _materialized((self.args, self.kwargs))
                 if self.rng is None:
