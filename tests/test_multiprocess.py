@@ -28,7 +28,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(mode, out, nproc=2, timeout=600):
+def launch(mode, out, nproc=2, timeout=600, worker=WORKER):
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -47,7 +47,7 @@ def launch(mode, out, nproc=2, timeout=600):
         "127.0.0.1",
         "--master_port",
         str(free_port()),
-        WORKER,
+        worker,
         mode,
         str(out),
         BACKEND,
@@ -160,3 +160,37 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     out = res.stdout + res.stderr
     said = "`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 1`"
     assert out.count(said) >= 2, out[-6000:]  # raised on each rank (torchrun prints each failure)
+
+
+FSDP2_WORKER = os.path.join(HERE, "multiprocess", "worker_fsdp2.py")
+
+
+@pytest.mark.torch_backend
+def test_fsdp2_fully_shard_recomputes_with_gathered_parameters(tmp_path):
+    """FSDP2 (`fully_shard` on each layer, `reshard_after_forward=True`) on 2 CPU processes: a chained plan, a
+    mixed per-layer plan and level 1 train as the same sharded run without the backend (losses and the trained
+    parameters), and every recomputation saw unsharded parameters (worker_fsdp2.py's checks)."""
+    runs = {}
+    for name, mode in [
+        ("none", "none"),
+        ("chain", "plan:MatMul+silu+Mul+:1:-1"),  # mm recipes hold views of the projections' gathered weights
+        ("mixed", "plan:Layer+:1:-1@0,Mul+:1:-1@1"),  # RMSNorm's mul holds its gathered weight itself
+        ("level1", "level1"),
+    ]:
+        out = tmp_path / name
+        out.mkdir()
+        res = launch(mode, out, worker=FSDP2_WORKER, timeout=300)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        runs[name] = reports(out, 2)
+    for name, ranks in runs.items():
+        for rank, (got, want) in enumerate(zip(ranks, runs["none"])):
+            assert got["layer_class"] == "FSDPLlamaDecoderLayer"  # sharded
+            assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, (name, rank)
+            assert got["checksum"] == pytest.approx(want["checksum"], rel=1e-9), (name, rank)
+            assert got["checks"]["sharded_seen"] == 0, (name, got["checks"])
+    steps, layers = len(runs["none"][0]["losses"]), 2
+    for ranks in (runs["chain"], runs["mixed"]):
+        assert all(r["checks"]["recipe_replays"] > 0 and r["checks"]["parameter_inputs"] > 0 for r in ranks)
+    assert {"mm", "silu", "mul"} <= set(runs["chain"][0]["replayed"])
+    assert [r["checks"]["layer_recomputes"] for r in runs["level1"]] == [steps * layers] * 2
+    assert [r["checks"]["layer_recomputes"] for r in runs["mixed"]] == [steps] * 2  # layer 0 only

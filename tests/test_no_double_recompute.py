@@ -142,3 +142,15 @@ def test_saved_tensor_hooks_around_the_step_are_not_recompute():
     with torch.autograd.graph.save_on_cpu():
         assert _torch_api.foreign_recompute() is None
     assert _torch_api.foreign_recompute() is None
+
+
+def test_the_fsdp2_config_loads_as_accelerate_reads_it_with_fsdps_checkpointing_off():
+    import os
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = load_config_from_file(os.path.join(root, "examples", "configs", "accelerate_fsdp2_gpu.yaml"))
+    assert str(config.distributed_type).endswith("FSDP") and config.fsdp_config["fsdp_version"] == 2
+    assert config.fsdp_config["fsdp_activation_checkpointing"] is False  # the backend refuses it on
+    assert config.fsdp_config["fsdp_reshard_after_forward"] is True

@@ -1,0 +1,102 @@
+"""One rank of a 2-process FSDP2 run on CPU (gloo): a small Llama whose layers are sharded with `fully_shard`
+(`reshard_after_forward=True`: each layer's parameters are freed after its forward and gathered again for its
+backward), trained in a plain loop. The torch backend wraps the model first, as in the Trainer (accelerate shards
+after `_wrap_model`). Usage: worker_fsdp2.py MODE OUT, MODE one of `none` (no backend), `level1`, or `plan:CONFIG`.
+
+While training, every recomputation is checked to see unsharded parameters: a recipe's inputs are plain tensors
+with their storage present when it replays, and a layer recomputed whole finds its projections' weights gathered.
+Writes OUT/rank{r}.json: the losses, the checks counted, a checksum of the trained (gathered) parameters."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from optimum_memopt.backends.base import WrapSettings
+from optimum_memopt.backends.torch import recipe
+from optimum_memopt.backends.torch.backend import TorchBackend
+from optimum_memopt.plans import parse_plans
+
+STEPS, ROWS, SEQ, VOCAB = 6, 4, 32, 128
+checks = {"recipe_replays": 0, "recipe_inputs": 0, "parameter_inputs": 0, "layer_recomputes": 0, "sharded_seen": 0}
+replayed = set()  # the ops recipes replayed
+
+
+def checked_outputs(real):
+    def outputs(self):
+        if self.value is None and self.args is not None:
+            checks["recipe_replays"] += 1
+            replayed.add(self.func.overloadpacket.__name__)
+            for t in recipe.tensors_in((self.args, self.kwargs)):
+                checks["recipe_inputs"] += 1
+                checks["parameter_inputs"] += isinstance(t, torch.nn.Parameter) or isinstance(
+                    t._base, torch.nn.Parameter
+                )
+                if isinstance(t, DTensor) or (t.numel() and t.untyped_storage().nbytes() == 0):
+                    checks["sharded_seen"] += 1
+        return real(self)
+
+    return outputs
+
+
+def main(mode, out):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)  # the same initial weights on every rank: fully_shard keeps this rank's slice of them
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="sdpa",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    if mode != "none":
+        entries = parse_plans(mode[len("plan:") :]) if mode.startswith("plan:") else []
+        model = TorchBackend().wrap(model, WrapSettings(entries=entries, level=1 if mode == "level1" else 0))
+        recipe.Recipe.outputs = checked_outputs(recipe.Recipe.outputs)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh)
+
+    def gathered(module, args):  # a projection's forward (the first, or a whole layer's recompute in backward)
+        if torch.is_grad_enabled() and module.training:
+            checks["layer_recomputes"] += torch._C._current_graph_task_id() != -1
+            if isinstance(module.weight, DTensor) or module.weight.untyped_storage().nbytes() == 0:
+                checks["sharded_seen"] += 1
+
+    for layer in model.model.layers:
+        layer.mlp.gate_proj.register_forward_pre_hook(gathered)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(100 + rank)  # each rank its own rows
+    losses = []
+    model.train()
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    checksum = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
+    state = getattr(model, "_memopt_recompute", None)
+    result = {
+        "losses": losses,
+        "checks": checks,
+        "replayed": sorted(replayed),
+        "checksum": checksum,
+        "policy": state.policy.describe() if state is not None else None,
+        "layer_class": type(model.model.layers[0]).__name__,
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()  # an undestroyed gloo group can abort at exit (docs/STACK.md)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
