@@ -28,7 +28,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(mode, out, nproc=2, timeout=600, worker=WORKER):
+def launch(mode, out, nproc=2, timeout=600, worker=WORKER, extra=()):
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -51,6 +51,7 @@ def launch(mode, out, nproc=2, timeout=600, worker=WORKER):
         mode,
         str(out),
         BACKEND,
+        *extra,
     ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     return res
@@ -194,3 +195,36 @@ def test_fsdp2_fully_shard_recomputes_with_gathered_parameters(tmp_path):
     assert {"mm", "silu", "mul"} <= set(runs["chain"][0]["replayed"])
     assert [r["checks"]["layer_recomputes"] for r in runs["level1"]] == [steps * layers] * 2
     assert [r["checks"]["layer_recomputes"] for r in runs["mixed"]] == [steps] * 2  # layer 0 only
+
+
+ZERO3_WORKER = os.path.join(HERE, "multiprocess", "worker_zero3.py")
+
+
+@pytest.mark.torch_backend
+def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path):
+    """DeepSpeed ZeRO-3 through the Trainer on 2 CPU processes, parameters released after each submodule's forward:
+    a chained plan whose recipes hold a released parameter (RMSNorm's weight, read before the norm's own backward
+    gathers it again) and level 1 give the losses and trained parameters of ZeRO-3 without the backend; the plan's
+    run resumed from its step-3 checkpoint ends as the uninterrupted run; one plan table, from rank 0."""
+    runs, stdout = {}, {}
+    for name, mode in [("none", "none"), ("plan", "plan:MatMul+silu+Mul+:1:-1"), ("level1", "level1")]:
+        out = tmp_path / name
+        out.mkdir()
+        res = launch(mode, out, worker=ZERO3_WORKER, timeout=400)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        runs[name], stdout[name] = reports(out, 2), res.stdout
+    for name, ranks in runs.items():
+        for got, want in zip(ranks, runs["none"]):
+            assert (got["wrapped"], got["stage"]) == ("DeepSpeedEngine", 3)
+            assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, name
+            assert got["checksum"] == pytest.approx(want["checksum"], rel=1e-9), name
+    assert stdout["plan"].count("Memory optimizer (torch) ON") == 1 and "STATE  CONFIG" in stdout["plan"]
+    assert stdout["none"].count("Memory optimizer (torch) ON") == 0
+    out = tmp_path / "resumed"
+    out.mkdir()
+    res = launch("plan:MatMul+silu+Mul+:1:-1", out, worker=ZERO3_WORKER, timeout=400,
+                 extra=[str(tmp_path / "plan" / "checkpoint-3")])  # fmt: skip
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for got, want in zip(reports(out, 2), runs["plan"]):
+        assert got["losses"] == want["losses"][3:]
+        assert got["checksum"] == pytest.approx(want["checksum"], rel=1e-9)

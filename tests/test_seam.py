@@ -121,13 +121,16 @@ def test_no_deepspeed_is_no_stage(no_accelerate_env):
 
 @pytest.mark.torch_backend
 @pytest.mark.parametrize("route", ROUTES)
-def test_zero3_is_refused_by_the_torch_backend_whatever_the_route(route, tmp_path, monkeypatch, no_accelerate_env):
+def test_zero3_is_taken_by_the_torch_backend_whatever_the_route(route, tmp_path, monkeypatch, no_accelerate_env):
+    """The torch backend trains under ZeRO-3 (tests/test_multiprocess.py): no route refuses it."""
     deepspeed, via = _route(route, tmp_path, monkeypatch)
     kwargs = {"deepspeed": deepspeed} if deepspeed is not None else {}
-    with pytest.raises(ValueError, match=rf"^{_re(via)} selects ZeRO stage 3 with the torch backend"):
-        MemoptTrainingArguments(
-            output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, memory_opt_backend="torch", **kwargs
-        )
+    args = MemoptTrainingArguments(
+        output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, memory_opt_backend="torch",
+        memory_opt_level=1, **kwargs,
+    )  # fmt: skip
+    assert args.memory_opt.backend == "torch" and args.memory_opt.level == 1
+    assert zero_stage(args.deepspeed)[0] == 3
 
 
 @pytest.mark.parametrize("route", ROUTES)

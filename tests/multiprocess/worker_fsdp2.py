@@ -1,7 +1,7 @@
 """One rank of a 2-process FSDP2 run on CPU (gloo): a small Llama whose layers are sharded with `fully_shard`
 (`reshard_after_forward=True`: each layer's parameters are freed after its forward and gathered again for its
 backward), trained in a plain loop. The torch backend wraps the model first, as in the Trainer (accelerate shards
-after `_wrap_model`). Usage: worker_fsdp2.py MODE OUT, MODE one of `none` (no backend), `level1`, or `plan:CONFIG`.
+after `_wrap_model`). Usage: worker_fsdp2.py MODE OUT [BACKEND], MODE one of `none` (no backend), `level1`, or `plan:CONFIG`.
 
 While training, every recomputation is checked to see unsharded parameters: a recipe's inputs are plain tensors
 with their storage present when it replays, and a layer recomputed whole finds its projections' weights gathered.

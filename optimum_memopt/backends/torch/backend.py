@@ -8,7 +8,6 @@ from typing import List, Optional
 
 from torch import nn
 
-from ... import _deepspeed
 from ...memory import MIB
 from ...plans import PlanError, PlanReport
 from ..base import Backend, WrapSettings, checkpointing_asked
@@ -67,13 +66,6 @@ class TorchBackend(Backend):
                 "`--use_ort false` to compile plain PyTorch"
             )
         check_requests(args.memory_opt.enabled_entries)
-        stage, via = _deepspeed.zero_stage(args.deepspeed)
-        if stage == 3:
-            raise ValueError(
-                f"{via} selects ZeRO stage 3 with the torch backend, which is not tested with it (ZeRO-3 "
-                f"gathers parameters inside the layers the backend recomputes); use ZeRO stage 1 or 2 "
-                f"(examples/configs/ds_zero2.json), or `--use_ort false`"
-            )
         return []
 
     def wrap(self, model: nn.Module, settings: WrapSettings) -> nn.Module:

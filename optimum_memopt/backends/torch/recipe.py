@@ -84,6 +84,24 @@ def _without_autocast(args, kwargs) -> contextlib.ExitStack:
     return stack
 
 
+@contextlib.contextmanager
+def _zero3_gathered(args, kwargs):
+    """DeepSpeed ZeRO-3 parameters among a recipe's inputs (RMSNorm's weight, held by its `mul`) are released after
+    their module's forward (`param.data` emptied to shape [0]) and gathered again only for that module's own
+    backward, which may come after the recipe is asked for (q_proj's backward reads the norm's output first): gather
+    the released ones for the replay and release them after, as DeepSpeed's own linear layer does in its backward.
+    Every rank replays the same recipes in the same order, so the gathers (collectives) match."""
+    released = [t for t in tensors_in((args, kwargs)) if getattr(getattr(t, "ds_status", None), "name", "") ==
+                "NOT_AVAILABLE"]  # fmt: skip
+    for p in released:
+        p.all_gather()
+    try:
+        yield
+    finally:
+        for p in released:
+            p.partition()
+
+
 class Recipe:
     """How to recompute one op's outputs: the op, its inputs (kept alive by autograd anyway, or stand-ins for
     planned outputs recomputed in turn: a chain), the RNG state. Computed once per backward, when first asked for,
@@ -113,7 +131,7 @@ class Recipe:
                     f"pass, so its output cannot be recomputed for backward; drop the plan for "
                     f"{plan_name(_torch_api.op_name(self.func))!r}"
                 )
-            with torch.no_grad(), _without_autocast(self.args, self.kwargs):
+            with torch.no_grad(), _without_autocast(self.args, self.kwargs), _zero3_gathered(self.args, self.kwargs):
                 # inputs recomputed in turn (a chain) are asked for once, here, and let go of once this is computed
                 args, kwargs = _materialized((self.args, self.kwargs))
                 if self.rng is None:
