@@ -19,15 +19,17 @@ logger = logging.getLogger(__name__)
 STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state
 
 
+def _true(value) -> bool:
+    return str(value).lower() in ("true", "1")
+
+
 def _fsdp_checkpointing(args) -> Optional[str]:
     """How FSDP's own activation checkpointing is on for this run (`fsdp_config` or accelerate's config), or None."""
-    value = (getattr(args, "fsdp_config", None) or {}).get("activation_checkpointing", False)
-    if getattr(args, "fsdp", None) and str(value).lower() in ("true", "1"):
+    if getattr(args, "fsdp", None) and _true(
+        (getattr(args, "fsdp_config", None) or {}).get("activation_checkpointing")
+    ):
         return "`fsdp_config['activation_checkpointing']`"
-    env = os.environ
-    if env.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1") and env.get(
-        "FSDP_ACTIVATION_CHECKPOINTING", ""
-    ).lower() in ("true", "1"):
+    if _true(os.environ.get("ACCELERATE_USE_FSDP")) and _true(os.environ.get("FSDP_ACTIVATION_CHECKPOINTING")):
         return "`fsdp_activation_checkpointing: true` in accelerate's config ($FSDP_ACTIVATION_CHECKPOINTING)"
     return None
 

@@ -73,26 +73,25 @@ def changed_in_place(t: torch.Tensor, saved_version: int) -> None:
         )
 
 
-def _without_autocast(args, kwargs) -> contextlib.ExitStack:
+def _without_autocast(inputs: List[torch.Tensor]) -> contextlib.ExitStack:
     """Autocast off for a replay: the op recorded is the kernel autocast chose in the forward, inputs already cast;
     under an autocast active in backward, an op that ran in fp32 (in a region with autocast off) would come back in
     bf16, a silently different value."""
     stack = contextlib.ExitStack()
-    kinds = {"cpu"} | {t.device.type for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)}
+    kinds = {"cpu"} | {t.device.type for t in inputs}
     for kind in sorted(kinds):
         stack.enter_context(torch.autocast(kind, enabled=False))
     return stack
 
 
 @contextlib.contextmanager
-def _zero3_gathered(args, kwargs):
+def _zero3_gathered(inputs: List[torch.Tensor]):
     """DeepSpeed ZeRO-3 parameters among a recipe's inputs (RMSNorm's weight, held by its `mul`) are released after
     their module's forward (`param.data` emptied to shape [0]) and gathered again only for that module's own
     backward, which may come after the recipe is asked for (q_proj's backward reads the norm's output first): gather
     the released ones for the replay and release them after, as DeepSpeed's own linear layer does in its backward.
     Every rank replays the same recipes in the same order, so the gathers (collectives) match."""
-    released = [t for t in tensors_in((args, kwargs)) if getattr(getattr(t, "ds_status", None), "name", "") ==
-                "NOT_AVAILABLE"]  # fmt: skip
+    released = [t for t in inputs if getattr(getattr(t, "ds_status", None), "name", "") == "NOT_AVAILABLE"]
     for p in released:
         p.all_gather()
     try:
@@ -124,14 +123,15 @@ class Recipe:
                 f"`--memory_opt_level 1` or no plans for it"
             )
         if self.value is None:
-            now = [_torch_api.version(t) for t in tensors_in((self.args, self.kwargs))]
+            inputs = tensors_in((self.args, self.kwargs))
+            now = [_torch_api.version(t) for t in inputs]
             if now != self.versions:
                 raise RuntimeError(
                     f"optimum-memopt torch backend: an input of {self.func} was modified in place after the forward "
                     f"pass, so its output cannot be recomputed for backward; drop the plan for "
                     f"{plan_name(_torch_api.op_name(self.func))!r}"
                 )
-            with torch.no_grad(), _without_autocast(self.args, self.kwargs), _zero3_gathered(self.args, self.kwargs):
+            with torch.no_grad(), _without_autocast(inputs), _zero3_gathered(inputs):
                 # inputs recomputed in turn (a chain) are asked for once, here, and let go of once this is computed
                 args, kwargs = _materialized((self.args, self.kwargs))
                 if self.rng is None:
