@@ -1,6 +1,7 @@
 """Tiny models built from configs in code, generated data, and a trainer that records exact losses."""
 
 import csv
+import os
 import subprocess
 import sys
 
@@ -231,3 +232,17 @@ BEST_AT_END_IN_GRAPH = (
     "--eval_strategy steps --eval_steps 2 --save_strategy steps --save_steps 2 --load_best_model_at_end "
     "--label_smoothing_factor 0.1 --ort_loss_in_graph"
 ).split()
+
+
+def end_distributed_worker():
+    """A multi-process test worker's last call, once its report is written: every rank meets, the process groups
+    are destroyed, and the process leaves without interpreter finalization. Gloo can abort a finished process during
+    finalization (SIGABRT, "terminate called without an active exception"): seen under ZeRO-2 without
+    `destroy_process_group()`, and once under ZeRO-3 with it (docs/STACK.md). Only reached when the worker's work
+    returned; a worker that raises still exits with its traceback and a non-zero status."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

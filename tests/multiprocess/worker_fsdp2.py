@@ -11,17 +11,20 @@ import json
 import os
 import sys
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
-from transformers import LlamaConfig, LlamaForCausalLM
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from optimum_memopt.backends.base import WrapSettings
-from optimum_memopt.backends.torch import recipe
-from optimum_memopt.backends.torch.backend import TorchBackend
-from optimum_memopt.plans import parse_plans
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from helpers import end_distributed_worker  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from optimum_memopt.backends.base import WrapSettings  # noqa: E402
+from optimum_memopt.backends.torch import recipe  # noqa: E402
+from optimum_memopt.backends.torch.backend import TorchBackend  # noqa: E402
+from optimum_memopt.plans import parse_plans  # noqa: E402
 
 STEPS, ROWS, SEQ, VOCAB = 6, 4, 32, 128
 checks = {"recipe_replays": 0, "recipe_inputs": 0, "parameter_inputs": 0, "layer_recomputes": 0, "sharded_seen": 0}
@@ -94,9 +97,8 @@ def main(mode, out):
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
-    dist.barrier()
-    dist.destroy_process_group()  # an undestroyed gloo group can abort at exit (docs/STACK.md)
 
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2])
+    end_distributed_worker()

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from helpers import ClsData, LossRecordingTrainer, Tokens, make_args, tiny_decoder, tiny_model  # noqa: E402
+from helpers import ClsData, LossRecordingTrainer, Tokens, end_distributed_worker, make_args, tiny_decoder, tiny_model  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -133,7 +133,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    # Without this, Gloo's worker threads can still hold work objects at interpreter shutdown and abort the process
-    # (SIGABRT, "terminate called without an active exception"; seen once under ZeRO-2): docs/STACK.md.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_distributed_worker()

@@ -11,7 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from helpers import CausalData, LossRecordingTrainer, make_args, small_decoder  # noqa: E402
+from helpers import CausalData, LossRecordingTrainer, end_distributed_worker, make_args, small_decoder  # noqa: E402
 
 ZERO3 = {
     "zero_optimization": {
@@ -68,5 +68,4 @@ def main():
 
 if __name__ == "__main__":
     main()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_distributed_worker()
