@@ -1,6 +1,7 @@
 """Offline defaults for the recipes, the probe and the benchmark: generated text of a realistic
-shape, a tokenizer trained on it locally, and DeBERTa-v2 / RoBERTa models built from configs in
-code. Nothing is downloaded.
+shape, a tokenizer trained on it locally, and DeBERTa-v2 / RoBERTa encoders and Llama / Qwen2 /
+Qwen3 decoders built from configs in code. Nothing is downloaded. Also the recipes' text data:
+a hub dataset, local files or generated lines (`text_datasets`).
 """
 
 import random
@@ -98,8 +99,14 @@ def train_tokenizer(corpus: List[str], vocab_size: int = 512) -> PreTrainedToken
     )
 
 
+ENCODERS = ("deberta-v2", "roberta")
+DECODERS = ("llama", "qwen2", "qwen3")
+
+
 def model_config(model_type: str, size: str, vocab_size: int, pad_token_id: int, max_positions: int = 512, **extra):
-    """A config of the given family and size; dropout is kept as in the real models unless overridden."""
+    """A config of the given family and size; dropout is kept as in the real models unless overridden. Decoders
+    (`DECODERS`) have grouped-query attention, two query heads to a key/value head, as current ones do; Qwen3 its
+    per-head q/k norms."""
     if size not in SIZES:
         raise ValueError(f"`--model_size` is {size!r}; expected one of {', '.join(SIZES)}")
     layers, hidden, heads, inter = SIZES[size]
@@ -127,4 +134,52 @@ def model_config(model_type: str, size: str, vocab_size: int, pad_token_id: int,
         )
     if model_type == "roberta":
         return RobertaConfig(max_position_embeddings=max_positions + 2, attn_implementation="eager", **common)
-    raise ValueError(f"`--model_type` is {model_type!r}; expected 'deberta-v2' or 'roberta'")
+    if model_type in DECODERS:
+        import transformers
+
+        name = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[model_type]
+        if not hasattr(transformers, name):
+            raise ValueError(
+                f"`--model_type {model_type}` needs a transformers with {name}; {transformers.__version__} has none"
+            )
+        decoder = dict(num_key_value_heads=max(1, heads // 2), max_position_embeddings=max_positions)
+        if model_type == "qwen3":
+            decoder["head_dim"] = hidden // heads
+        return getattr(transformers, name)(**decoder, **common)
+    families = ", ".join(repr(f) for f in ENCODERS + DECODERS)
+    raise ValueError(f"`--model_type` is {model_type!r}; expected one of {families}")
+
+
+def text_datasets(
+    dataset_name=None,
+    dataset_config_name=None,
+    train_file=None,
+    validation_file=None,
+    offline_lines=3000,
+    cache_dir=None,
+):
+    """The recipes' text: a hub dataset (`--dataset_name`), local files (`--train_file` / `--validation_file`: .txt,
+    one document per line, or CSV / JSON with a `text` column), or, with neither, generated lines (train and
+    validation drawn with different seeds). A `datasets.DatasetDict`."""
+    import os
+
+    import datasets
+
+    if dataset_name:
+        return datasets.load_dataset(dataset_name, dataset_config_name, cache_dir=cache_dir)
+    if train_file or validation_file:
+        files = {k: v for k, v in (("train", train_file), ("validation", validation_file)) if v}
+        for split, path in files.items():
+            if not os.path.isfile(path):
+                raise ValueError(f"`--{split}_file` {path!r} does not exist")
+        ext = os.path.splitext(next(iter(files.values())))[1].lstrip(".").lower()
+        builder = {"txt": "text", "csv": "csv", "json": "json", "jsonl": "json"}.get(ext)
+        if builder is None:
+            raise ValueError(f"`--train_file` / `--validation_file` must be .txt, .csv or .json, got {ext!r}")
+        return datasets.load_dataset(builder, data_files=files)
+    return datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": text_lines(offline_lines, seed=0)}),
+            "validation": datasets.Dataset.from_dict({"text": text_lines(max(100, offline_lines // 10), seed=1)}),
+        }
+    )

@@ -120,31 +120,12 @@ def parse(argv: Optional[List[str]] = None):
 
 
 def load_raw(data_args, model_args):
-    import datasets
+    from optimum_memopt.offline_defaults import text_datasets
 
-    if data_args.dataset_name:
-        return datasets.load_dataset(
-            data_args.dataset_name, data_args.dataset_config_name, cache_dir=model_args.cache_dir
-        )
-    if data_args.train_file or data_args.validation_file:
-        files = {k: v for k, v in (("train", data_args.train_file), ("validation", data_args.validation_file)) if v}
-        for split, path in files.items():
-            if not os.path.isfile(path):
-                raise ValueError(f"`--{split}_file` {path!r} does not exist")
-        ext = os.path.splitext(next(iter(files.values())))[1].lstrip(".").lower()
-        builder = {"txt": "text", "csv": "csv", "json": "json", "jsonl": "json"}.get(ext)
-        if builder is None:
-            raise ValueError(f"`--train_file` / `--validation_file` must be .txt, .csv or .json, got {ext!r}")
-        return datasets.load_dataset(builder, data_files=files)
-    from optimum_memopt.offline_defaults import text_lines
-
-    n = data_args.offline_lines
-    return datasets.DatasetDict(
-        {
-            "train": datasets.Dataset.from_dict({"text": text_lines(n, seed=0)}),
-            "validation": datasets.Dataset.from_dict({"text": text_lines(max(100, n // 10), seed=1)}),
-        }
-    )
+    return text_datasets(
+        data_args.dataset_name, data_args.dataset_config_name, data_args.train_file, data_args.validation_file,
+        data_args.offline_lines, model_args.cache_dir,
+    )  # fmt: skip
 
 
 def build_model(model_args, data_args, raw):
