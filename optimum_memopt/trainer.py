@@ -181,6 +181,9 @@ class MemoptTrainerMixin:
                 logger.warning("%s", note)
             for note in a.memory_opt_notes:
                 logger.info("%s", note)
+            unsharded = _fsdp_asked_but_off(self)
+            if unsharded:
+                logger.warning("%s", unsharded)
         if self.model is not None:
             self._memopt_prepare(self.model)
         self.add_callback(_StepDone(self))  # before the plan table's callback: step one's memory is complete there
@@ -472,6 +475,30 @@ class MemoptTrainerMixin:
                 logger.warning("%s", message) if "instead" in message else logger.info("%s", message)
             return cls, kwargs
         return Trainer.get_optimizer_cls_and_kwargs(args, model)
+
+
+def _fsdp_asked_but_off(trainer) -> Optional[str]:
+    """FSDP asked for (`--fsdp`, or accelerate's FSDP config) but not turned on: accelerate 1.15 turns it on for
+    GPU-type process groups only, and on the CPU the Trainer then trains unsharded without a word (docs/STACK.md).
+    What the run really does, to be said once on rank 0: every memory figure after it is that run's."""
+    args = trainer.args
+    asked = bool(getattr(args, "fsdp", None)) or os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("true", "1")
+    if not asked or getattr(trainer, "is_fsdp_enabled", False) or getattr(trainer, "is_fsdp_xla_enabled", False):
+        return None
+    state = trainer.accelerator.state
+    kind = getattr(state.distributed_type, "value", state.distributed_type)
+    how = (
+        f"DistributedDataParallel over {state.num_processes} processes, each holding the whole model"
+        if state.num_processes > 1
+        else "one process holding the whole model"
+    )
+    import accelerate
+
+    return (
+        f"FSDP was asked for (`--fsdp` or accelerate's FSDP config), but accelerate {accelerate.__version__} did not "
+        f"turn it on for this run (its distributed type is {kind}; it turns FSDP on for GPU-type process groups "
+        f"only): the Trainer trains with {how}, not sharded, and the memory figures reported are that run's"
+    )
 
 
 def _check_ort_trainer_args(args: MemoptTrainingArguments) -> None:

@@ -93,8 +93,24 @@ def test_two_processes(tmp_path, single, mode, wrapper):
     assert "memopt/plans_on" in r0["logged_memopt_keys"] and "memopt/mem_post_backward_mb" in r0["logged_memopt_keys"]
     combined = res.stdout + res.stderr
     assert combined.count("recompute plan(s) found") == 1
+    assert "FSDP was asked for" not in combined
     for name in ("memory_plans.json", "memory_phases.csv", "memory_phases.png", "input_density.csv"):
         assert (tmp_path / name).exists(), name
+
+
+@pytest.mark.torch_backend  # accelerate 1.1 (the ORT stack) refuses `--fsdp` on the CPU in its FSDP plugin instead
+def test_fsdp_asked_on_the_cpu_trains_as_ddp_and_the_plugin_says_so(tmp_path):
+    """accelerate 1.15 turns FSDP on for GPU-type process groups only: with `--fsdp full_shard` on 2 CPU processes
+    the Trainer wraps the model with DistributedDataParallel and nobody says so. The plugin says it, once, on rank 0,
+    with what trains instead."""
+    res = launch("fsdp", tmp_path)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    r0, r1 = reports(tmp_path, 2)
+    assert r0["wrapped"] == r1["wrapped"] == f"DistributedDataParallel({INNER})"
+    said = [line for line in (res.stdout + res.stderr).splitlines() if "FSDP was asked for" in line]
+    assert len(said) == 1, said
+    assert "its distributed type is MULTI_CPU" in said[0]
+    assert "DistributedDataParallel over 2 processes, each holding the whole model" in said[0]
 
 
 def test_failing_rank_stops_the_launch(tmp_path):

@@ -1,6 +1,6 @@
 """Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
 
-MODE: ddp | zero1 | zero2 | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
+MODE: ddp | zero1 | zero2 | fsdp (`--fsdp full_shard`, which trains as DDP on the CPU) | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
 auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend) | auto-zero2:MIB (the same under ZeRO-2). BACKEND (optional): ort | torch.
 Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
 """
@@ -102,6 +102,8 @@ def main():
     ]
     if mode.startswith("zero"):
         flags += ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{mode}.json")]
+    if mode == "fsdp":  # on the CPU accelerate does not turn it on: the Trainer wraps with DDP
+        flags += ["--fsdp", "full_shard"]
     args = make_args(out, *flags)
     trainer = SequentialTrainer(model=tiny_model("deberta"), args=args, train_dataset=ClsData(n=64))
     trainer.train()
