@@ -133,6 +133,8 @@ def build_model(model_args, data_args, raw, should_log=True):
             if model_args.tokenizer_name
             else train_tokenizer(list(raw["train"]["text"]))
         )
+        if not model_args.tokenizer_name:  # trained here for the model built here: as long as its positions
+            tokenizer.model_max_length = max(tokenizer.model_max_length, data_args.block_size)
         config = model_config(
             model_args.model_type, model_args.model_size, len(tokenizer), tokenizer.pad_token_id,
             max_positions=max(512, data_args.block_size), attn_implementation=model_args.attn_implementation,
@@ -170,6 +172,11 @@ def main(argv: Optional[List[str]] = None):
     columns = next(iter(raw.values())).column_names
     text_column = "text" if "text" in columns else columns[0]
     block = min(data_args.block_size, tokenizer.model_max_length)
+    if block < data_args.block_size:
+        logger.warning(
+            "`--block_size %d` is longer than the tokenizer's model_max_length (%d): packing to %d tokens",
+            data_args.block_size, tokenizer.model_max_length, block,
+        )  # fmt: skip
 
     def tokenize(batch):
         return tokenizer([t for t in batch[text_column] if t and not t.isspace()])
