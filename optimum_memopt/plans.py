@@ -25,12 +25,14 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 EXAMPLE = "Gelu+:1:-1"
 LAYER = "Layer+"  # the whole layer (torch backend)
 SELECTOR_EXAMPLE = "'Layer+:1:-1@every2', 'Gelu+:1:-1@4-11' or 'Layer+:1:-1@0+5+9'"
-_ITEM_RE = re.compile(r"^(?:(\d+)|(\d+)-(\d+)|every(\d+))$")
+# ASCII digits only (`\d` would take `５` or `٥` as 5); `every` in any case, as op names are
+_ITEM_RE = re.compile(r"^(?:([0-9]+)|([0-9]+)-([0-9]+)|every([0-9]+))$", re.IGNORECASE)
+MAX_DIGITS = 6  # a layer number or count longer than this names no model's layer (and int() of 4300+ digits raises)
 OPTIMIZATION_TYPES = {0: "none", 1: "recompute", 2: "recompute with compromise"}
 # Reserved word: let the advisor choose plans from measurements (optimum_memopt.advisor).
 AUTO = "auto"
@@ -63,11 +65,10 @@ class PlanEntry:
             return list(range(n_layers if self.apply_count == -1 else min(self.apply_count, n_layers)))
         chosen = set()
         for item in self.layers.split("+"):
-            one, low, high, every = _ITEM_RE.match(item).groups()
-            if every is not None:
-                chosen.update(range(0, n_layers, int(every)))
+            low, high, every = _item(item)
+            if every:
+                chosen.update(range(0, n_layers, every))
                 continue
-            low, high = (int(one), int(one)) if one is not None else (int(low), int(high))
             if high >= n_layers:
                 raise PlanError(
                     f"entry {str(self)!r} names layer {high}, but the model has {n_layers} layers (0-{n_layers - 1})"
@@ -89,15 +90,32 @@ class PlanEntry:
         return [p for p in self.subgraph.split("+") if p]
 
 
+def quoted(text: str, limit: int = 60) -> str:
+    """`text` quoted as given; a long one (a 5000-digit selector) shortened in the middle, its length said."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[: limit // 2]!r}...{text[-limit // 4 :]!r} ({len(text)} characters)"
+
+
 def _parse_int(text: str, what: str, expected: str) -> int:
-    """An integer written as one ('1', '-1'); '1.0', 'x' or '' are refused with ``what`` and ``expected``."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
+    """An integer written as one in ASCII digits ('1', '-1'); '1.0', 'x', '' or '５' are refused with ``what`` and
+    ``expected``, and so is a number of more than `MAX_DIGITS` digits."""
+    digits = text.lstrip("+-")
+    if digits.isascii() and digits.isdigit() and len(digits) > MAX_DIGITS:
+        raise PlanError(f"{what} {quoted(text)}, a number of {len(digits)} digits; {expected}")
+    value = int(text) if re.fullmatch(r"[+-]?[0-9]+", text) else None
     if value is None or str(value) != text.lstrip("+"):
-        raise PlanError(f"{what} {text!r}, not an integer; {expected}")
+        ascii_only = " written in ASCII digits (0-9)" if any(c.isdigit() and not c.isascii() for c in text) else ""
+        raise PlanError(f"{what} {quoted(text)}, not an integer{ascii_only}; {expected}")
     return value
+
+
+def _item(item: str) -> Tuple[int, int, int]:
+    """One valid selector item as (first layer, last layer, 0), or (0, -1, k) for `everyk`."""
+    one, low, high, every = _ITEM_RE.match(item).groups()
+    if every is not None:
+        return 0, -1, int(every)
+    return (int(one), int(one), 0) if one is not None else (int(low), int(high), 0)
 
 
 def _selector_problem(item: str) -> Optional[str]:
@@ -105,9 +123,38 @@ def _selector_problem(item: str) -> Optional[str]:
     if not item:
         return "an empty item"
     m = _ITEM_RE.match(item)
-    if m is None or (m.group(2) and int(m.group(2)) > int(m.group(3))) or (m.group(4) and int(m.group(4)) < 1):
-        return f"item {item!r}"
+    if m is None and any(c.isdigit() and not c.isascii() for c in item):
+        return f"item {quoted(item)}, whose digits are not ASCII (layer numbers are written 0-9)"
+    if m is None:
+        return f"item {quoted(item)}"
+    longest = max(len(g) for g in m.groups() if g is not None)
+    if longest > MAX_DIGITS:
+        return f"item {quoted(item)}, a number of {longest} digits (layer numbers have at most {MAX_DIGITS})"
+    low, high, every = _item(item)
+    if (m.group(4) is None and low > high) or (m.group(4) is not None and every < 1):
+        return f"item {quoted(item)}"
     return None
+
+
+def shared_layer(a: "PlanEntry", b: "PlanEntry") -> Optional[int]:
+    """The first layer both entries' `@` selectors name (in any model that has it: a layer number given is one the
+    model must have, `everyk` names layer 0 and every k-th), or None where they name none in common. Needs no layer
+    count, so plans can be checked when the arguments are built."""
+    first = None
+    for x in a.layers.split("+"):
+        for y in b.layers.split("+"):
+            (lo1, hi1, k1), (lo2, hi2, k2) = _item(x), _item(y)
+            if k1 and k2:
+                found = 0
+            elif k1 or k2:
+                k, lo, hi = (k1, lo2, hi2) if k1 else (k2, lo1, hi1)
+                found = -(-lo // k) * k
+                found = found if found <= hi else None
+            else:
+                found = max(lo1, lo2) if max(lo1, lo2) <= min(hi1, hi2) else None
+            if found is not None and (first is None or found < first):
+                first = found
+    return first
 
 
 def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
@@ -115,7 +162,7 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
 
     ``allow_zero_count``: backends write count 0 for a plan they found but did not apply; users may not.
     """
-    prefix = f"entry {text!r}"
+    prefix = f"entry {quoted(text)}"
     text, at, selector = text.partition("@")
     fields = text.split(":")
     if len(fields) != 3:
@@ -124,6 +171,8 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
             f"SubgraphStr:OptimizationType:RequestApplyCount, as in {EXAMPLE!r}"
         )
     subgraph, type_text, count_text = (f.strip() for f in fields)
+    if subgraph.lower() == LAYER.lower():
+        subgraph = LAYER  # `layer+` is `Layer+`, as `mul+` is `Mul+`
     if not subgraph:
         raise PlanError(f"{prefix} has an empty subgraph; expected a sequence of 'OpName+' parts, as in {EXAMPLE!r}")
     if not _SUBGRAPH_RE.match(subgraph):
@@ -150,10 +199,10 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
             bad = _selector_problem(item.strip())
             if bad:
                 raise PlanError(
-                    f"{prefix} has layer selector {selector!r} with {bad}; expected layer numbers from 0 (5), ranges "
-                    f"(4-11), every k-th layer (every2) joined by '+', as in {SELECTOR_EXAMPLE}"
+                    f"{prefix} has layer selector {quoted(selector)} with {bad}; expected layer numbers from 0 (5), "
+                    f"ranges (4-11), every k-th layer (every2) joined by '+', as in {SELECTOR_EXAMPLE}"
                 )
-        selector = "+".join(i.strip() for i in selector.split("+"))
+        selector = "+".join(i.strip().lower() for i in selector.split("+"))  # `@Every2` is `@every2`
         if count != -1:
             raise PlanError(
                 f"{prefix} gives both a count ({count}) and layers (@{selector}); give one, as in "
@@ -163,14 +212,28 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
 
 
 def _check_duplicates(entries: Sequence[PlanEntry]) -> None:
-    seen: Dict[str, PlanEntry] = {}
+    """One rule, whatever the spelling (`mul+` is `Mul+`): a subgraph may be named twice only on layers that do not
+    overlap, each entry with its `@` selector (`Mul+:1:-1@0-1,Mul+:1:-1@2-3`, as the solver writes its choices)."""
+    seen: Dict[str, List[PlanEntry]] = {}
     for entry in entries:
-        if entry.subgraph in seen:
-            raise PlanError(
-                f"names subgraph {entry.subgraph!r} twice ({str(seen[entry.subgraph])!r} and {str(entry)!r}); "
-                f"give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'"
-            )
-        seen[entry.subgraph] = entry
+        for other in seen.get(entry.subgraph.lower(), []):
+            twice = f"names subgraph {other.subgraph!r} twice ({str(other)!r} and {str(entry)!r})"
+            if not (entry.layers or other.layers):
+                raise PlanError(f"{twice}; give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'")
+            disjoint = f"{other.subgraph}:1:-1@0-1,{other.subgraph}:1:-1@2-3"
+            if not (entry.layers and other.layers):
+                raise PlanError(
+                    f"{twice}, one of them without a layer selector (its first layers, or all); give both their "
+                    f"layers, on layers that do not overlap, as in {disjoint!r}"
+                )
+            layer = shared_layer(other, entry)
+            if layer is not None:
+                merged = f"{other.subgraph}:{other.optimization_type}:-1@{other.layers}+{entry.layers}"
+                raise PlanError(
+                    f"{twice}, both on layer {layer}; give each layer's subgraph once: one entry for all its layers, "
+                    f"as in {merged!r}, or entries on layers that do not overlap, as in {disjoint!r}"
+                )
+        seen.setdefault(entry.subgraph.lower(), []).append(entry)
 
 
 def parse_inline(text: str) -> List[PlanEntry]:

@@ -144,8 +144,9 @@ def test_default_backend_is_torch_where_ort_is_missing_and_said_once():
         ),
         (
             dict(memory_opt_config="mul+:1:-1,Mul+:1:2"),
-            r"^`--memory_opt_config` names the op 'Mul' twice \('mul\+:1:-1' and 'Mul\+:1:2'\)",
+            r"^`--memory_opt_config` names subgraph 'mul\+' twice \('mul\+:1:-1' and 'Mul\+:1:2'\); give each",
         ),
+        (dict(memory_opt_config="silu+:1:-1,SiLU+:1:2"), r"names subgraph 'silu\+' twice"),
         (
             dict(memory_opt_config="Gelu+:1:-1,FastGelu+:1:-1"),
             r"^`--memory_opt_config` names the op 'Gelu' twice \('Gelu\+:1:-1' and 'FastGelu\+:1:-1'\)",
@@ -158,6 +159,71 @@ def test_what_the_torch_backend_refuses(kwargs, pattern):
     kwargs = {"memory_opt_backend": "torch", **kwargs}
     with pytest.raises(ValueError, match=pattern):
         MemoptTrainingArguments(**BASE, **kwargs)
+
+
+# Overlapping `@` plans are refused when the arguments are built (a layer number given is one the model must have,
+# so no layer count is needed), by one rule whatever the spelling; plans on layers that do not overlap are taken.
+OVERLAPS = [
+    ("Mul+:1:-1@0-1,Mul+silu+:1:-1@1", r"^`--memory_opt_config` has 'Mul\+:1:-1@0-1' and 'Mul\+silu\+:1:-1@1', "
+     r"which both name the op 'Mul' on layer 1; give each layer's op once"),
+    ("Mul+:1:-1@0-1,Mul+:1:-1@1-3", r"^`--memory_opt_config` names subgraph 'Mul\+' twice \('Mul\+:1:-1@0-1' and "
+     r"'Mul\+:1:-1@1-3'\), both on layer 1; .* as in 'Mul\+:1:-1@0-1\+1-3'"),
+    ("mul+:1:-1@0-1,Mul+:1:-1@1-3", r"names subgraph 'mul\+' twice .*, both on layer 1"),
+    ("Mul+:1:-1@every2,mul+:1:-1@3-4", r", both on layer 4;"),
+    ("Layer+:1:-1@0,Layer+:1:-1@0-2", r"names subgraph 'Layer\+' twice .*, both on layer 0; .*'Layer\+:1:-1@0\+0-2'"),
+    ("Mul+:1:-1,mul+:1:-1@2", r"names subgraph 'Mul\+' twice .*, one of them without a layer selector"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("plans, pattern", OVERLAPS, ids=[p for p, _ in OVERLAPS])
+def test_overlapping_layer_plans_are_refused_when_the_arguments_are_built(plans, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        MemoptTrainingArguments(**BASE, memory_opt_backend="torch", memory_opt_config=plans)
+
+
+@pytest.mark.parametrize(
+    "plans, layers",
+    [
+        ("Mul+:1:-1@0-1,Mul+:1:-1@2-3", [{"Mul"}, {"Mul"}, {"Mul"}, {"Mul"}]),
+        ("mul+:1:-1@0-1,Mul+:1:-1@2-3", [{"Mul"}, {"Mul"}, {"Mul"}, {"Mul"}]),
+        ("Mul+silu+:1:-1@0-1,silu+:1:-1@2", [{"Mul", "silu"}, {"Mul", "silu"}, {"silu"}, set()]),
+        ("Layer+:1:-1@0,Layer+:1:-1@2", ["layer", set(), "layer", set()]),
+        ("layer+:1:-1@Every2", ["layer", set(), "layer", set()]),
+        ("Mul+:1:-1@every2,Mul+:1:-1@3", [{"Mul"}, set(), {"Mul"}, {"Mul"}]),
+    ],
+)
+def test_plans_on_layers_that_do_not_overlap_are_taken_in_any_spelling(plans, layers):
+    args = MemoptTrainingArguments(**BASE, memory_opt_backend="torch", memory_opt_config=plans)
+    policy = RecomputePolicy.from_plans(args.memory_opt.entries, 0, 4)
+    assert [p.mode if p.mode == "layer" else set(p.ops) for p in policy.layers] == layers
+
+
+# The grammar's own message for hostile numbers, the value as given, ASCII digits only.
+HOSTILE = [
+    ("Layer+:1:-1@1-" + "9" * 5000, r"^`--memory_opt_config` entry 'Layer\+:1:-1@1-99.*' \(5014 characters\) has layer "
+     r"selector .* a number of 5000 digits \(layer numbers have at most 6\); expected layer numbers from 0"),
+    ("Gelu+:1:" + "9" * 5000, r"has apply count '99.*' \(5000 characters\), a number of 5000 digits; expected -1"),
+    ("Layer+:1:-1@\uff15", r"^`--memory_opt_config` entry 'Layer\+:1:-1@\uff15' has layer selector '\uff15' with item "
+     r"'\uff15', whose digits are not ASCII \(layer numbers are written 0-9\)"),
+    ("Layer+:1:-1@\u0665", r"with item '\u0665', whose digits are not ASCII"),
+    ("Gelu+:1:\u0663", r"has apply count '\u0663', not an integer written in ASCII digits \(0-9\); expected -1"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("plans, pattern", HOSTILE, ids=["5000 digits", "count", "fullwidth", "arabic-indic", "3"])
+def test_hostile_numbers_get_the_grammars_message(plans, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        MemoptTrainingArguments(**BASE, memory_opt_backend="torch", memory_opt_config=plans)
+
+
+def test_a_tiny_budget_is_quoted_as_given(tmp_path):
+    """`--memory_budget_mb 1e-9` is a positive number of MiB (below one byte): nothing fits, and the message quotes
+    the budget as given (it read `0` when quoted from the bytes)."""
+    args = make_args(tmp_path, "--max_steps", "3", "--memory_opt_backend", "torch", "--memory_opt_config", "auto",
+                     "--memory_budget_mb", "1e-9")  # fmt: skip
+    trainer = LossRecordingTrainer(model=small_decoder("llama"), args=args, train_dataset=CausalData())
+    with pytest.raises(RuntimeError, match=r"found nothing that fits `--memory_budget_mb 1e-09`"):
+        trainer.train()
 
 
 def test_ort_environment_variables_are_not_read_by_the_torch_backend(monkeypatch):

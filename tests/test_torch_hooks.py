@@ -3,12 +3,19 @@ place after it was saved is an error (plain PyTorch's), and the hooks around the
 hook) still see every tensor kept as it is. At op level, without a Trainer; through the Trainer in
 tests/test_backend_torch.py."""
 
+import contextlib
+import copy
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch_engine import Counting, engine, ops, pair, step
 
 from optimum_memopt.backends.torch.policy import LayerPolicy, RecomputePolicy
+from optimum_memopt.backends.torch.tracking import is_param
 
 pytestmark = pytest.mark.torch_backend
 
@@ -143,3 +150,105 @@ def test_a_new_storage_at_a_freed_planned_outputs_address_is_not_taken_for_it():
     run.made[storage_key(alive)] = made
     run.on_op(aten.add_.Tensor, (alive, 1.0), {}, alive, None)
     assert made.recipe.changed == {0: "aten.add_.Tensor"}
+
+
+class Offloading:
+    """A user's offloading hooks around the step (as TRL's or `save_on_cpu`): each tensor saved is copied and the
+    original let go of, so what stays alive after the forward is what something else holds. Records every package's
+    unpacks and the bytes given."""
+
+    def __init__(self, planned=None):
+        self.taken, self.unpacks, self.nbytes = [], {}, 0
+        self.planned, self.planned_bytes = planned, 0  # `Planned`: the bytes given of the storages its ops made
+
+    def __enter__(self):
+        def pack(t):
+            if is_param(t):
+                return ("param", t)
+            self.taken.append(weakref.ref(t))
+            self.nbytes += t.numel() * t.element_size()
+            if self.planned is not None and self.planned.made(t):
+                self.planned_bytes += t.numel() * t.element_size()
+            return (len(self.taken), t.detach().clone())
+
+        def unpack(package):
+            key, t = package
+            if key != "param":
+                self.unpacks[key] = self.unpacks.get(key, 0) + 1
+            return t
+
+        self._cm = torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        self._cm.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+    def alive(self):
+        gc.collect()
+        return sorted(tuple(r().shape) for r in self.taken if r() is not None)
+
+
+class Planned(torch.utils._python_dispatch.TorchDispatchMode):
+    """Plain PyTorch's run, noting the storages the planned ops (aten mul and silu) make inside the decoder layers
+    (the final norm's are not the plans')."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.storages = {}  # address -> a weak reference to the storage made there (a freed one's address is reused)
+        self.inside, self.layers, self.handles = False, layers, []
+
+    def __enter__(self):
+        for layer in self.layers:
+            self.handles.append(layer.register_forward_pre_hook(lambda *_: setattr(self, "inside", True)))
+            self.handles.append(layer.register_forward_hook(lambda *_: setattr(self, "inside", False)))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.inside and func.overloadpacket.__name__ in ("mul", "silu") and isinstance(out, torch.Tensor):
+            self.storages[out.untyped_storage().data_ptr()] = StorageWeakRef(out.untyped_storage())
+        return out
+
+    def made(self, t: torch.Tensor) -> bool:
+        ref = self.storages.get(t.untyped_storage().data_ptr())
+        return ref is not None and not ref.expired()
+
+
+def test_an_offloading_hook_around_a_planned_step_frees_what_it_takes_as_plain_pytorch_does():
+    """A recipe's input that autograd saved goes through the hooks around the step, and the recipe replays from what
+    they give back: under `Mul+,silu+` on a Llama, an offloading hook leaves on the device exactly what it leaves in
+    plain PyTorch (before: every recipe input stayed, 21 tensors here), sees plain's saves but the planned outputs'
+    (counted in plain by the storage their op made), unpacks each package once, and the gradients are plain's."""
+    from helpers import CausalData, small_decoder
+
+    from optimum_memopt.plans import parse_plans
+
+    plain = small_decoder("llama", layers=2)
+    planned = copy.deepcopy(plain)
+    engine(planned, RecomputePolicy.from_plans(parse_plans("Mul+:1:-1,silu+:1:-1"), 0, 2))
+    data = CausalData()
+    batch = {k: torch.stack([data[i][k] for i in range(4)]) for k in data[0]}
+    for seed in (0, 1, 2):  # the recorded step and later ones
+        runs = {}
+        for name, model in (("plain", plain), ("planned", planned)):
+            model.train()
+            model.zero_grad()
+            torch.manual_seed(seed)
+            seen = Planned(model.model.layers) if name == "plain" else None
+            with Offloading(seen) as hooks, seen or contextlib.nullcontext():
+                loss = model(**batch).loss
+            alive = hooks.alive()
+            loss.backward()
+            runs[name] = (hooks, alive, seen, [p.grad.clone() for p in model.parameters()])
+        (plain_hooks, plain_alive, seen, plain_grads), (hooks, alive, _, grads) = runs["plain"], runs["planned"]
+        assert alive == plain_alive
+        assert set(hooks.unpacks.values()) == {1} and len(hooks.unpacks) == len(hooks.taken)
+        assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+        assert plain_hooks.planned_bytes > 0
+        assert hooks.nbytes == plain_hooks.nbytes - plain_hooks.planned_bytes

@@ -101,6 +101,7 @@ class TorchBackend(Backend):
                 out_dir=b.report_dir,
                 grad_bytes=b.grad_bytes,
                 resets=settings.reset_peaks,
+                given_mb=b.budget_mb,
             )
         return model
 

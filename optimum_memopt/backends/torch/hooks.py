@@ -12,9 +12,11 @@ hooks therefore do themselves:
 * the enclosing hooks: only the innermost hooks run, so a user's `torch.autograd.graph.save_on_cpu()` or an
   offloading hook around the step (TRL's) would never see a tensor saved inside a layer. Every tensor kept as it is
   is handed on to the hooks that were active when the layer started (checkpoint's own, at level 1), and unpacked
-  through them; a planned output is not (its recipe stands in for it). When hooks of the user's take a tensor,
-  they decide what it is worth at backward, as in plain PyTorch (which does not check versions through hooks
-  either).
+  through them; a planned output is not (its recipe stands in for it). A recipe whose input is such a tensor
+  replays from what those hooks give back, never from a reference of its own: an offloading hook that moved the
+  tensor to the host frees it on the device as it would in plain PyTorch, and the hooks see each tensor once (the
+  recipe shares the save's package, unpacked once for both). When hooks of the user's take a tensor, they decide
+  what it is worth at backward, as in plain PyTorch (which does not check versions through hooks either).
 """
 
 import contextlib
@@ -26,7 +28,7 @@ import torch
 from . import _torch_api
 from .graph import PARAM, LayerGraph, Node
 from .profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE
-from .recipe import Recipe, Stashed, changed_in_place, tensors_in
+from .recipe import Recipe, StandIn, Stashed, changed_in_place, tensors_in
 from .tracking import Input, LayerRun, Made, TrackingMode, storage_bytes, storage_key
 
 
@@ -70,13 +72,19 @@ def _recomputable(run: LayerRun, made: Made, memo: dict) -> bool:
 
 
 def _recipe(run: LayerRun, made: Made) -> Recipe:
-    """`made`'s recipe, built (once per op call) with each input as it is where autograd keeps it, else a stand-in
-    for the planned output it is, recomputed in turn."""
+    """`made`'s recipe, built (once per op call) with each input as it is where autograd keeps it (or, where the
+    hooks around the layer took it, what they give back), else a stand-in for the planned output it is, recomputed
+    in turn."""
     if made.recipe is None:
 
         def stand_in(k: int, t: torch.Tensor):
             inp = made.inputs[k]
-            if inp is None or _kept(run, t):
+            if inp is None:
+                return t
+            if _kept(run, t):
+                handed = run.handed.get(storage_key(t))
+                if handed is not None and handed.saved_version == inp.version:
+                    return FromHooks(handed, run.outer[1], t)
                 return t
             return Stashed(_recipe(run, inp.maker), inp.maker.index, t, saved=False)
 
@@ -117,16 +125,17 @@ def pack(run: LayerRun, x: torch.Tensor):
     if ptr:
         run.kept[ptr] = weakref.ref(x)
     if run.outer is not None:
-        return Handed(run.outer[0](x), _torch_api.version(x) if run.check_outer else None)
+        version = _torch_api.version(x)
+        handed = Handed(run.outer[0](x), version if run.check_outer else None, version)
+        if ptr:
+            run.handed[ptr] = handed
+        return handed
     return Kept(x)
 
 
 def unpack(run: LayerRun, h):
     if isinstance(h, Handed):
-        t = run.outer[1](h.packed)
-        if h.version is not None:
-            changed_in_place(t, h.version)
-        return t
+        return h.give(run.outer[1])
     return h.materialize()
 
 
@@ -146,12 +155,56 @@ class Kept:
 class Handed:
     """What the enclosing saved-tensor hooks made of a tensor kept as it is; with checkpoint's hooks (level 1), the
     tensor's version when saved: the recomputed tensor must be at the same version when backward unpacks it (an
-    in-place change replayed by the recompute would give backward the changed values)."""
+    in-place change replayed by the recompute would give backward the changed values).
 
-    __slots__ = ("packed", "version")
+    A recipe that reads the tensor shares the package (`FromHooks`): it is unpacked once, when the first of its
+    holders (autograd, the recipes) asks, and the tensor given back is held until the last has had it."""
 
-    def __init__(self, packed, version: Optional[int]):
-        self.packed, self.version = packed, version
+    __slots__ = ("packed", "version", "saved_version", "pending", "value")
+
+    def __init__(self, packed, version: Optional[int], saved_version: int):
+        self.packed, self.version, self.saved_version = packed, version, saved_version
+        self.pending = 0  # holders still to be given the tensor, once a recipe shares it (0: autograd's alone)
+        self.value: Optional[torch.Tensor] = None
+
+    def share(self) -> None:
+        self.pending = self.pending + 1 if self.pending else 2  # autograd's save and this recipe
+
+    def _unpacked(self, unpack) -> torch.Tensor:
+        t = unpack(self.packed)
+        if self.version is not None:
+            changed_in_place(t, self.version)
+        return t
+
+    def give(self, unpack) -> torch.Tensor:
+        if self.pending == 0:  # not shared, or every holder had it (a second backward: retain_graph)
+            return self._unpacked(unpack)
+        if self.value is None:
+            self.value = self._unpacked(unpack)
+        t = self.value
+        self.pending -= 1
+        if self.pending == 0:
+            self.value = None
+        return t
+
+
+class FromHooks(StandIn):
+    """A recipe's input that the hooks around the layer took when autograd saved it: the recipe replays from what
+    they give back (`Handed.give`). Where they gave back the tensor itself, a change in place after the save is an
+    error, as for a recipe's input held directly."""
+
+    __slots__ = ("handed", "unpack", "ref", "version")
+
+    def __init__(self, handed: Handed, unpack, t: torch.Tensor):
+        handed.share()
+        self.handed, self.unpack = handed, unpack
+        self.ref, self.version = weakref.ref(t), handed.saved_version
+
+    def materialize(self) -> torch.Tensor:
+        t = self.handed.give(self.unpack)
+        if t is self.ref():
+            changed_in_place(t, self.version)
+        return t
 
 
 def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
@@ -166,11 +219,13 @@ def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
             if made.recipe is not None:
                 run.record.applied[made.plan] = run.record.applied.get(made.plan, 0) + made.nbytes
         run.record.graph = layer_graph(run, skip)
-        run.all_made, run.saves = [], []
-    # Ops that were never kept by autograd do not need their inputs any longer.
-    for made in run.made.values():
+    # Ops that were never kept by autograd do not need their inputs any longer (those whose storage was freed and
+    # its address taken by a later op's included: step one's lists still hold them).
+    for made in [*run.made.values(), *run.all_made, *run.counted]:
         made.call = None
+    run.all_made, run.saves, run.counted = [], [], []
     run.made.clear()
+    run.handed.clear()
 
 
 def layer_graph(run: LayerRun, boundary: set) -> LayerGraph:

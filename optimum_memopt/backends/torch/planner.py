@@ -41,10 +41,12 @@ class BudgetPlanner:
         out_dir: Optional[str] = None,
         grad_bytes: int = 0,
         resets: bool = True,
+        given_mb: Optional[float] = None,
     ):
         if (budget_bytes is None) == (share is None):
             raise ValueError("a budget planner takes a peak in bytes or a share of the activations, one of them")
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
+        self.given_mb = given_mb  # `--memory_budget_mb` as the user wrote it, quoted in messages (1e-09 is not 0)
         self.share = share  # keep at most this share of the layers' activations (`fit_share`), instead of a peak
         self.say = say
         self.out_dir = out_dir
@@ -75,7 +77,7 @@ class BudgetPlanner:
         """The budget as the user gave it."""
         if self.share is not None:
             return f"`--activation_memory_budget {self.share:g}`"
-        return f"`--memory_budget_mb {self.budget_mb:g}`"
+        return f"`--memory_budget_mb {self.budget_mb if self.given_mb is None else self.given_mb:g}`"
 
     def arm(self, state, device: str) -> None:
         """Watch the step about to start (step one) on `device` ('cuda' or 'cpu')."""

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 from ...plans import LAYER as LAYER_PLAN
-from ...plans import PlanEntry, PlanError
+from ...plans import PlanEntry, PlanError, shared_layer
 from .names import VIEW_NAMES, canonical_ops
 
 KEEP, OPS, LAYER = "keep", "ops", "layer"
@@ -55,7 +55,7 @@ class Request:
 
 def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_config") -> None:
     for entry in entries:
-        if entry.subgraph != LAYER_PLAN and "Layer" in entry.ops:
+        if entry.subgraph != LAYER_PLAN and any(op.lower() == "layer" for op in entry.ops):
             raise ValueError(
                 f"`{flag}` has {str(entry)!r}: `Layer+` (the whole layer recomputed) takes no op names; give the "
                 f"layers and the ops as two plans, as in 'Layer+:1:-1@0-3,Gelu+:1:-1@4-11'"
@@ -67,9 +67,10 @@ def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
     """Refuse plans that would silently do nothing here: a request naming only view operators (in PyTorch a view
     creates no storage, so there is nothing to recompute), and one op asked for by two requests (two names of one
     op, as `mul+` and `Mul+`, or `Gelu+` and `FastGelu+`: which count would win is not the user's to guess). Two
-    requests with `@` selectors may share an op (`Mul+silu+:1:-1@0-1,silu+:1:-1@2-3`, as the solver writes its
-    choice); `from_plans` refuses them where their layers overlap, once the model's layer count is known."""
-    claimed: Dict[str, PlanEntry] = {}
+    requests with `@` selectors may share an op on layers that do not overlap (`Mul+silu+:1:-1@0-1,silu+:1:-1@2-3`,
+    as the solver writes its choice), the rule the grammar applies to one subgraph named twice; that needs no layer
+    count, so it is checked here, when the arguments are built."""
+    claimed: Dict[str, List[PlanEntry]] = {}
     for entry in entries:
         if entry.subgraph == LAYER_PLAN:
             continue
@@ -81,12 +82,20 @@ def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
                 f"makes the tensor, as in 'Gelu+:1:-1' (views ignored here: {', '.join(VIEW_NAMES)})"
             )
         for name in names:
-            if name in claimed and not (entry.layers and claimed[name].layers):
-                raise ValueError(
-                    f"`{flag}` names the op {name!r} twice ({str(claimed[name])!r} and {str(entry)!r}): in the torch "
-                    f"backend both stand for the same aten op; give it once, as in {f'{name}+:1:-1'!r}"
-                )
-            claimed[name] = entry
+            for other in claimed.get(name, []):
+                if not (entry.layers and other.layers):
+                    raise ValueError(
+                        f"`{flag}` names the op {name!r} twice ({str(other)!r} and {str(entry)!r}): in the torch "
+                        f"backend both stand for the same aten op; give it once, as in {f'{name}+:1:-1'!r}, or on "
+                        f"layers that do not overlap, as in {f'{name}+:1:-1@0-1,{name}+:1:-1@2-3'!r}"
+                    )
+                layer = shared_layer(other, entry)
+                if layer is not None:
+                    raise ValueError(
+                        f"`{flag}` has {str(other)!r} and {str(entry)!r}, which both name the op {name!r} on layer "
+                        f"{layer}; give each layer's op once, as in 'Mul+silu+:1:-1@0-1,silu+:1:-1@2-3'"
+                    )
+            claimed.setdefault(name, []).append(entry)
 
 
 def _layers(indexes: Sequence[int]) -> str:

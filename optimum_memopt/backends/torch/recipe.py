@@ -33,9 +33,19 @@ def map_tensors(value, fn):
     return value
 
 
+class StandIn:
+    """What a recipe holds in place of an input tensor: `materialize()` gives the tensor at replay."""
+
+    __slots__ = ()
+
+    def materialize(self) -> torch.Tensor:  # pragma: no cover - every stand-in defines it
+        raise NotImplementedError
+
+
 def _materialized(value):
-    """An op's arguments with each stand-in (`Stashed`: a planned output recomputed in turn) made a tensor."""
-    if isinstance(value, Stashed):
+    """An op's arguments with each stand-in (`Stashed`: a planned output recomputed in turn; `hooks.FromHooks`: a
+    tensor the hooks around the layer took) made a tensor."""
+    if isinstance(value, StandIn):
         return value.materialize()
     if isinstance(value, (list, tuple)):
         return type(value)(_materialized(v) for v in value)
@@ -131,9 +141,12 @@ class Recipe:
                     f"pass, so its output cannot be recomputed for backward; drop the plan for "
                     f"{plan_name(_torch_api.op_name(self.func))!r}"
                 )
-            with torch.no_grad(), _without_autocast(inputs), _zero3_gathered(inputs):
-                # inputs recomputed in turn (a chain) are asked for once, here, and let go of once this is computed
+            with torch.no_grad():
+                # inputs recomputed in turn (a chain) or given back by the hooks around the layer are asked for once,
+                # here, and let go of once this is computed
                 args, kwargs = _materialized((self.args, self.kwargs))
+            inputs = tensors_in((args, kwargs))
+            with torch.no_grad(), _without_autocast(inputs), _zero3_gathered(inputs):
                 if self.rng is None:
                     self.value = self.func(*args, **kwargs)
                 else:
@@ -154,7 +167,7 @@ class Recipe:
             self.args = self.kwargs = None
 
 
-class Stashed:
+class Stashed(StandIn):
     """What autograd (or a recipe made from it: a chain) holds instead of a planned output: the recipe and the
     tensor's geometry. Counted among the recipe's holders when made; `materialize` gives the tensor once."""
 

@@ -108,6 +108,7 @@ class LayerRun:
         # the saved-tensor hooks active when the layer started (a user's `save_on_cpu`, an offloading hook; at level
         # 1 checkpoint's own): ours hand them every tensor kept as it is
         self.outer = outer_hooks
+        self.handed: Dict[int, object] = {}  # storage key -> the hooks' package of its last save (`hooks.Handed`)
         self.check_outer = check_outer  # checkpoint's hooks: what they give back is checked for in-place changes
         self.stashed = False  # a recipe stands in for a saved tensor: ops writing to planned outputs are watched
         # step one only: every storage made, in order, and each storage's first save (a Made, or a storage from
