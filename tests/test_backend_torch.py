@@ -597,3 +597,69 @@ def test_a_model_without_repeated_layers_is_refused_naming_what_was_looked_for()
     with pytest.raises(ValueError, match=r"found no list of repeated layers in TwoLinears \(an nn.ModuleList of "
                                          r"blocks\); train it with `--use_ort false`"):  # fmt: skip
         TorchBackend().wrap(TwoLinears(), WrapSettings(level=1))
+
+
+# -- models the backend must not misread ------------------------------------------------------------------------------
+def shared_block_run(tmp_path, name, *flags, steps=4):
+    """A Llama whose layer list holds one block at positions 0 and 1 (`nn.ModuleList([block] * 2)`): the losses,
+    and how often its q_proj ran (forward and recompute)."""
+    model = build_model("llama")
+    model.model.layers = torch.nn.ModuleList([model.model.layers[0]] * 2)
+    calls = []
+    model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda *_: calls.append(1))
+    args = make_args(tmp_path / name, "--max_steps", str(steps), *flags)
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=data_for("llama"))
+    trainer.train()
+    return trainer, len(calls)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ("--memory_opt_config", "Layer+:1:-1@0"),
+            r"^`--memory_opt_config` 'Layer\+:1:-1@0' gives position 0 \(layer\) "
+            r"and position 1 \(keep\) different plans, but LlamaForCausalLM's layer list holds one LlamaDecoderLayer at "
+            r"positions 0, 1, which runs one plan for all its uses; pass `--memory_opt_level 1`, or the same plan on every "
+            r"position of that module, as in 'Layer\+:1:-1@0\+1'$",
+        ),
+        (("--memory_opt_config", "Mul+:1:-1@1"), r"gives position 0 \(keep\) and position 1 \(ops\) different plans"),
+        (
+            ("--memory_opt_config", "auto", "--memory_budget_mb", "100"),
+            r"^LlamaForCausalLM's layer list holds one "
+            r"LlamaDecoderLayer at positions 0, 1: `--memory_opt_config auto` chooses per position",
+        ),
+    ],
+    ids=["layer 0 only", "op plan on 1 only", "auto"],
+)
+def test_one_module_at_several_positions_given_different_plans_is_refused(tmp_path, flags, message):
+    """Before: `Layer+:1:-1@0` recomputed nothing (the last position's policy ran at every use) and printed no table;
+    `auto` never chose. Refused when the model is wrapped, naming the module, its positions and what works."""
+    with pytest.raises(ValueError, match=message):
+        shared_block_run(tmp_path, "refused", "--memory_opt_backend", "torch", *flags)
+
+
+@pytest.mark.parametrize("flags", [("--memory_opt_level", "1"), ("--memory_opt_config", "Layer+:1:-1@0+1")])
+def test_one_module_at_several_positions_under_one_plan_is_recomputed_at_every_use(tmp_path, flags):
+    plain, plain_calls = shared_block_run(tmp_path, "plain", "--use_ort", "false")
+    trainer, calls = shared_block_run(tmp_path, "shared", "--memory_opt_backend", "torch", *flags)
+    assert plain_calls == 8 and calls == 16  # 2 uses x 4 steps, each use recomputed once in backward
+    assert trainer.losses == plain.losses
+    report = report_of(tmp_path, "shared")
+    assert report["notes"][0] == (
+        "LlamaForCausalLM's layer list holds one LlamaDecoderLayer at positions 0, 1: it runs as one layer (the table's "
+        "layer 0), its plan applied at each of its 2 uses a step; the table's figures for it are one use's"
+    )
+
+
+def test_a_model_compiled_by_the_user_is_refused_naming_torch_compile(tmp_path):
+    """`torch.compile(model)` given to the Trainer with a plan: before, the first step stopped blaming the
+    transformers release (the compiled wrapper hands the backend's attributes to the inner model)."""
+    args = make_args(tmp_path, "--max_steps", "2", "--memory_opt_backend", "torch", "--memory_opt_config", "Mul+:1:-1")
+    trainer = LossRecordingTrainer(
+        model=torch.compile(build_model("llama")), args=args, train_dataset=data_for("llama")
+    )
+    with pytest.raises(ValueError, match=r"^the model given is OptimizedModule \(torch.compile's wrapper of "
+                                         r"LlamaForCausalLM\): the torch backend's recompute runs in Python hooks .* "
+                                         r"give the model before `torch.compile` \(`model._orig_mod`\)"):  # fmt: skip
+        trainer.train()

@@ -123,3 +123,14 @@ def test_a_checkpoint_around_the_code_is_seen_in_its_forward_and_recompute(reent
     seen.clear()
     f(x).sum().backward()
     assert seen == [None]
+
+
+def test_a_model_compiled_by_torch_compile_is_recognised():
+    from torch import nn
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    assert hasattr(torch._dynamo.eval_frame, "OptimizedModule")  # else the `_orig_mod` fallback decides
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert _torch_api.compiled_by(model) is None
+    assert _torch_api.compiled_by(torch.compile(model)) == ("OptimizedModule (torch.compile's wrapper of Sequential)")

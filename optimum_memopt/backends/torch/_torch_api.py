@@ -135,3 +135,14 @@ def foreign_recompute() -> Optional[str]:
     if task is not None and task() != -1:
         return "during a backward pass (a recompute: torch.utils.checkpoint with use_reentrant=True)"
     return None
+
+
+def compiled_by(model) -> Optional[str]:
+    """How `model` is `torch.compile`'s wrapper (private `torch._dynamo.eval_frame.OptimizedModule`, which forwards
+    attribute writes to the module it compiled, `_orig_mod`), or None. Without that class, read from the
+    `_orig_mod` attribute it keeps."""
+    dynamo = getattr(torch, "_dynamo", None)
+    optimized = getattr(getattr(dynamo, "eval_frame", None), "OptimizedModule", None)
+    if (optimized is not None and isinstance(model, optimized)) or "_orig_mod" in getattr(model, "_modules", {}):
+        return f"{type(model).__name__} (torch.compile's wrapper of {type(model._orig_mod).__name__})"
+    return None

@@ -9,11 +9,11 @@ from typing import List, Optional
 from torch import nn
 
 from ...memory import MIB
-from ...plans import PlanError, PlanReport
+from ...plans import PlanError, PlanReport, to_inline
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
-from .layers import checkpointed_elsewhere, find_layers
-from .policy import RecomputePolicy, check_requests
+from .layers import checkpointed_elsewhere, distinct, find_layers, repeated
+from .policy import LayerPolicy, RecomputePolicy, check_requests
 
 logger = logging.getLogger(__name__)
 STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state
@@ -32,6 +32,41 @@ def _fsdp_checkpointing(args) -> Optional[str]:
     if _true(os.environ.get("ACCELERATE_USE_FSDP")) and _true(os.environ.get("FSDP_ACTIVATION_CHECKPOINTING")):
         return "`fsdp_activation_checkpointing: true` in accelerate's config ($FSDP_ACTIVATION_CHECKPOINTING)"
     return None
+
+
+def _one_plan_per_module(model, layers, policy: RecomputePolicy, shared, settings: WrapSettings) -> RecomputePolicy:
+    """The policy for a layer list that holds one module at several positions: one module runs one plan for all
+    its uses, so the plans must give its positions the same one; it then counts as one layer (at its first
+    position), said in the notes. Positions given different plans, and `auto` (which chooses per position), are
+    refused with what works."""
+    where = "; ".join(f"one {type(layers[p[0]]).__name__} at positions {', '.join(map(str, p))}" for p in shared)
+    held = f"{type(model).__name__}'s layer list holds {where}"
+    every = f"'Layer+:1:-1@{'+'.join(map(str, shared[0]))}'"
+    if settings.budget is not None:
+        raise ValueError(
+            f"{held}: `--memory_opt_config auto` chooses per position, and one module runs one plan for all its "
+            f"uses; pass `--memory_opt_level 1`, or one plan on every position of that module, as in {every}"
+        )
+
+    def same(p: LayerPolicy, q: LayerPolicy) -> bool:
+        return (p.mode, p.ops) == (q.mode, q.ops)
+
+    for positions in shared:
+        first = policy.layers[positions[0]]
+        other = next((i for i in positions if not same(policy.layers[i], first)), None)
+        if other is not None:
+            raise ValueError(
+                f"`--memory_opt_config` {to_inline(settings.entries)!r} gives position {positions[0]} ({first.mode}) "
+                f"and position {other} ({policy.layers[other].mode}) different plans, but {held}, which runs one "
+                f"plan for all its uses; pass `--memory_opt_level 1`, or the same plan on every position of that "
+                f"module, as in {every}"
+            )
+    firsts = [i for i, layer in enumerate(layers) if layers.index(layer) == i]
+    note = (
+        f"{held}: it runs as one layer (the table's layer {firsts.index(shared[0][0])}), its plan applied at each "
+        f"of its {len(shared[0])} uses a step; the table's figures for it are one use's"
+    )
+    return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note])
 
 
 class TorchBackend(Backend):
@@ -71,6 +106,17 @@ class TorchBackend(Backend):
         return []
 
     def wrap(self, model: nn.Module, settings: WrapSettings) -> nn.Module:
+        from ._torch_api import compiled_by
+
+        compiled = compiled_by(model)
+        if compiled is not None:
+            raise ValueError(
+                f"the model given is {compiled}: the torch backend's recompute runs in Python hooks (a dispatch mode "
+                f"and saved-tensor hooks) that torch.compile would trace or break around, and the compiled wrapper "
+                f"hands every attribute the backend sets to the inner model; give the model before `torch.compile` "
+                f"(`model._orig_mod`) to train with the plans, or pass `--use_ort false` to train the compiled model "
+                f"without them"
+            )
         layers = find_layers(model)
         if not layers:
             raise ValueError(
@@ -84,6 +130,9 @@ class TorchBackend(Backend):
             policy = RecomputePolicy.from_plans(settings.entries, settings.level, len(layers))
         except PlanError as e:  # a layer selector naming a layer this model does not have
             raise ValueError(f"`--memory_opt_config` {e}") from None
+        shared = repeated(layers)
+        if shared:
+            policy = _one_plan_per_module(model, layers, policy, shared, settings)
         for note in policy.notes:
             logger.warning("%s", note)
         model = self.apply_policy(model, policy)
@@ -119,7 +168,7 @@ class TorchBackend(Backend):
         previous = vars(model).get(STATE)
         if isinstance(previous, RecomputeState):
             previous.uninstall()
-        state = RecomputeState(find_layers(model), policy)
+        state = RecomputeState(distinct(find_layers(model)), policy)
         state.install()
         setattr(model, STATE, state)
         self._mine.add(state)

@@ -20,6 +20,22 @@ def find_layers(model: nn.Module) -> List[nn.Module]:
     return list(max(uniform, key=len))
 
 
+def repeated(layers: List[nn.Module]) -> List[List[int]]:
+    """The positions of each module found at several positions of the layer list (`nn.ModuleList([block] * 2)`:
+    one module run twice a step)."""
+    at: dict = {}
+    for i, layer in enumerate(layers):
+        at.setdefault(id(layer), []).append(i)
+    return [positions for positions in at.values() if len(positions) > 1]
+
+
+def distinct(layers: List[nn.Module]) -> List[nn.Module]:
+    """The layer list with each module once, at its first position: a module runs one forward of ours, which each
+    of its uses calls."""
+    seen: set = set()
+    return [layer for layer in layers if not (id(layer) in seen or seen.add(id(layer)))]
+
+
 class LayerForwards:
     """The layers' own `forward`s, kept while ours is installed on each instance."""
 
