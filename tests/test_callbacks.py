@@ -1,6 +1,9 @@
 """The three callbacks alone, driven by hand with the Trainer's real state and arguments and a stub backend."""
 
+import builtins
+import contextlib
 import csv
+import errno
 import json
 import logging
 
@@ -299,7 +302,10 @@ def test_phases_survive_an_unwritable_output_dir(tmp_path, caplog):
         _step(model, cb, args, st)
         cb.on_train_end(args, st, TrainerControl())
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
-    assert len([e for e in errors if "memory_phases.csv" in e]) == 1  # said once, not every step
+    csv_errors = [e for e in errors if "memory_phases.csv" in e]
+    assert len(csv_errors) == 2  # said once, not every step, and at the end that it is absent
+    assert "memory_phases.csv is absent: it could not be written since IsADirectoryError" in csv_errors[1]
+    assert csv_errors[1].endswith("(8 rows not written)")  # 2 steps x 4 phases
     assert any("memory_phases.png" in e for e in errors)
     assert cb.pop_metrics()["memopt/mem_post_forward_mb"] > 0
 
@@ -314,3 +320,117 @@ def test_other_ranks_record_nothing(tmp_path, cls):
     else:
         model(torch.randn(4, 512))
     assert cb.pop_metrics() == {} and list(tmp_path.iterdir()) == []
+
+
+# -- reports on a full disk: whole or absent ----------------------------------------------------------------------
+
+
+def _csv_rows(path):
+    """The report's rows as `csv.DictReader` reads them, checking the header is the first line."""
+    with open(path, newline="") as f:
+        lines = f.read().splitlines()
+    assert lines and lines[0].startswith("step,"), lines[:2]
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _drive(tmp_path_out, steps, at_step=None):
+    """Both CSV reports of a run, by hand: `at_step(step)` runs before each step (to fill or free the disk); after
+    each step each report is checked whole (header first, every row since step 0) or absent."""
+    model = WithConfig(pad=0)
+    args = make_args(tmp_path_out)
+    density = InputDensityCallback(trainer=FakeTrainer(model))
+    mlp = _mlp().train()
+    phases = MemoryPhaseCallback(FakeTrainer(mlp))
+    st = state(0)
+    if at_step:
+        at_step(-1)
+    density.on_train_begin(args, st, TrainerControl())
+    phases.on_train_begin(args, st, TrainerControl(), model=mlp)
+    seen = []
+    for step in range(steps):
+        if at_step:
+            at_step(step)
+        st.global_step = step
+        density.observe_batch(batch([4, 3]), st)
+        _step(mlp, phases, args, st)
+        for name, per_step in (("input_density.csv", 2), ("memory_phases.csv", 4)):
+            path = tmp_path_out / name
+            if path.exists():
+                rows = _csv_rows(path)
+                assert [int(r["step"]) for r in rows] == sorted(s for s in range(step + 1) for _ in range(per_step))
+        seen.append({n: (tmp_path_out / n).exists() for n in ("input_density.csv", "memory_phases.csv")})
+    density.on_train_end(args, st, TrainerControl())
+    phases.on_train_end(args, st, TrainerControl())
+    return seen
+
+
+class FullDisk:
+    """`open` for the reports' module while the disk is "full": a file opened for writing takes half of what is
+    written to it and raises ENOSPC, as a file system that runs out of room mid-write does."""
+
+    def __init__(self):
+        self.full = False
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        f = builtins.open(path, mode, *args, **kwargs)
+        if not (self.full and mode[:1] in "wa"):
+            return f
+        real_write = f.write
+
+        def write(text):
+            real_write(text[: len(text) // 2])
+            f.flush()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        f.write = write
+        return f
+
+
+def test_a_report_cut_short_by_a_full_disk_is_removed_and_written_whole_when_room_comes_back(tmp_path, caplog):
+    """Before: the rows of the steps the disk was full were lost and a half-written row left in the file; a report
+    written 0 bytes at its start got its later rows with no header."""
+    from optimum_memopt.callbacks import base
+
+    disk = FullDisk()
+    base.open = disk
+    try:
+        with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
+            seen = _drive(tmp_path, 6, lambda step: setattr(disk, "full", step in (2, 3)))
+    finally:
+        del base.open
+    assert [s["input_density.csv"] for s in seen] == [True, True, False, False, True, True]
+    assert [s["memory_phases.csv"] for s in seen] == [True, True, False, False, True, True]
+    said = [r.getMessage() for r in caplog.records]
+    for name in ("input_density.csv", "memory_phases.csv"):
+        lost = [m for m in said if m.startswith(f"could not write {tmp_path / name} (OSError: [Errno 28] No space")]
+        assert len(lost) == 1 and "no file is left there, rather than one cut short" in lost[0]
+        assert sum(f"{tmp_path / name} is written whole again" in m for m in said) == 1
+
+
+def test_a_report_that_could_not_start_on_a_full_file_system_is_written_whole_later(tmp_path, caplog):
+    """A real full file system (a 96 KiB tmpfs filled by a file, removed before step 2): the reports are absent
+    while it is full, then whole from step 0."""
+    import shutil
+    import subprocess
+
+    fs = tmp_path / "fs"
+    fs.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(fs)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root (the fault-injected test above covers the same logic)")
+    try:
+        out, filler = fs / "out", fs / "filler"
+        out.mkdir()
+        with contextlib.suppress(OSError), open(filler, "wb") as f:
+            while True:
+                f.write(b"x" * 4096)
+                f.flush()
+        with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
+            seen = _drive(out, 5, lambda step: filler.unlink() if step == 2 else None)
+        assert [s["input_density.csv"] for s in seen] == [False, False, True, True, True]
+        assert len(_csv_rows(out / "input_density.csv")) == 5 * 2
+        assert len(_csv_rows(out / "memory_phases.csv")) == 5 * 4
+        assert not list(out.glob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(fs)], check=False)
+        shutil.rmtree(fs, ignore_errors=True)

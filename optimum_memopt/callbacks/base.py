@@ -38,33 +38,102 @@ class MetricsCallback(TrainerCallback):
 
 
 class CsvReport:
-    """A CSV file that a run appends to, rows at a time; on resume from step N the rows of steps >= N
-    (what the interrupted run wrote after its checkpoint) are dropped and the file continues."""
+    """A CSV file a run adds rows to, which is whole or absent: the header first, then every row since the run began
+    (on resume from step N, the rows of the steps before N that the interrupted run wrote, then this run's).
+
+    Its rows are kept, so a write that fails (a full disk) never leaves an empty or half-written file: the file is
+    removed and that is said; at each later write it is written whole again, through a temporary file, and once that
+    works it is said too. A run that ends with it absent says so."""
 
     def __init__(self, owner: MetricsCallback, path: str, header: Sequence[str]):
         self.owner, self.path, self.header = owner, path, list(header)
+        self.rows: List[List[str]] = []
+        self.whole = False  # the file holds the header and every row
+        self.failed: Optional[str] = None  # why the file is absent, since the write that failed
 
     def start(self, resume_step: int) -> None:
-        def write(path):
-            kept: List[List[str]] = []
-            if resume_step > 0 and os.path.exists(path):
-                with open(path, newline="") as f:
+        kept: List[List[str]] = []
+        if resume_step > 0 and os.path.exists(self.path):
+            try:
+                with open(self.path, newline="") as f:
                     rows = list(csv.reader(f))
-                if rows and rows[0] == self.header:
-                    kept = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) < resume_step]
+            except (OSError, UnicodeDecodeError, csv.Error) as e:
+                logger.warning("could not read %s to continue it (%s); it starts anew", self.path, e)
+                rows = []
+            if rows and rows[0] == self.header:
+                kept = [r for r in rows[1:] if r and r[0].isdigit() and int(r[0]) < resume_step]
+        self.rows = kept
+        self._write_whole()
+
+    def append(self, rows: Sequence[Sequence]) -> None:
+        new = [[_cell(v) for v in r] for r in rows]
+        self.rows.extend(new)
+        if not self.whole:
+            self._write_whole()
+            return
+        try:
+            with open(self.path, "a", newline="") as f:
+                csv.writer(f).writerows(new)
+        except Exception as e:  # a report must never cost the run
+            self._lost(e)
+
+    def finish(self) -> None:
+        """At the end of training: one more try where the file is absent, and a word if it stays absent."""
+        if not self.whole:
+            self._write_whole()
+        if not self.whole:
+            logger.error(
+                "%s is absent: it could not be written since %s (%d rows not written)",
+                self.path,
+                self.failed,
+                len(self.rows),
+            )
+
+    def _write_whole(self) -> None:
+        def write(path):
             with open(path, "w", newline="") as f:
                 w = csv.writer(f)
                 w.writerow(self.header)
-                w.writerows(kept)
+                w.writerows(self.rows)
 
-        self.owner.write_report(self.path, write)
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            atomic_write(self.path, write)
+        except Exception as e:
+            self._lost(e)
+            return
+        self.whole = True
+        if self.failed is not None:
+            logger.warning(
+                "%s is written whole again (the header and its %d rows) after it could not be written (%s)",
+                self.path,
+                len(self.rows),
+                self.failed,
+            )
+            self.failed = None
 
-    def append(self, rows: Sequence[Sequence]) -> None:
-        def write(path):
-            with open(path, "a", newline="") as f:
-                csv.writer(f).writerows(rows)
+    def _lost(self, error: Exception) -> None:
+        """A write failed: the file may be cut short, so it goes (a stale one from an earlier run too)."""
+        self.whole = False
+        if os.path.isfile(self.path):
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+        if self.failed is None:
+            self.failed = f"{type(error).__name__}: {error}"
+            logger.error(
+                "could not write %s (%s); %s, and it is written whole (header and every row) once a write "
+                "works again; training goes on",
+                self.path,
+                self.failed,
+                "the file could not be removed either"
+                if os.path.isfile(self.path)
+                else "no file is left there, rather than one cut short",
+            )
 
-        self.owner.write_report(self.path, write)
+
+def _cell(value) -> str:
+    """A value as `csv.writer` writes it (None as an empty cell)."""
+    return "" if value is None else str(value)
 
 
 def _shown(level: int) -> bool:

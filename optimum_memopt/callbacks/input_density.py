@@ -115,6 +115,8 @@ class InputDensityCallback(MetricsCallback):
         return super().pop_metrics()
 
     def on_train_end(self, args, state, control, **kwargs):
+        if self._active and self._csv is not None:
+            self._csv.finish()
         self._active = False
 
 

@@ -205,6 +205,7 @@ class MemoryPhaseCallback(MetricsCallback):
         if self.meter is None:
             return
         self.meter.close()
+        self._csv.finish()
         if self.plot and self.rows:
             path = os.path.join(args.output_dir, "memory_phases.png")
             plot = lambda p: plot_phases(self.rows, p, self.meter.device)  # noqa: E731
