@@ -9,7 +9,10 @@ tensors are freed, so it shows activations being held after forward and released
 Its peak within a phase is not kept by glibc: it is sampled at every phase boundary and, while a
 phase runs, by a light sampler thread (every `SAMPLE_INTERVAL_S`), so a short spike between two
 samples can be missed; the resident high-water mark (VmHWM, reset through `/proc/self/clear_refs`)
-is reported beside it as the second, conservative column.
+is reported beside it as the second, conservative column. Where a caller knows when memory can peak
+(the torch backend after each op of the model's forward and each node of its backward, in the steps it
+measures: `backends.torch.watch`), it pauses every sampler of the process (`read_at_ops`) and reads
+for all of them at those moments (`observe_all`): the same step then reads the same peaks every run.
 
 For ORTModule on CPU this is exact only when ORT allocates through glibc: its CPU arena keeps freed
 blocks, so the ORT backend turns the arena off whenever memory is measured (see
@@ -94,14 +97,44 @@ def _proc_status_kb(key: str) -> Optional[int]:
     return None
 
 
+_SAMPLERS: "weakref.WeakSet[_PeakSampler]" = weakref.WeakSet()  # every sampler of the process
+_PAUSE = threading.Lock()  # held by a sampler thread while it reads, and by `read_at_ops` while it counts
+_read_at_ops = 0  # > 0: a caller reads at every op (`observe_all`) and the sampler threads read nothing
+
+
+def read_at_ops(on: bool) -> None:
+    """Pause (`on`) or resume every sampler thread of the process, for a caller that reads after every op with
+    `observe_all` meanwhile (calls nest). Once this returns with `on`, no sampler reads until it is resumed: a
+    reading at a chance moment (inside an op) would make the peaks of the same step differ run to run."""
+    global _read_at_ops
+    with _PAUSE:
+        _read_at_ops = max(0, _read_at_ops + (1 if on else -1))
+
+
+def reading_at_ops() -> bool:
+    return _read_at_ops > 0
+
+
+def observe_all() -> None:
+    """Take the allocator's reading now into every sampler's peak (one mallinfo2 call, about 11 us here)."""
+    samplers = list(_SAMPLERS)
+    if samplers:
+        now = allocator_bytes_in_use() or 0
+        for sampler in samplers:
+            if now > sampler.peak:
+                sampler.peak = now
+
+
 class _PeakSampler:
-    """Keeps the highest allocator reading seen since the last reset, sampled by a daemon thread."""
+    """Keeps the highest allocator reading seen since the last reset, sampled by a daemon thread (paused while
+    a caller reads at every op: `read_at_ops`)."""
 
     def __init__(self, interval: float = SAMPLE_INTERVAL_S):
         self.interval = interval
         self.peak = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        _SAMPLERS.add(self)
 
     def start(self):
         if self._thread is None:
@@ -111,7 +144,9 @@ class _PeakSampler:
 
     def _run(self):
         while not self._stop.wait(self.interval):
-            self.observe()
+            with _PAUSE:
+                if not _read_at_ops:
+                    self.observe()
 
     def observe(self) -> int:
         now = allocator_bytes_in_use() or 0

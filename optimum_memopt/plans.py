@@ -357,6 +357,9 @@ class FoundPlan:
     # how much lower the first step's peak would be with this alone than with nothing recomputed (torch backend:
     # from memory read at each layer's marks); below saving_bytes where the peak would fall outside the layers
     peak_drop_bytes: Optional[float] = None
+    # the least and the most that drop can be (the same as peak_drop_bytes where the readings tell it exactly)
+    peak_drop_min_bytes: Optional[float] = None
+    peak_drop_max_bytes: Optional[float] = None
 
     @property
     def entries(self) -> List[PlanEntry]:

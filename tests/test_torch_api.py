@@ -134,3 +134,19 @@ def test_a_model_compiled_by_torch_compile_is_recognised():
     model = nn.Sequential(nn.Linear(2, 2))
     assert _torch_api.compiled_by(model) is None
     assert _torch_api.compiled_by(torch.compile(model)) == ("OptimizedModule (torch.compile's wrapper of Sequential)")
+
+
+def test_the_innermost_dispatch_mode_can_be_read():
+    """The step readings leave their mode only where it is the innermost (leaving it under another would take the
+    other off the stack in its place)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode  # noqa: F401 (the private name itself)
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    outer, inner = _torch_api.TorchDispatchMode(), _torch_api.TorchDispatchMode()
+    assert not _torch_api.dispatch_mode_on_top(outer)
+    with outer:
+        assert _torch_api.dispatch_mode_on_top(outer)
+        with inner:
+            assert not _torch_api.dispatch_mode_on_top(outer) and _torch_api.dispatch_mode_on_top(inner)
+        assert _torch_api.dispatch_mode_on_top(outer)

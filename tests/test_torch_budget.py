@@ -253,6 +253,60 @@ def test_step_one_is_watched_in_a_loop_of_ones_own_and_the_sampler_stops():
     assert threading.active_count() == before
 
 
+BIG = 1 << 24  # 64 MiB of float32, allocated and let go of inside one layer's forward or backward
+
+
+class _BigInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + torch.empty(BIG)[:1].zero_()
+
+
+def _brief_spikes(block, x):
+    """64 MiB held for microseconds in the forward (an `empty` never touched is mapped at once, not filled) and again
+    in the backward: a sampler every 2 ms all but never sees either."""
+    spike = torch.empty(BIG)[:1].zero_()
+    return _BigInBackward.apply(x @ block.w + spike)
+
+
+def test_step_one_is_read_after_every_op_and_misses_no_peak():
+    """In step one the allocator is read after every op of the model's forward and of its backward, with the
+    samplers paused there: a 64 MiB spike lasting microseconds is in its layer's forward and backward segments
+    every time (the 2 ms sampler used before missed it). Nothing is left on once the step is over, or in a step
+    that is not measured; a forward that raises leaves it all as it found it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    from optimum_memopt.backends.torch.watch import READ_AT_OPS, OpReadings
+    from optimum_memopt.memory import reading_at_ops
+
+    _, model = pair(_brief_spikes, n=2)
+    state = engine(model, keep(2))
+    modes = []
+    model.layers[0].register_forward_pre_hook(lambda m, a: modes.append(_get_current_dispatch_mode()))
+    x = torch.randn(4, 8)
+    step(model, x)
+    assert isinstance(modes[-1], OpReadings)
+    assert _get_current_dispatch_mode() is None and not reading_at_ops()
+    step(model, x)  # step one ends as step two starts (no trainer reports steps here)
+    memory = state.profile.memory
+    assert memory.how == READ_AT_OPS
+    peaks = {s.name: s.peak_bytes - s.start_bytes for s in memory.segments}
+    assert peaks["layer 0 forward"] >= BIG * 4 and peaks["layer 1 forward"] >= BIG * 4, peaks
+    assert peaks["layer 0 backward"] >= BIG * 4 and peaks["layer 1 backward"] >= BIG * 4, peaks
+    assert modes[-1] is None  # step two is not measured: no readings
+    assert _get_current_dispatch_mode() is None and not reading_at_ops()
+
+    _, failing = pair(lambda block, x: x @ block.w.t()[:3], n=2)  # a shape error in layer 1
+    engine(failing, keep(2))
+    with pytest.raises(RuntimeError):
+        step(failing, x)
+    assert _get_current_dispatch_mode() is None and not reading_at_ops()
+
+
 def test_layers_run_out_of_order_stop_the_planner_with_the_reason():
     _, model = pair(gated_mlp, n=2)
     state = engine(model, whole(2))
@@ -290,8 +344,11 @@ def train_auto(tmp_path, budget_mb, name):
 def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path, capsys, monkeypatch):
     """A budget with room for everything keeps everything (its step shows eager's peak); a budget halfway between
     that and the floor of recompute gets a mixed choice, which the next step's measured peak meets, with the losses
-    of the first run (recompute is exact). No script is re-run (a notebook's kernel has none)."""
+    of the first run (recompute is exact). No script is re-run (a notebook's kernel has none). A warm-up training
+    first: the process's first one keeps, from its step one on, what the libraries allocate once (27 MiB here), so
+    the roomy run read alone would set a budget the tight run, warmed up by it, meets with nothing recomputed."""
     monkeypatch.setattr("sys.argv", [""])
+    train_decoder(tmp_path, "warm-up", steps=1)
     _, roomy, plain_losses = train_auto(tmp_path, 10**6, "roomy")
     assert roomy.fits[0].config() == ""
     eager = roomy.verified[0]["measured_peak_mb"]
@@ -322,12 +379,15 @@ def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path, cap
 
 
 @pytest.mark.slow
-def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path):
+@pytest.mark.parametrize("config", ["MatMul+Mul+silu+:1:-1", "Mul+silu+:1:-1"])
+def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path, config):
     """Where the peak leaves the layers, SAVING overstates the drop; PEAK DROP, from step one's memory by segment,
-    is what a run with the plan then measures (step one against step one). The CPU's peaks are sampled every 2 ms
-    on a small model here, so within 20% (the issue's decoder, BENCHMARKS.md: within 5%). Not `Mul+silu+` alone on
-    this model: its measured drop falls 10-20% short (layer 0 reads 3 MiB more held than the graph says, layers 1-2
-    as said; open, in the issue's note)."""
+    is what a run with the plan then measures (step one against step one), inside the bounds the table says: step
+    one is read after every op, so both runs read the same figures every time, and the measured drop lies between
+    the least and the most the row gives (here it may only be more: the planned run's peak may fall in layer 2's own
+    backward, where its replay brings the MLP's tensors back one at a time), up to the few KiB the allocator counts
+    that are not tensors. No tolerance left to chance (the 2 ms sampler used before read this small step 20% apart
+    run to run)."""
     train_decoder(tmp_path, "warm-up", steps=1)  # the process's first training allocates for good (thread pools)
     eager = train_decoder(tmp_path, "eager", steps=1)
     with open(tmp_path / "eager" / "memory_plans.json") as f:
@@ -337,13 +397,18 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path):
     note = next(n for n in report["notes"] if n.startswith("step one peaked at"))
     memory = eager.backend_model._memopt_recompute.profile.memory
     assert f"step one peaked at {memory.peak.peak_bytes / MIB:,.1f} MiB, {memory.peak.name}" in note
+    assert "read after every op of the model's forward and backward" in note and "(+N) may be up to N" in note
     del eager  # what the process holds before each run's first layer is left out of its peak
-    for config in ("MatMul+Mul+silu+:1:-1",):
-        run = train_decoder(tmp_path, config.split(":")[0], steps=1, memory_opt_config=config)
-        ran = run.backend_model._memopt_recompute.profile.memory
-        measured = (memory.peak.peak_bytes - memory.start_bytes) - (ran.peak.peak_bytes - ran.start_bytes)
-        predicted = rows[config]["peak_drop_bytes"]
-        assert abs(predicted - measured) <= 0.20 * measured, (config, predicted / MIB, measured / MIB)
+    run = train_decoder(tmp_path, config.split(":")[0], steps=1, memory_opt_config=config)
+    ran = run.backend_model._memopt_recompute.profile.memory
+    measured = (memory.peak.peak_bytes - memory.start_bytes) - (ran.peak.peak_bytes - ran.start_bytes)
+    row = rows[config]
+    least, predicted, most = row["peak_drop_min_bytes"], row["peak_drop_bytes"], row["peak_drop_max_bytes"]
+    assert least == predicted < most  # one-sided here: the peak with nothing recomputed is after the layers
+    # the allocator counts what is not tensor data too (tensors' metadata, autograd's nodes, Python's larger objects):
+    # the plans change it by a few KiB that no graph counts (18 KiB for Mul+silu+ here, the same every run)
+    slack = 64 * 1024
+    assert least - slack <= measured <= most + slack, (least / MIB, measured / MIB, most / MIB)
 
 
 def test_auto_with_a_share_of_the_activations(tmp_path, capsys):

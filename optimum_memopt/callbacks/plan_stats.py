@@ -22,6 +22,18 @@ from ..plans import PlanReport
 from .base import MetricsCallback, atomic_write, current_model, logger, show
 
 
+def _drop(plan) -> str:
+    """The PEAK DROP cell: the bytes, and by how much it may be less (-N) or more (+N) where that is not exact."""
+    if plan.peak_drop_bytes is None:
+        return "?"
+    value = plan.peak_drop_bytes
+    least = value if plan.peak_drop_min_bytes is None else plan.peak_drop_min_bytes
+    most = value if plan.peak_drop_max_bytes is None else plan.peak_drop_max_bytes
+    bounds = [f"-{value - least:,.0f}"] if least < value else []
+    bounds += [f"+{most - value:,.0f}"] if most > value else []
+    return f"{value:,.0f}" + (f" ({' '.join(bounds)})" if bounds else "")
+
+
 def format_plan_table(report: PlanReport) -> str:
     timed = any(p.recompute_seconds is not None for p in report.plans)
     dropped = any(p.peak_drop_bytes is not None for p in report.plans)
@@ -35,7 +47,7 @@ def format_plan_table(report: PlanReport) -> str:
         applied = "-" if p.applied_count is None else f"{p.applied_count}/{p.frequency}"
         row = (str(i), "ON" if p.enabled else "OFF", p.config, str(p.frequency), applied, saving, p.saving_symbolic)
         if dropped:
-            row = row[:6] + ("?" if p.peak_drop_bytes is None else f"{p.peak_drop_bytes:,.0f}",) + row[6:]
+            row = row[:6] + (_drop(p),) + row[6:]
         if timed:
             cost = "-" if p.recompute_seconds is None else f"{p.recompute_seconds * 1000:,.1f}"
             row = row[: 6 + dropped] + (cost,) + row[6 + dropped :]

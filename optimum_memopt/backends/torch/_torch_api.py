@@ -146,3 +146,13 @@ def compiled_by(model) -> Optional[str]:
     if (optimized is not None and isinstance(model, optimized)) or "_orig_mod" in getattr(model, "_modules", {}):
         return f"{type(model).__name__} (torch.compile's wrapper of {type(model._orig_mod).__name__})"
     return None
+
+
+def dispatch_mode_on_top(mode) -> bool:
+    """Whether `mode` is the innermost Python dispatch mode now (private
+    `torch.utils._python_dispatch._get_current_dispatch_mode`); without it, True (the caller's own bookkeeping)."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode
+    except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
+        return True
+    return _get_current_dispatch_mode() is mode

@@ -168,7 +168,7 @@ class TorchBackend(Backend):
         previous = vars(model).get(STATE)
         if isinstance(previous, RecomputeState):
             previous.uninstall()
-        state = RecomputeState(distinct(find_layers(model)), policy)
+        state = RecomputeState(distinct(find_layers(model)), policy, model)
         state.install()
         setattr(model, STATE, state)
         self._mine.add(state)

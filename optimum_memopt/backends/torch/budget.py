@@ -21,7 +21,7 @@ start (what is held there that was not at step one's) and adds the gradients' by
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...memory import MIB
 from ...plans import LAYER as LAYER_PLAN
@@ -65,6 +65,27 @@ def predict(memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[i
     return best
 
 
+def predict_range(memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int]) -> Tuple[int, int]:
+    """The least and the most the step's peak can be with `freed` bytes freed per layer, where `predict` gives one
+    figure inside that range. The readings are exact (the same each run), but they cannot tell how much of a change
+    of policy in a layer shows in that layer's own forward and backward: a planned tensor is let go of in the forward
+    only after its last use (its layer's forward peak may still hold it), and a layer replayed in its own backward
+    brings its tensors back one at a time (its backward may peak with some of them gone). So the segment of layer
+    j's forward, which `predict` moves by all of the change, may be higher by what `freed` frees there or lower by
+    what the measured policy did; layer k's backward, which `predict` does not move by layer k's change, may be lower
+    by what `freed` frees there or higher by what the measured policy did. Every other segment moves exactly."""
+    low = high = None
+    for seg in memory.segments:
+        value = _moved(seg, measured_freed, freed)
+        down = up = 0
+        if seg.own is not None and seg.own < len(freed):
+            now, then = freed[seg.own], measured_freed[seg.own]
+            down, up = (then, now) if seg.own < seg.held else (now, then)
+        low = value - down if low is None else max(low, value - down)
+        high = value + up if high is None else max(high, value + up)
+    return low, high
+
+
 def _moved(seg: Segment, measured_freed: Sequence[int], freed: Sequence[int]) -> int:
     held = seg.held
     return seg.peak_bytes + sum(measured_freed[:held]) - sum(freed[:held])
@@ -74,7 +95,7 @@ def above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
     """The step's memory counted from `base` bytes (the CPU allocator's level before training)."""
     if memory is None:
         return None
-    segments = [Segment(s.name, s.held, s.start_bytes - base, s.peak_bytes - base) for s in memory.segments]
+    segments = [Segment(s.name, s.held, s.start_bytes - base, s.peak_bytes - base, s.own) for s in memory.segments]
     return StepMemory(memory.device, segments, memory.start_bytes - base, memory.how)
 
 
@@ -84,7 +105,9 @@ def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -
     steps measured on several processes, each freeing what its own graphs say, are put side by side (`merged`)."""
     last = len(memory.segments) - 1
     segments = [
-        Segment(s.name, s.held, s.start_bytes, _moved(s, measured_freed, [0] * s.held) + (extra if k < last else 0))
+        Segment(
+            s.name, s.held, s.start_bytes, _moved(s, measured_freed, [0] * s.held) + (extra if k < last else 0), s.own
+        )
         for k, s in enumerate(memory.segments)
     ]
     return StepMemory(memory.device, segments, memory.start_bytes, memory.how)
@@ -99,7 +122,7 @@ def merged(kept: Sequence[StepMemory], measured_freed: Sequence[int]) -> StepMem
         on = f" on rank {rank}" if len(kept) > 1 else ""
         for s in memory.segments:
             back = sum(measured_freed[: s.held])
-            segments.append(Segment(s.name + on, s.held, s.start_bytes, s.peak_bytes - back))
+            segments.append(Segment(s.name + on, s.held, s.start_bytes, s.peak_bytes - back, s.own))
     first = kept[0]
     return StepMemory(first.device, segments, first.start_bytes, first.how)
 

@@ -16,13 +16,13 @@ from .policy import LAYER, OPS, RecomputePolicy
 from .profile import LayerProfile, ModelProfile
 from .recipe import tensors_in
 from .tracking import LayerRun
-from .watch import StepWatch, first_grad_tensor
+from .watch import StepReadings, StepWatch, first_grad_tensor
 
 
 class RecomputeState:
     """Attached to the model as `_memopt_recompute`: the layers, the policy they run under, what step one measured."""
 
-    def __init__(self, layers: List[nn.Module], policy: RecomputePolicy):
+    def __init__(self, layers: List[nn.Module], policy: RecomputePolicy, model: Optional[nn.Module] = None):
         if len(policy.layers) != len(layers):
             raise ValueError(f"a policy for {len(policy.layers)} layers given to a model with {len(layers)} layers")
         self.layers = layers
@@ -37,6 +37,8 @@ class RecomputeState:
         # one's own) a step ends where the next training forward starts
         self.steps_reported = False
         self._step_ended = False
+        self._model = model  # whose forward and backward are read op by op in the steps measured (`StepReadings`)
+        self._readings: Optional[StepReadings] = None
 
     @property
     def originals(self):
@@ -44,9 +46,19 @@ class RecomputeState:
 
     def install(self) -> None:
         self._forwards.install(lambda i: partial(self.layer_forward, i))
+        if self._model is not None:
+            self._readings = StepReadings(self._model, self.measuring)
 
     def uninstall(self) -> None:
         self._forwards.uninstall()
+        if self._readings is not None:
+            self._readings.remove()
+            self._readings = None
+
+    def measuring(self) -> bool:
+        """Whether the training step about to start may have its memory measured: step one (profiled and watched),
+        and the steps the budget planner measures until it is done (the step after its last check is read too)."""
+        return self.profile is None or (self.planner is not None and self.planner.stage != "done")
 
     def set_policy(self, policy: RecomputePolicy) -> None:
         """Run the layers under another policy from the next forward on (call it between steps)."""

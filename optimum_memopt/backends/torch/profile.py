@@ -48,7 +48,8 @@ class Segment:
     name: str
     held: int  # the first `held` layers' kept tensors are held here
     start_bytes: int  # the reading as it began
-    peak_bytes: int  # the highest reading in it (on the CPU sampled, so a spike between samples can be missed)
+    peak_bytes: int  # the highest reading in it (`StepMemory.how`)
+    own: Optional[int] = None  # the layer whose forward (own = held - 1) or backward (own = held) this is
 
 
 @dataclass
@@ -58,7 +59,7 @@ class StepMemory:
     device: str
     segments: List[Segment]
     start_bytes: int  # the reading as the first layer's forward began
-    how: str  # how the peaks were read (sampled / CUDA's counter / boundary readings only)
+    how: str  # how the peaks were read (after every op / CUDA's counter / readings at the marks only)
 
     @property
     def peak(self) -> Segment:

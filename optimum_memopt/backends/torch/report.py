@@ -1,12 +1,12 @@
 """The plan table from the step-one profile and the policy that ran: plans grouped by operator (frequency = layers
 that keep it, bytes for that batch), which are on, requests that matched nothing and why. Pure."""
 
-from typing import Callable, Dict, FrozenSet, List, Optional
+from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ...memory import MIB
 from ...plans import LAYER as LAYER_PLAN
 from ...plans import FoundPlan, PlanReport, Unmatched, match_requests
-from .budget import freed_bytes, predict
+from .budget import freed_bytes, predict, predict_range
 from .graph import effect, frontier
 from .policy import LAYER, LayerPolicy, RecomputePolicy
 from .profile import ModelProfile
@@ -47,7 +47,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
             applied_count=applied_layers.get(name, 0),
             applied_saving_bytes=float(applied_bytes.get(name, 0)),
             recompute_seconds=_seconds(profile, name),
-            peak_drop_bytes=drop([_freed(rec, [name]) for rec in profile.layers]) if drop else None,
+            **_drop_fields(drop, [_freed(rec, [name]) for rec in profile.layers]),
         )
         for name in sorted(totals, key=lambda k: -totals[k])
     ]
@@ -105,15 +105,34 @@ def _freed(rec, ops) -> int:
     )
 
 
-def _peak_drop(policy: RecomputePolicy, profile: ModelProfile) -> Optional[Callable[[List[int]], float]]:
+Drop = Tuple[float, float, float]  # how much lower the peak would be: the figure, the least and the most it can be
+
+
+def _peak_drop(policy: RecomputePolicy, profile: ModelProfile) -> Optional[Callable[[List[int]], Drop]]:
     """Bytes per layer freed -> how much lower step one's peak would be with that alone than with nothing recomputed
-    (`budget.predict` over step one's memory by segment); None where step one's memory was not followed."""
+    (`budget.predict` over step one's memory by segment), with the least and the most it can be (`predict_range`:
+    what the readings cannot tell of a layer's own forward and backward); None where step one's memory was not
+    followed."""
     memory = profile.memory
     if memory is None or not memory.segments:
         return None
     q = freed_bytes(profile, policy)
-    none = predict(memory, q, [0] * len(q)).peak_bytes
-    return lambda freed: float(none - predict(memory, q, freed).peak_bytes)
+    zero = [0] * len(q)
+    none = predict(memory, q, zero).peak_bytes
+    none_low, none_high = predict_range(memory, q, zero)
+
+    def drop(freed: List[int]) -> Drop:
+        low, high = predict_range(memory, q, freed)
+        return float(none - predict(memory, q, freed).peak_bytes), float(none_low - high), float(none_high - low)
+
+    return drop
+
+
+def _drop_fields(drop: Optional[Callable[[List[int]], Drop]], freed: List[int]) -> dict:
+    if drop is None:
+        return {}
+    value, least, most = drop(freed)
+    return {"peak_drop_bytes": value, "peak_drop_min_bytes": least, "peak_drop_max_bytes": most}
 
 
 def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
@@ -131,7 +150,11 @@ def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
         f"backward, {memory.how}; the optimizer's state is not held yet in step one). PEAK DROP: how much lower "
         f"that peak would be with the row's plans alone than with nothing recomputed, by the same readings; below "
         f"SAVING where the peak would fall outside the layers{held}; with every layer recomputed whole it would be "
-        f"{whole.peak_mb:,.1f} MiB, {whole.where}"
+        f"{whole.peak_mb:,.1f} MiB, {whole.where}. A drop shown with (+N) may be up to N bytes more, with (-N) up to "
+        f"N less: its peak may fall in a layer's own forward or backward, where the readings cannot tell how much of "
+        f"the plans' change shows (a planned tensor is let go of after its last use in the forward; a replayed "
+        f"layer brings its tensors back one at a time). The readings count the allocator, so its bytes that are not "
+        f"tensor data (tensors' metadata, autograd's nodes) move them by a few KiB more"
     )
 
 
@@ -143,7 +166,7 @@ def _seconds(profile: ModelProfile, name: str) -> float:
 
 
 def combinations(
-    policy: RecomputePolicy, profile: ModelProfile, drop: Optional[Callable[[List[int]], float]] = None
+    policy: RecomputePolicy, profile: ModelProfile, drop: Optional[Callable[[List[int]], Drop]] = None
 ) -> List[FoundPlan]:
     """Sets of plans applied together (a planned output recomputed from another's is a chain), the best for their
     recompute time in each layer's graph (`graph.frontier`: each frees more than every set that costs less), with
@@ -182,7 +205,7 @@ def combinations(
             applied_saving_bytes=row[4],
             recompute_seconds=row[1],
             combination=True,
-            peak_drop_bytes=drop(per_layer[ops]) if drop else None,
+            **_drop_fields(drop, per_layer[ops]),
         )
         for ops, row in sorted(rows.items(), key=lambda kv: -kv[1][0])
     ]

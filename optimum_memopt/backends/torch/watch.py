@@ -7,14 +7,32 @@ Marks are expected in a training step's order (layers 0..L-1 forward, then L-1..
 layers otherwise (twice, or not all of them) leaves `problem` set, and nothing is predicted from its segments.
 Micro-batches after the first (gradient accumulation) and the optimizer step fall in the last segment, which holds
 no layer's kept tensors.
+
+On the CPU the peak between two marks is what the allocator read at its highest. In the steps the backend measures
+(step one, and the steps the budget planner checks), `StepReadings` reads it after every op of the model's forward
+and of its backward (a recompute's included), with the 2 ms sampler threads paused there (`memory.read_at_ops`): a
+peak at an op's end (its output made, its inputs not yet let go of) cannot be missed, and the same step reads the
+same figures every run. What runs outside the model's forward and the backward of its graph (a loss computed
+outside the model, the optimizer step) is still sampled; a temporary inside one op is not seen.
 """
 
-from typing import List, Optional, Tuple
+import logging
+import weakref
+from typing import Callable, List, Optional, Tuple
 
 import torch
+from torch import nn
 
-from ...memory import MIB, MemoryMeter
+from ...memory import MIB, MemoryMeter, observe_all, read_at_ops
+from . import _torch_api
 from .profile import Segment, StepMemory
+from .recipe import tensors_in
+
+logger = logging.getLogger(__name__)
+
+READ_AT_OPS = (
+    "the allocator, read after every op of the model's forward and backward (sampled every 2 ms outside them)"
+)
 
 
 def first_grad_tensor(output) -> Optional[torch.Tensor]:
@@ -35,7 +53,7 @@ class StepWatch:
         self.segments: List[Segment] = []
         self.start_bytes: Optional[int] = None
         self.problem: Optional[str] = None
-        self._open: Optional[Tuple[str, int, int]] = None  # (name, held, start bytes)
+        self._open: Optional[Tuple[str, int, int, Optional[int]]] = None  # (name, held, start bytes, own layer)
         self._stage = "waiting"  # -> forward -> head -> backward -> after -> done
         self._last = -1
 
@@ -43,7 +61,7 @@ class StepWatch:
     def how(self) -> str:
         if not self.resets:
             return "readings at the marks only (the peak counter is not reset)"
-        return "CUDA's peak counter" if self.meter.device == "cuda" else "the allocator, sampled every 2 ms"
+        return "CUDA's peak counter" if self.meter.device == "cuda" else READ_AT_OPS
 
     @property
     def backward_ended(self) -> bool:
@@ -56,14 +74,14 @@ class StepWatch:
         peak = int(round((r.peak_mb or 0.0) * MIB)) if self.resets else current
         return current, max(peak, current)
 
-    def _mark(self, name: Optional[str], held: int = 0) -> int:
+    def _mark(self, name: Optional[str], held: int = 0, own: Optional[int] = None) -> int:
         current, peak = self._read()
         if self._open is not None:
-            opened, opened_held, start = self._open
-            self.segments.append(Segment(opened, opened_held, start, max(peak, start, current)))
+            opened, opened_held, start, opened_own = self._open
+            self.segments.append(Segment(opened, opened_held, start, max(peak, start, current), opened_own))
         if self.resets:
             self.meter.reset_peak()
-        self._open = (name, held, current) if name is not None else None
+        self._open = (name, held, current, own) if name is not None else None
         return current
 
     def _wrong(self, what: str) -> None:
@@ -75,7 +93,7 @@ class StepWatch:
         if self._stage == "after":
             return  # a later micro-batch (gradient accumulation): part of the last segment
         if (self._stage, index) == ("waiting", 0) or (self._stage == "forward" and index == self._last + 1):
-            current = self._mark(f"layer {index} forward", index + 1)
+            current = self._mark(f"layer {index} forward", index + 1, index)
             if index == 0:
                 self.start_bytes = current
             self._stage, self._last = "forward", index
@@ -92,7 +110,7 @@ class StepWatch:
     def layer_backward(self, index: int) -> None:
         expected = self.layers - 1 if self._stage == "head" else self._last - 1
         if self._stage in ("head", "backward") and index == expected:
-            self._mark(f"layer {index} backward", index)
+            self._mark(f"layer {index} backward", index, index)
             self._stage, self._last = "backward", index
         elif self._stage not in ("after", "done"):
             self._wrong(f"layer {index}'s backward where layer {expected}'s was due")
@@ -113,3 +131,118 @@ class StepWatch:
         if self.problem is not None or self.start_bytes is None:
             return None
         return StepMemory(self.meter.device, self.segments, self.start_bytes, self.how)
+
+
+class OpReadings(_torch_api.TorchDispatchMode):
+    """Reads the allocator for every sampler of the process after each aten op (`memory.observe_all`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        observe_all()
+        return out
+
+
+class _BackwardReadings:
+    """Reads after every op of each node of one forward's graph (a recipe's or a checkpoint's recompute inside it
+    included), from the node that starts its backward to the backward's end, with the samplers paused meanwhile.
+    The op readings are a dispatch mode entered by each node's pre-hook and left by its post-hook (autograd gives
+    each node the mode stack backward started with: one left on by an error is gone at backward's end). Held by the
+    nodes' hooks only: a graph freed without a backward takes it along, and a pause with it."""
+
+    def __init__(self):
+        self._resume = None
+        self._modes: List[OpReadings] = []
+
+    def before(self, grad_outputs) -> None:
+        if self._resume is None:
+            read_at_ops(True)
+            self._resume = weakref.finalize(self, read_at_ops, False)  # resumed at backward's end, or if dropped
+            _torch_api.at_backward_end(self._resume)
+        if self._resume.alive:
+            mode = OpReadings()
+            mode.__enter__()
+            self._modes.append(mode)
+
+    def after(self, grad_inputs, grad_outputs) -> None:
+        if self._modes:
+            mode = self._modes.pop()
+            observe_all()
+            if _torch_api.dispatch_mode_on_top(mode):
+                mode.__exit__(None, None, None)
+
+
+def read_backward(output) -> int:
+    """Hook every node of the graph behind `output`'s tensors to read after each of its ops (`_BackwardReadings`);
+    the number of nodes hooked."""
+    readings = _BackwardReadings()
+    seen = set()
+    todo = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        node.register_prehook(readings.before)
+        node.register_hook(readings.after)
+        todo.extend(n for n, _ in node.next_functions)
+    return len(seen)
+
+
+class StepReadings:
+    """Reads the CPU allocator after every op of `model`'s training forward and of its backward, in the
+    steps `wanted()` says are measured (see the module's docstring); elsewhere, and on CUDA (whose peak counter
+    misses nothing), it does nothing. The forward's op readings are a dispatch mode entered by a forward pre-hook and
+    left by a forward hook that runs even when the forward raises: entered and left in the training code's own flow."""
+
+    def __init__(self, model: nn.Module, wanted: Callable[[], bool]):
+        self.wanted = wanted
+        self._mode: Optional[OpReadings] = None
+        self._stale: Optional[OpReadings] = None  # ours, left under a mode entered in the forward and not left
+        self._depth = 0  # the model's forward called inside itself
+        self._handles = [
+            model.register_forward_pre_hook(self._before, with_kwargs=True),
+            model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _before(self, module, args, kwargs):
+        if self._stale is not None and _torch_api.dispatch_mode_on_top(self._stale):
+            self._stale.__exit__(None, None, None)
+            self._stale = None
+        if self._mode is not None:
+            self._depth += 1
+            return None
+        if not (module.training and torch.is_grad_enabled() and self.wanted()):
+            return None
+        first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+        if first is None or first.device.type != "cpu":
+            return None
+        read_at_ops(True)
+        self._mode = OpReadings()
+        self._mode.__enter__()
+        return None
+
+    def _after(self, module, args, kwargs, output):
+        if self._mode is None:
+            return None
+        if self._depth:
+            self._depth -= 1
+            return None
+        mode, self._mode = self._mode, None
+        if _torch_api.dispatch_mode_on_top(mode):
+            mode.__exit__(None, None, None)
+        else:  # leaving ours would take the other off the stack in its place
+            self._stale = mode
+            logger.warning(
+                "optimum-memopt: a dispatch mode entered inside the model's forward was still on at its end; the "
+                "backend's memory readings stay on under it (reading the allocator after every op) until the "
+                "model's next forward finds it left"
+            )
+        read_at_ops(False)
+        if output is not None:
+            read_backward(output)
+        return None
