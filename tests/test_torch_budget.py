@@ -19,6 +19,7 @@ from optimum_memopt.backends.torch.graph import saved_bytes
 from optimum_memopt.backends.torch.planner import BudgetPlanner
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 from optimum_memopt.backends.torch.profile import Segment, StepMemory
+from optimum_memopt.backends.torch.report import _freed, _peak_drop
 from optimum_memopt.backends.torch.solver import Candidate, candidates, choose, policy_of
 from optimum_memopt.memory import MIB
 from optimum_memopt.plans import PlanError, parse_inline
@@ -392,18 +393,29 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path, con
     eager = train_decoder(tmp_path, "eager", steps=1)
     with open(tmp_path / "eager" / "memory_plans.json") as f:
         report = json.load(f)
-    rows = {p["config"]: p for p in report["plans"]}
     assert all(p["peak_drop_bytes"] <= p["saving_bytes"] for p in report["plans"])
     note = next(n for n in report["notes"] if n.startswith("step one peaked at"))
-    memory = eager.backend_model._memopt_recompute.profile.memory
+    state = eager.backend_model._memopt_recompute
+    memory = state.profile.memory
     assert f"step one peaked at {memory.peak.peak_bytes / MIB:,.1f} MiB, {memory.peak.name}" in note
-    assert "read after every op of the model's forward and backward" in note and "(+N) may be up to N" in note
-    del eager  # what the process holds before each run's first layer is left out of its peak
+    assert "the allocator read after every op of the model's forward and backward" in note
+    assert "(+N) may be up to N" in note
+
+    peak_drop, layers = _peak_drop(state.policy, state.profile), state.profile.layers
+
+    def drop(ops):
+        """The table's figure and bounds for a set of ops (a row, where the table offers the set)."""
+        return peak_drop([_freed(rec, ops) for rec in layers])
+
+    rows = {tuple(sorted(p["config"].split(":")[0].strip("+").split("+"))): p for p in report["plans"]}
+    for ops, row in rows.items():  # every row, single plans and the sets offered (these depend on op timings too)
+        assert (row["peak_drop_bytes"], row["peak_drop_min_bytes"], row["peak_drop_max_bytes"]) == drop(ops)
+    ops = config.split(":")[0].strip("+").split("+")
+    predicted, least, most = drop(ops)
+    del eager, state  # what the process holds before each run's first layer is left out of its peak
     run = train_decoder(tmp_path, config.split(":")[0], steps=1, memory_opt_config=config)
     ran = run.backend_model._memopt_recompute.profile.memory
     measured = (memory.peak.peak_bytes - memory.start_bytes) - (ran.peak.peak_bytes - ran.start_bytes)
-    row = rows[config]
-    least, predicted, most = row["peak_drop_min_bytes"], row["peak_drop_bytes"], row["peak_drop_max_bytes"]
     assert least == predicted < most  # one-sided here: the peak with nothing recomputed is after the layers
     # the allocator counts what is not tensor data too (tensors' metadata, autograd's nodes, Python's larger objects):
     # the plans change it by a few KiB that no graph counts (18 KiB for Mul+silu+ here, the same every run)

@@ -30,9 +30,7 @@ from .recipe import tensors_in
 
 logger = logging.getLogger(__name__)
 
-READ_AT_OPS = (
-    "the allocator, read after every op of the model's forward and backward (sampled every 2 ms outside them)"
-)
+READ_AT_OPS = "the allocator read after every op of the model's forward and backward, sampled every 2 ms outside them"
 
 
 def first_grad_tensor(output) -> Optional[torch.Tensor]:
