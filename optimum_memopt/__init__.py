@@ -1,5 +1,6 @@
-"""optimum-memopt: bigger batches in the same memory for Hugging Face Trainer runs, by recomputing chosen
-activations instead of keeping them, with per-step memory visibility on rank 0.
+"""optimum-memopt: bigger batches in the same memory for Hugging Face Trainer runs and loops of one's own
+(`optimize_memory`), by recomputing chosen activations instead of keeping them, with per-step memory visibility on
+rank 0.
 
 Importing the package is light: transformers' Trainer, onnxruntime and DeepSpeed load on first use.
 """
@@ -11,8 +12,10 @@ __all__ = [
     "MemoptTrainer",
     "MemoptTrainerMixin",
     "MemoryOptConfig",
+    "MemoptHandle",
     "PlanEntry",
     "PlanReport",
+    "optimize_memory",
     "parse_plans",
     "with_memory_flags",
 ]
@@ -22,6 +25,8 @@ _LAZY = {
     "MemoptTrainer": "trainer",
     "MemoptTrainerMixin": "trainer",
     "MemoryOptConfig": "config",
+    "MemoptHandle": "api",
+    "optimize_memory": "api",
     "PlanEntry": "plans",
     "PlanReport": "plans",
     "parse_plans": "plans",

@@ -165,6 +165,7 @@ class MemoptTrainerMixin:
             backend.check(a)
             self.memopt_backend = backend
         self._memopt_plain_model = self.model
+        self.memopt_handle = None  # the model under the backend, once wrapped (`optimum_memopt.api.MemoptHandle`)
         self._memopt_prepared = None
         self._memopt_wrap_seen = False
         self._memopt_loss_wrapper: Optional[LossInGraph] = None
@@ -374,7 +375,11 @@ class MemoptTrainerMixin:
         inner = model
         if self.args.ort_loss_in_graph:
             self._memopt_loss_wrapper = inner = LossInGraph(inner, self.args.label_smoothing_factor)
-        wrapped = backend.wrap(inner, self.memopt_wrap_settings())
+        from .api import attach
+
+        # the one path of `optimum_memopt.optimize_memory`; the Trainer reports each optimizer step (`step_done`)
+        self.memopt_handle = attach(backend, inner, self.memopt_wrap_settings(), self.args.memory_opt, True)
+        wrapped = self.memopt_handle.model
         if self.is_world_process_zero():
             logger.info(
                 "Training through %s, memory optimizer: %s", backend.describe(wrapped), self._memopt_plan_summary()

@@ -110,6 +110,10 @@ class Backend:
     def wrap(self, model: nn.Module, settings: WrapSettings) -> nn.Module:
         raise NotImplementedError
 
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        """The model `wrap` was given, trained plainly again from the next forward on."""
+        raise NotImplementedError(f"{self.title} cannot be taken off a model it wrapped; build the model again")
+
     def find(self, model) -> Optional[nn.Module]:
         raise NotImplementedError
 

@@ -161,6 +161,18 @@ class TorchBackend(Backend):
     def step_done(self, wrapped: nn.Module) -> None:
         getattr(wrapped, STATE).step_done()
 
+    def unwrap(self, wrapped: nn.Module) -> nn.Module:
+        """The model as it was before `wrap`: its layers' forwards and the step readings' hooks taken off, the state
+        dropped (a budget planner's meter closed)."""
+        state = vars(wrapped).pop(STATE, None)
+        if state is not None:
+            state.uninstall()
+            state.watch = None
+            if state.planner is not None and state.planner.meter is not None:
+                state.planner.meter.close()
+            self._mine.discard(state)
+        return wrapped
+
     def apply_policy(self, model: nn.Module, policy: RecomputePolicy) -> nn.Module:
         """Install `policy` on the model's layers (a model wrapped before, by another trainer, starts clean)."""
         from .engine import RecomputeState

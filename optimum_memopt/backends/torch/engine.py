@@ -33,10 +33,12 @@ class RecomputeState:
         self.watch: Optional[StepWatch] = None  # reads step one's memory at each layer's marks
         self.planner = None  # told when a new step starts (`planner.BudgetPlanner`)
         self.reset_peaks = True  # False: CUDA's peak counter is the Trainer's (`--skip_memory_metrics false`)
-        # True where a trainer calls `step_done` after each optimizer step (`TorchBackend.wrap`); elsewhere (a loop of
-        # one's own) a step ends where the next training forward starts
+        # True where a trainer calls `step_done` after each optimizer step (`TorchBackend.wrap`, or a loop of one's
+        # own through the handle's `step_done`); elsewhere a step ends where the first training forward after a
+        # backward starts (each backward ends a step: one micro-batch per optimizer step)
         self.steps_reported = False
         self._step_ended = False
+        self._backward_ended = False  # the backward of the last training forward ended (steps not reported)
         self._model = model  # whose forward and backward are read op by op in the steps measured (`StepReadings`)
         self._readings: Optional[StepReadings] = None
 
@@ -89,6 +91,9 @@ class RecomputeState:
         _check_alone(layer, index)
         if index == 0 and self.watch is not None and self.watch.backward_ended and not self.steps_reported:
             self._close_watch()  # step two of a loop that does not report steps: step one ended before it
+        if index == 0 and self._backward_ended and not self.steps_reported:
+            self._step_ended = True  # a loop that does not report steps: the last step's backward has ended
+        self._backward_ended = False
         if index == 0:
             if self.planner is not None and (self._step_ended or self.planner.stage == "start"):
                 self.planner.at_step_start(self, _device(args, kwargs))
@@ -121,7 +126,12 @@ class RecomputeState:
             _mark_backward(watch, index, out)
             if index == len(self.layers) - 1:
                 watch.forward_done()
+        if index == 0 and self.planner is not None and not self.steps_reported:
+            _at_backward_end(out, self._ended)
         return out
+
+    def _ended(self) -> None:
+        self._backward_ended = True
 
 
 def _check_alone(layer, index: int) -> None:
@@ -152,6 +162,13 @@ def _device(args, kwargs) -> str:
     """The device kind of a layer's first tensor argument."""
     first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
     return first.device.type if first is not None else "cpu"
+
+
+def _at_backward_end(out, fn) -> None:
+    """Call `fn()` as the backward that reaches this layer output ends."""
+    first = first_grad_tensor(out)
+    if first is not None:
+        first.register_hook(lambda grad: _torch_api.at_backward_end(fn))
 
 
 def _mark_backward(watch: StepWatch, index: int, out) -> None:

@@ -1,0 +1,166 @@
+"""`optimum_memopt.optimize_memory`: the torch backend in a loop of one's own, without the Trainer. Plans train as
+the same loop without it and report the Trainer's table; `auto` chooses from the loop's own steps (each backward
+ends one, or `step_done`) and meets its budget; `remove` gives the plain model back; errors name the keyword.
+`examples/custom_loop/train.py` (accelerate) is run as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from helpers import Tokens
+from helpers import tiny_decoder as decoder
+
+import optimum_memopt
+from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
+
+pytestmark = pytest.mark.torch_backend
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAIN = "MatMul+Mul+silu+:1:-1"
+
+
+def ops(config):
+    return sorted(config.split(":")[0].strip("+").split("+"))
+
+
+def loop(model, steps=3, accumulate=1, handle=None, batch=8):
+    """A plain training loop on the tests' decoder: AdamW, `accumulate` forwards per optimizer step; the losses."""
+    data = Tokens()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    losses = []
+    for i in range(steps * accumulate):
+        rows = [data[(i * batch + j) % len(data)] for j in range(batch)]
+        inputs = {k: torch.stack([r[k] for r in rows]) for k in rows[0]}
+        loss = model(**inputs, use_cache=False).loss  # as the Trainer runs it (no KV cache built in training)
+        (loss / accumulate).backward()
+        losses.append(loss.item())
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+            if handle is not None and accumulate > 1:
+                handle.step_done()
+    return losses
+
+
+def test_plans_train_as_the_plain_loop_and_report_the_trainers_table(tmp_path):
+    torch.manual_seed(0)
+    plain = loop(decoder())
+    torch.manual_seed(0)
+    model = decoder()
+    memopt = optimum_memopt.optimize_memory(model, CHAIN)
+    assert memopt.report() is None and "no training step has run" in memopt.table()
+    assert loop(model, handle=memopt) == plain  # recompute is exact
+    report = memopt.report()
+    table = memopt.table()
+    assert memopt.config == CHAIN and "PEAK DROP (B)" in table and table.startswith("Memory optimizer (torch) ON")
+    chained = [p for p in report.plans if p.combination and ops(p.config) == ops(CHAIN)]
+    assert len(chained) == 1 and chained[0].enabled and f"ON     {chained[0].config}" in table
+    # the single plans' rows (the sets offered together depend on the ops' timings as well)
+    mine = {p.config: (p.frequency, p.saving_bytes, p.enabled) for p in report.plans if not p.combination}
+
+    args = MemoptTrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=1, per_device_train_batch_size=8, report_to="none",
+        save_strategy="no", memory_opt_backend="torch", memory_opt_config=CHAIN,
+    )  # fmt: skip
+    trainer = MemoptTrainer(model=decoder(), args=args, train_dataset=Tokens())
+    trainer.train()
+    theirs = trainer.memopt_handle.report().plans
+    theirs = {p.config: (p.frequency, p.saving_bytes, p.enabled) for p in theirs if not p.combination}
+    assert mine == theirs  # the same table through the Trainer (the bytes are the graphs', the same batch shape)
+
+
+def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
+    """Each backward ends a step: step one measures, step two runs the choice, step three's start checks it."""
+    loop(decoder(), steps=1)  # the process's first training keeps what the libraries allocate once
+    said = []
+    roomy = optimum_memopt.optimize_memory(decoder(), "auto", budget_mb=10**6, say=said.append)
+    loop(roomy.model, steps=3)
+    eager = roomy.auto["measured_peak_mb"]
+    assert roomy.config == "" and roomy.auto["choices"] == 1 and len(said) == 2
+
+    torch.manual_seed(0)
+    plain = loop(decoder(), steps=4)
+    torch.manual_seed(0)
+    model = decoder()
+    budget = round(eager * 0.8, 1)
+    memopt = optimum_memopt.optimize_memory(model, "auto", budget_mb=budget, output_dir=str(tmp_path))
+    assert memopt.config is None  # nothing chosen before step two
+    assert loop(model, steps=4) == plain
+    choice = memopt.auto
+    assert memopt.config == choice["config"] and choice["config"] not in ("", None)
+    assert choice["predicted_peak_mb"] <= budget and choice["measured_peak_mb"] <= budget, choice
+    with open(tmp_path / "solver.json") as f:
+        assert json.load(f)["fits"][-1]["config"] == choice["config"]
+
+
+def test_under_gradient_accumulation_the_loop_says_where_steps_end():
+    """With `reports_steps=True` and `step_done` after each optimizer step, two forwards make one step: the choice
+    is made at the third forward (the second step's start), not the second."""
+    memopt = optimum_memopt.optimize_memory(
+        decoder(), "auto", budget_mb=10**6, reports_steps=True, say=lambda text: None
+    )
+    planner = memopt.model._memopt_recompute.planner
+    loop(memopt.model, steps=1, accumulate=2, handle=memopt)
+    assert planner.stage == "measure" and not planner.fits  # two forwards, one step: still measuring
+    loop(memopt.model, steps=1, accumulate=2, handle=memopt)
+    assert planner.fits and planner.stage == "verify"
+
+
+def test_remove_gives_the_plain_model_back():
+    torch.manual_seed(0)
+    plain = loop(decoder())
+    torch.manual_seed(0)
+    model = decoder()
+    hooks = (len(model._forward_pre_hooks), len(model._forward_hooks))
+    with optimum_memopt.optimize_memory(model, "Layer+:1:-1@0") as memopt:
+        assert len(model._forward_pre_hooks) > hooks[0]
+    assert memopt.model is model and not hasattr(model, "_memopt_recompute")
+    assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks
+    assert all("forward" not in vars(layer) for layer in model.model.layers)  # the class's forward again
+    assert loop(model) == plain
+
+
+@pytest.mark.parametrize(
+    "kwargs, said",
+    [
+        ({"plans": "auto"}, "`plans='auto'` needs a budget: add `budget_mb`, as in `plans='auto', budget_mb=4000`"),
+        ({"plans": CHAIN, "budget_mb": 100}, "`budget_mb=100` is only used by `plans='auto'`"),
+        ({"plans": "Gelu+:x"}, "'Gelu+:x' has 2 ':'-separated field(s); expected 3"),
+        ({"plans": "auto", "budget_mb": -5}, "`budget_mb` is -5; expected a positive, finite number of MiB"),
+        ({"level": 2}, "level"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_the_keyword(kwargs, said):
+    model = decoder()
+    with pytest.raises(ValueError) as e:
+        optimum_memopt.optimize_memory(model, **kwargs)
+    assert said in str(e.value) and "--memory_opt_config" not in str(e.value), str(e.value)
+    assert not hasattr(model, "_memopt_recompute")
+
+
+def run_example(out, *flags):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    script = os.path.join(ROOT, "examples", "custom_loop", "train.py")
+    tiny = ["--steps", "4", "--offline_lines", "300", "--block_size", "64", "--output_dir", str(out)]
+    res = subprocess.run([sys.executable, script, *tiny, *flags], capture_output=True, text=True, timeout=600, env=env)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(out / "losses.json") as f:
+        return json.load(f), res.stdout
+
+
+@pytest.mark.slow
+def test_the_custom_loop_example_trains_as_without_the_plugin(tmp_path):
+    """examples/custom_loop (accelerate) with a chained plan, and with `auto`: the losses of `--plans none`, the
+    plan table printed, `auto`'s choice within its budget."""
+    plain, _ = run_example(tmp_path / "none", "--plans", "none")
+    chain, out = run_example(tmp_path / "chain", "--plans", CHAIN)
+    assert chain["losses"] == plain["losses"] and chain["config"] == CHAIN
+    assert "Memory optimizer (torch) ON" in out
+    assert any(ops(p["config"]) == ops(CHAIN) and p["enabled"] and p["combination"] for p in chain["plans"])
+    auto, out = run_example(tmp_path / "auto", "--plans", "auto", "--activation_budget", "0.5")
+    assert auto["losses"] == plain["losses"] and auto["config"] and auto["auto"]["choices"] >= 1
+    assert "the solver chose `plans=" in out
