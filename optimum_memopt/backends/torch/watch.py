@@ -140,6 +140,17 @@ class OpReadings(_torch_api.TorchDispatchMode):
         return out
 
 
+_PAUSED: "weakref.WeakSet[_BackwardReadings]" = weakref.WeakSet()  # backwards that paused the samplers
+
+
+def resume_stale() -> None:
+    """Resume the samplers every earlier backward paused and did not resume: a backward that raises runs no end
+    callback, and its graph (held by the error's traceback, or in a reference cycle) may outlive it. Called as a
+    model's next training forward starts, when no backward of its can be running."""
+    for readings in list(_PAUSED):
+        readings.end()
+
+
 class _BackwardReadings:
     """Reads after every op of each node of one forward's graph (a recipe's or a checkpoint's recompute inside it
     included), from the node that starts its backward to the backward's end, with the samplers paused meanwhile.
@@ -155,11 +166,18 @@ class _BackwardReadings:
         if self._resume is None:
             read_at_ops(True)
             self._resume = weakref.finalize(self, read_at_ops, False)  # resumed at backward's end, or if dropped
-            _torch_api.at_backward_end(self._resume)
+            _torch_api.at_backward_end(self.end)
+            _PAUSED.add(self)
         if self._resume.alive:
             mode = OpReadings()
             mode.__enter__()
             self._modes.append(mode)
+
+    def end(self) -> None:
+        """Resume the samplers (once; at backward's end, or as the next forward starts: `resume_stale`)."""
+        if self._resume is not None:
+            self._resume()
+        _PAUSED.discard(self)
 
     def after(self, grad_inputs, grad_outputs) -> None:
         if self._modes:
@@ -203,11 +221,14 @@ class StepReadings:
         ]
 
     def remove(self) -> None:
+        resume_stale()
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
     def _before(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            resume_stale()
         if self._stale is not None and _torch_api.dispatch_mode_on_top(self._stale):
             self._stale.__exit__(None, None, None)
             self._stale = None
