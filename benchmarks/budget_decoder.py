@@ -29,7 +29,7 @@ from optimum_memopt.advisor import run_child  # noqa: E402
 
 DECODER = os.path.join(ROOT, "benchmarks", "decoder.py")
 COMPILE = os.path.join(ROOT, "benchmarks", "compile_budget.py")
-PLAIN = ["--use_ort", "false"]
+PLAIN = ["--memory_opt_backend", "none"]
 TORCH = ["--memory_opt_backend", "torch"]
 
 

@@ -2,7 +2,7 @@
 """Run a training script with `torch._functorch.config.activation_memory_budget` set: what a current-PyTorch user
 would try with `--torch_compile` before this plugin. Used by benchmarks/torch_backend.py:
 
-    python benchmarks/compile_budget.py 0.5 examples/run_glue/run_glue.py --use_ort false --torch_compile ...
+    python benchmarks/compile_budget.py 0.5 examples/run_glue/run_glue.py --memory_opt_backend none --torch_compile ...
 
 The budget is the share of the activations (by the partitioner's estimate) the compiled backward may keep; the
 rest is recomputed (1.0: keep what the default partitioner keeps).

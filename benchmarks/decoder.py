@@ -33,7 +33,7 @@ class DecoderArguments:
         metadata={
             "help": "`titan`: selective activation checkpointing of every layer as torchtitan's `op` mode does it "
             "(torch.utils.checkpoint with a policy: SDPA outputs and every other matmul saved, the rest recomputed); "
-            "with `--use_ort false`."
+            "with `--memory_opt_backend none`."
         },
     )
 
@@ -112,8 +112,10 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = build_model(d)
     if d.sac == "titan":
-        if args.use_ort:
-            raise SystemExit("`--sac titan` recomputes with torch's own checkpointing: add `--use_ort false`")
+        if args.memory_opt_on:
+            raise SystemExit(
+                "`--sac titan` recomputes with torch's own checkpointing: add `--memory_opt_backend none`"
+            )
         apply_titan_sac(model)
     elif d.sac:
         raise SystemExit(f"`--sac {d.sac}`: the one policy here is `titan`")

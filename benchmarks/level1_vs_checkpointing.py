@@ -29,8 +29,8 @@ from optimum_memopt.advisor import run_child  # noqa: E402
 
 DECODER = os.path.join(ROOT, "benchmarks", "decoder.py")
 MODES = {
-    "eager": ["--use_ort", "false"],
-    "transformers checkpointing": ["--use_ort", "false", "--gradient_checkpointing", "true"],
+    "eager": ["--memory_opt_backend", "none"],
+    "transformers checkpointing": ["--memory_opt_backend", "none", "--gradient_checkpointing", "true"],
     "torch backend level 1": ["--memory_opt_backend", "torch", "--memory_opt_level", "1"],
 }
 REFERENCE = "transformers checkpointing"

@@ -29,7 +29,7 @@ from optimum_memopt.transformers_releases import overwrite_output_dir_flag
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "examples", "run_glue", "run_glue.py")
 CONFIGS = [
-    ("PyTorch (no ORT)", ["--use_ort", "false"]),
+    ("PyTorch (no ORT)", ["--memory_opt_backend", "none"]),
     ("ORT, no recompute", []),
     ("ORT, Gelu+:1:-1", ["--memory_opt_config", "Gelu+:1:-1"]),
     ("ORT, level 1", ["--memory_opt_level", "1"]),

@@ -130,9 +130,9 @@ class MemoptTrainerMixin:
             raise RuntimeError(
                 f"optimum-memopt wraps the model in `Trainer._wrap_model`, which transformers "
                 f"{transformers.__version__} does not have: the run would train without the recompute asked for. "
-                f"Use a transformers release optimum-memopt supports (setup.cfg), or pass `--use_ort false`"
+                f"Use a transformers release optimum-memopt supports (setup.cfg), or pass `--memory_opt_backend none`"
             )
-        if isinstance(targs, MemoptTrainingArguments) and targs.use_ort:
+        if isinstance(targs, MemoptTrainingArguments) and targs.memory_opt_on:
             get_backend(targs.memory_opt.backend).before_trainer(targs)
         problem = transformers_releases.accelerate_problem()
         if problem:
@@ -151,7 +151,7 @@ class MemoptTrainerMixin:
         logger.setLevel(a.get_process_log_level())
         logging.getLogger("optimum_memopt").setLevel(a.get_process_log_level())
         self.memopt_backend: Optional[Backend] = None
-        if a.use_ort:
+        if a.memory_opt_on:
             backend = get_backend(a.memory_opt.backend)
             problem = backend.problem()
             if problem:
@@ -159,8 +159,8 @@ class MemoptTrainerMixin:
                     "ONNX Runtime Training" if backend.name == "ort" else "torch >= 2.5 (`--memory_opt_backend torch`)"
                 )
                 raise RuntimeError(
-                    f"`--use_ort` (on by default) needs {needs}: {problem}. Or pass `--use_ort false` to train in "
-                    f"plain PyTorch"
+                    f"`--memory_opt_backend {backend.name}` (the default here) needs {needs}: {problem}. Or pass "
+                    f"`--memory_opt_backend none` to train in plain PyTorch"
                 )
             backend.check(a)
             self.memopt_backend = backend
@@ -169,7 +169,7 @@ class MemoptTrainerMixin:
         self._memopt_prepared = None
         self._memopt_wrap_seen = False
         self._memopt_loss_wrapper: Optional[LossInGraph] = None
-        if a.use_ort and a.ort_loss_in_graph:
+        if a.memory_opt_on and a.ort_loss_in_graph:
             # The loss is computed in the graph from the labels alone: the Trainer scales it for gradient
             # accumulation itself. (transformers 4.47 would otherwise read LossInGraph's **kwargs as a model that
             # takes num_items_in_batch and skip that scaling.)
@@ -178,7 +178,7 @@ class MemoptTrainerMixin:
         self.memory_plan = (list(a.memory_opt.entries), a.memory_opt.level) if not a.memory_opt.auto else None
         self.memory_plan_reason: Optional[str] = None
         if a.process_index == 0:
-            for note in a.ort_trainer_notes:
+            for note in a.memory_opt_warnings:
                 logger.warning("%s", note)
             for note in a.memory_opt_notes:
                 logger.info("%s", note)
@@ -241,7 +241,7 @@ class MemoptTrainerMixin:
             problem = transformers_releases.resume_refusal()
             if problem:
                 raise RuntimeError(problem)
-        if self.args.use_ort:
+        if self.args.memory_opt_on:
             self.resolve_memory_plan()
         if not self._memopt_over_ort_trainer:
             return super().train(resume_from_checkpoint, *args, **kwargs)
@@ -404,7 +404,7 @@ class MemoptTrainerMixin:
                 f"trains ({type(model).__name__}) holds no module of that backend: transformers "
                 f"{transformers.__version__} trained a model that did not pass through `Trainer._wrap_model`, where "
                 f"the backend wraps it, so the run would go on without the recompute asked for. Use a transformers "
-                f"release optimum-memopt supports (setup.cfg), or pass `--use_ort false` to train without it"
+                f"release optimum-memopt supports (setup.cfg), or pass `--memory_opt_backend none` to train without it"
             )
         self._memopt_wrap_seen = True
 
@@ -508,10 +508,10 @@ def _fsdp_asked_but_off(trainer) -> Optional[str]:
 
 def _check_ort_trainer_args(args: MemoptTrainingArguments) -> None:
     """What cannot hold when optimum's ORTTrainer runs the training loop (it always wraps in ORTModule)."""
-    if not args.use_ort:
+    if not args.memory_opt_on:
         raise ValueError(
-            "`--use_ort false` with optimum's ORTTrainer: ORTTrainer always trains through ORTModule; for a plain "
-            "PyTorch run put MemoptTrainerMixin over transformers' Trainer (`MemoptTrainer`) instead"
+            "`--memory_opt_backend none` with optimum's ORTTrainer: ORTTrainer always trains through ORTModule; for a "
+            "plain PyTorch run put MemoptTrainerMixin over transformers' Trainer (`MemoptTrainer`) instead"
         )
     if args.memory_opt.backend != "ort":
         raise ValueError(

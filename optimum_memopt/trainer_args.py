@@ -30,7 +30,7 @@ from .plans import EXAMPLE
 
 transformers_releases.check_arguments_types()
 
-# The memory flags every backend reads, with their defaults; with `--use_ort false` (no backend) they are refused,
+# The memory flags every backend reads, with their defaults; with `--memory_opt_backend none` they are refused,
 # as are the backends' own flags (`backends.backend_flags()`).
 SHARED_FLAGS = {
     "memory_opt_backend": None,
@@ -56,11 +56,15 @@ def _default_optim(config_cls) -> str:
 @dataclass
 class MemoptTrainingArguments(BackendFlags, TrainingArguments):
     """
-    `TrainingArguments` for training through ONNX Runtime Training's ORTModule with its memory optimizer.
+    `TrainingArguments` for training with a memory backend: the torch backend (current PyTorch) or ONNX Runtime
+    Training's ORTModule.
 
     Args:
-        use_ort (`bool`, defaults to `True`):
-            Train through ORTModule. `--use_ort false` trains the same script in plain PyTorch, to compare.
+        memory_opt_backend (`str`, *optional*):
+            `torch`, `ort` or `none` (the same script in plain PyTorch, to compare). Default: `ort` where
+            onnxruntime-training is installed, else `torch`.
+        use_ort (`bool`, *optional*):
+            Deprecated alias: `--use_ort false` is `--memory_opt_backend none`, `--use_ort true` the default.
         memory_opt_config (`str`, *optional*):
             Recompute plans, as `SubgraphStr:OptimizationType:RequestApplyCount` entries separated by commas
             (`Gelu+:1:-1,Cast+:2:-1`), or the path of a JSON file holding a list of such strings.
@@ -108,19 +112,19 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
     # transformers' default (4.46: `adamw_torch`; 5.x: `adamw_torch_fused`). The value stays as written; the
     # optimizer it stands for is decided when the optimizer is built.
     optim: str = field(default=_default_optim(TrainingArguments), metadata=OPTIM_METADATA)
-    use_ort: bool = field(
-        default=True,
+    use_ort: Optional[bool] = field(
+        default=None,
         metadata={
-            "help": "Train through the memory-optimizer backend (ORTModule, or the torch backend). `--use_ort false` "
-            "trains the same script in plain PyTorch, to compare."
+            "help": "Deprecated: `--use_ort false` is `--memory_opt_backend none` (and `--use_ort true` the default); "
+            "`memory_opt_on` says whether a backend trains."
         },
     )
     memory_opt_backend: Optional[str] = field(
         default=None,
         metadata={
-            "help": "What applies the plans: `ort` (ONNX Runtime Training's ORTModule; torch <= 2.4), `torch` "
-            "(current PyTorch, torch >= 2.5) or `none` (plain PyTorch, as `--use_ort false`). Default: `ort` where "
-            "onnxruntime-training is installed, else `torch`.",
+            "help": "The switch: what applies the plans. `torch` (current PyTorch, torch >= 2.5), `ort` (ONNX Runtime "
+            "Training's ORTModule; torch <= 2.4) or `none` (the same script in plain PyTorch, to compare). Default: "
+            "`ort` where onnxruntime-training is installed, else `torch`.",
             "choices": [None, *NAMES, NONE],
         },
     )
@@ -194,19 +198,19 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
     # Derived: the validated memory settings, built from the flags above (and ORT's variables) in __post_init__,
     # and one line per ORTTrainer name that was translated (logged once, on rank 0, when the trainer is built).
     memory_opt: Optional[MemoryOptConfig] = field(init=False, default=None, repr=False)
-    ort_trainer_notes: List[str] = field(init=False, default_factory=list, repr=False)
+    memory_opt_warnings: List[str] = field(init=False, default_factory=list, repr=False)
     memory_opt_notes: List[str] = field(init=False, default_factory=list, repr=False)
 
     def __post_init__(self):
-        if self.memory_opt_backend == NONE:
-            self.use_ort = False  # `--memory_opt_backend none` is what `--use_ort false` says
+        deprecated = self._use_ort_alias()
         self._check_no_backend_flags()
         self._resolve_backend()
         self._check_choices()
         self.memory_opt = self._build_memory_config()
         # The chosen backend checks its own flags and what it cannot run with (before the parent's __post_init__,
         # which would start the distributed set-up); its notes are logged once, on rank 0, by the trainer.
-        self.ort_trainer_notes = get_backend(self.memory_opt.backend).check_args(self) if self.use_ort else []
+        checked = get_backend(self.memory_opt.backend).check_args(self) if self.memory_opt_on else []
+        self.memory_opt_warnings = deprecated + checked
         if _deepspeed.requested(self.deepspeed):
             _deepspeed.import_early()
         # transformers does not list the backends' optimizers: the parent validates a stand-in, and the value is put
@@ -218,6 +222,36 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
         if asked in optimizer_names():
             self.optim = asked
 
+    @property
+    def memory_opt_on(self) -> bool:
+        """Whether a memory backend trains (`--memory_opt_backend` is not `none`)."""
+        return self.memory_opt_backend != NONE
+
+    def _use_ort_alias(self) -> List[str]:
+        """`--use_ort`, the switch's old name: `false` is `--memory_opt_backend none`, `true` the default. Said once
+        (a warning the trainer logs on rank 0; `memory_opt_on` says whether a backend trains)."""
+        given, notes = self.use_ort, []
+        if given is not None:
+            if given is False and self.memory_opt_backend not in (None, NONE):
+                raise ValueError(
+                    f"`--use_ort false` (the deprecated name of `{BACKEND_FLAG} none`) and `{BACKEND_FLAG} "
+                    f"{self.memory_opt_backend}` say opposite things; pass one: `{BACKEND_FLAG} none` or "
+                    f"`{BACKEND_FLAG} {self.memory_opt_backend}`"
+                )
+            if given is True and self.memory_opt_backend == NONE:
+                raise ValueError(
+                    f"`--use_ort true` (deprecated: a backend trains) and `{BACKEND_FLAG} none` say opposite things; "
+                    f"pass `{BACKEND_FLAG} none` alone, or `{BACKEND_FLAG} torch`"
+                )
+            if given is False:
+                self.memory_opt_backend = NONE
+            notes.append(
+                f"`--use_ort {str(given).lower()}` is deprecated and will be removed: "
+                + (f"pass `{BACKEND_FLAG} none`" if given is False else "drop it (a backend trains by default)")
+                + f"; `{BACKEND_FLAG}` (torch, ort, none) is the switch"
+            )
+        return notes
+
     def _resolve_backend(self):
         notes = []
         if self.memory_opt_backend is not None and self.memory_opt_backend not in (*NAMES, NONE):
@@ -225,7 +259,7 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
                 f"`{BACKEND_FLAG}` is {self.memory_opt_backend!r}; expected one of "
                 f"{', '.join(map(repr, (*NAMES, NONE)))}, as in `{BACKEND_FLAG} torch`"
             )
-        if self.use_ort and self.memory_opt_backend is None:
+        if self.memory_opt_on and self.memory_opt_backend is None:
             from .backends import default_backend
 
             self.memory_opt_backend = default_backend()
@@ -234,7 +268,7 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
                     f"memory optimizer: the torch backend (onnxruntime-training is not installed; `{BACKEND_FLAG} "
                     f"ort` needs it, with torch <= 2.4)"
                 )
-        if self.use_ort:
+        if self.memory_opt_on:
             chosen = get_backend(self.memory_opt_backend)
             optim = getattr(self.optim, "value", self.optim)
             for other in all_backends():
@@ -269,7 +303,7 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             )
 
     def _check_no_backend_flags(self):
-        if self.use_ort:
+        if self.memory_opt_on:
             return
         flags = {**SHARED_FLAGS, **backend_flags()}
         given = [
@@ -278,10 +312,9 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             if getattr(self, k) != default and not (k == "memory_opt_backend" and getattr(self, k) == NONE)
         ]
         if given:
-            off = f"`{BACKEND_FLAG} none`" if self.memory_opt_backend == NONE else "`--use_ort false`"
             raise ValueError(
-                f"`{'`, `'.join(given)}` configure ONNX Runtime's memory optimizer, but {off} trains in "
-                f"plain PyTorch; drop {off}, or drop those flags"
+                f"`{'`, `'.join(given)}` configure a memory backend, but `{BACKEND_FLAG} none` trains in plain "
+                f"PyTorch; drop `{BACKEND_FLAG} none`, or drop those flags"
             )
 
     def _build_memory_config(self) -> MemoryOptConfig:
@@ -291,7 +324,7 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
         plans = self.memory_opt_config
         backend = self.memory_opt_backend if self.memory_opt_backend in NAMES else "ort"
         env_plans, env_level = (None, None)
-        if self.use_ort:
+        if self.memory_opt_on:
             chosen = get_backend(backend)
             env_plans, env_level = chosen.env_plans, chosen.env_level
         if plans is None and env_plans and os.environ.get(env_plans):
@@ -313,7 +346,9 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             probe_steps=self.memory_probe_steps,
             sources=sources,
         )
-        in_process = self.use_ort and config.backend == "torch"  # chosen from the run's own first step, on rank 0
+        in_process = (
+            self.memory_opt_on and config.backend == "torch"
+        )  # chosen from the run's own first step, on rank 0
         if config.auto and not in_process and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # Checked before the parent's __post_init__, which would start the distributed setup.
             raise ValueError(
@@ -327,15 +362,15 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
     # -- what the run was asked to do ------------------------------------------------------------------
     @property
     def memory_opt_summary(self) -> str:
-        if not self.use_ort:
-            return "plain PyTorch (ORTModule off)" if self.memory_opt_backend != NONE else "plain PyTorch (no backend)"
+        if not self.memory_opt_on:
+            return "plain PyTorch (no backend)"
         return self.memory_opt.summary() + (" (torch backend)" if self.memory_opt.backend == "torch" else "")
 
     def to_dict(self):
         """The parent's dictionary (what TensorBoard / W&B store), `optim` as asked, and the resolved memory config."""
         d = super().to_dict()
         d["optim"] = getattr(self.optim, "value", self.optim)
-        d["memory_opt"] = self.memory_opt.to_dict() if self.use_ort else None
+        d["memory_opt"] = self.memory_opt.to_dict() if self.memory_opt_on else None
         return d
 
 

@@ -23,7 +23,7 @@ def train(out, arch, *flags):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_bf16_autocast_recomputes_bitwise_and_trains_as_plain_autocast(tmp_path, arch, recomputed_as_first):
-    plain = train(tmp_path / "plain", arch, "--use_ort", "false")
+    plain = train(tmp_path / "plain", arch, "--memory_opt_backend", "none")
     assert plain.accelerator.mixed_precision == "bf16"
     train(tmp_path / "table", arch, "--memory_opt_backend", "torch")
     plans = json.loads((tmp_path / "table" / "memory_plans.json").read_text())["plans"]

@@ -283,7 +283,7 @@ def _plans_to_try(tmp_path, arch):
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert", "roberta", "deberta", "llama", "qwen2", "qwen3"])
 def test_every_plan_and_level_1_train_as_plain_pytorch(tmp_path, arch):
-    eager = train(tmp_path, arch, "--use_ort", "false", name="eager").losses
+    eager = train(tmp_path, arch, "--memory_opt_backend", "none", name="eager").losses
     assert len(eager) == STEPS
     found, combined = _plans_to_try(tmp_path, arch)
     configs = found + combined + [",".join(found)]
@@ -314,7 +314,7 @@ def test_dropout_is_recomputed_with_its_random_state(tmp_path):
     PyTorch's under the same seed (on CPU, dropout's output is a `mul` by the mask: plan `Mul+`)."""
     # on CUDA dropout is one fused op, `native_dropout` (plan `Dropout+`); test_gpu_torch.py has the CUDA run
     plans = {"Mul+:1:-1" if not torch.cuda.is_available() else "Dropout+:1:-1", "Gelu+:1:-1"}
-    eager = train(tmp_path, "bert", "--use_ort", "false", dropout=0.1, steps=8, name="eager").losses
+    eager = train(tmp_path, "bert", "--memory_opt_backend", "none", dropout=0.1, steps=8, name="eager").losses
     run = train(
         tmp_path,
         "bert",
@@ -436,7 +436,7 @@ def test_phases_show_the_measured_saving(tmp_path):
 
     held = {}
     for name, flags in [
-        ("eager", ["--use_ort", "false"]),
+        ("eager", ["--memory_opt_backend", "none"]),
         ("gelu", ["--memory_opt_backend", "torch", "--memory_opt_config", "Gelu+:1:-1"]),
         ("level1", ["--memory_opt_backend", "torch", "--memory_opt_level", "1"]),
     ]:
@@ -502,7 +502,7 @@ def test_glue_recipe_with_the_torch_backend(tmp_path):
     common += ["--print_memory_stats", "--disable_tqdm", "true", "--log_level", "info"]
     runs = {}
     for name, flags in [
-        ("eager", ["--use_ort", "false"]),
+        ("eager", ["--memory_opt_backend", "none"]),
         ("gelu", ["--memory_opt_backend", "torch", "--memory_opt_config", "Gelu+:1:-1"]),
     ]:
         out = tmp_path / name
@@ -563,7 +563,7 @@ def test_a_model_trained_by_a_second_trainer_gets_that_trainers_plans(tmp_path):
 def test_a_mixed_per_layer_plan_trains_as_plain_pytorch(tmp_path):
     """Llama (2 layers): layer 0 recomputed whole, layer 1 with its MLP chained (`MatMul+silu+Mul+`): 20 steps
     with the losses of plain PyTorch, and the table says which layer did what."""
-    eager = train(tmp_path, "llama", "--use_ort", "false", name="eager").losses
+    eager = train(tmp_path, "llama", "--memory_opt_backend", "none", name="eager").losses
     flags = ("--memory_opt_backend", "torch", "--memory_opt_config", "Layer+:1:-1@0,MatMul+silu+Mul+:1:-1@1")
     trainer = train(tmp_path, "llama", *flags, name="mixed")
     assert max(abs(a - b) for a, b in zip(trainer.losses, eager)) <= LOSS_ATOL
@@ -595,7 +595,7 @@ def test_a_model_without_repeated_layers_is_refused_naming_what_was_looked_for()
             return self.b(self.a(x))
 
     with pytest.raises(ValueError, match=r"found no list of repeated layers in TwoLinears \(an nn.ModuleList of "
-                                         r"blocks\); train it with `--use_ort false`"):  # fmt: skip
+                                         r"blocks\); train it with `--memory_opt_backend none`"):  # fmt: skip
         TorchBackend().wrap(TwoLinears(), WrapSettings(level=1))
 
 
@@ -641,7 +641,7 @@ def test_one_module_at_several_positions_given_different_plans_is_refused(tmp_pa
 
 @pytest.mark.parametrize("flags", [("--memory_opt_level", "1"), ("--memory_opt_config", "Layer+:1:-1@0+1")])
 def test_one_module_at_several_positions_under_one_plan_is_recomputed_at_every_use(tmp_path, flags):
-    plain, plain_calls = shared_block_run(tmp_path, "plain", "--use_ort", "false")
+    plain, plain_calls = shared_block_run(tmp_path, "plain", "--memory_opt_backend", "none")
     trainer, calls = shared_block_run(tmp_path, "shared", "--memory_opt_backend", "torch", *flags)
     assert plain_calls == 8 and calls == 16  # 2 uses x 4 steps, each use recomputed once in backward
     assert trainer.losses == plain.losses

@@ -58,7 +58,7 @@ def test_offline_default_with_a_chained_plan_trains_as_eager_and_reports(tmp_pat
     and save a model that loads with transformers alone."""
     from safetensors.torch import load_file
 
-    eager = run(tmp_path / "eager", "--use_ort", "false")
+    eager = run(tmp_path / "eager", "--memory_opt_backend", "none")
     log = run(
         tmp_path / "plan", "--memory_opt_backend", "torch", "--memory_opt_config", CHAIN, "--print_memory_stats",
         "--print_input_density",
@@ -112,7 +112,7 @@ def test_lora_on_a_local_checkpoint_with_layer_recompute_saves_an_adapter_peft_l
     root = local_qwen3
     data = ["--model_name_or_path", str(root / "qwen3"), "--train_file", str(root / "train.txt")]
     data += ["--validation_file", str(root / "valid.txt"), "--use_peft", "--lora_r", "4", "--lora_dropout", "0"]
-    plain = run(root / "plain", *data, "--use_ort", "false")
+    plain = run(root / "plain", *data, "--memory_opt_backend", "none")
     log = run(root / "lora", *data, "--memory_opt_backend", "torch", "--memory_opt_level", "1")
     assert "trainable params" in plain and "trainable params" in log
     assert log.count("Memory optimizer (torch) ON: level 1") == 1

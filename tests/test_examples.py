@@ -56,7 +56,7 @@ def results(out, split):
     [
         (["--memory_opt_config", "Gelu+:1:-1", "--print_input_density", "--print_memory_stats"], True),
         (["--memory_opt_level", "1", "--model_type", "roberta", "--offline_pairs"], True),
-        (["--use_ort", "false", "--print_memory_stats"], False),
+        (["--memory_opt_backend", "none", "--print_memory_stats"], False),
     ],
     ids=["deberta-config", "roberta-level1-pairs", "pytorch"],
 )

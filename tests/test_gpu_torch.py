@@ -41,7 +41,7 @@ def test_cuda_dropout_replays_its_random_state(tmp_path):
     torch.backends.cuda.matmul.allow_tf32 = False
     found = _found(tmp_path / "probe")
     assert any(p.startswith("Dropout+") for p in found), found
-    eager = _train(tmp_path / "eager", "--use_ort", "false", dropout=0.1).losses
+    eager = _train(tmp_path / "eager", "--memory_opt_backend", "none", dropout=0.1).losses
     run = _train(
         tmp_path / "run", "--memory_opt_backend", "torch", "--memory_opt_config", ",".join(found), dropout=0.1
     )
@@ -55,7 +55,7 @@ def test_cuda_dropout_replays_its_random_state(tmp_path):
 def test_cuda_autocast_plans_and_level_1(tmp_path, precision):
     """Under autocast the recipes hold the ops as dispatched (already in half precision): the recomputed values are
     the forward's, so losses equal the plain autocast run's; level 1 reruns the layer under the same autocast."""
-    eager = _train(tmp_path / "eager", "--use_ort", "false", f"--{precision}").losses
+    eager = _train(tmp_path / "eager", "--memory_opt_backend", "none", f"--{precision}").losses
     for name, flags in [
         ("plans", ["--memory_opt_config", "Gelu+:1:-1,LayerNormalization+:1:-1"]),
         ("l1", ["--memory_opt_level", "1"]),

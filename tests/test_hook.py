@@ -65,7 +65,7 @@ def test_loss_in_graph_wrapper_returns_only_the_loss_and_exposes_the_model():
 def test_log_does_not_change_the_callers_metrics(tmp_path):
     trainer = MemoptTrainer(
         model=tiny_model(),
-        args=make_args(tmp_path, "--use_ort", "false", "--print_input_density"),
+        args=make_args(tmp_path, "--memory_opt_backend", "none", "--print_input_density"),
         train_dataset=ClsData(n=8),
     )
     density = next(cb for cb in trainer.callback_handler.callbacks if type(cb).__name__ == "InputDensityCallback")
@@ -90,7 +90,7 @@ def test_ort_not_installed_is_said_when_the_trainer_is_built(tmp_path, monkeypat
     monkeypatch.setattr(ort, "_onnxruntime_dir", lambda: None)
     with pytest.raises(
         RuntimeError,
-        match=r"^`--use_ort` \(on by default\) needs ONNX Runtime Training: onnxruntime-training is not installed; install it with: pip install 'optimum-memopt\[cpu\]'.*Or pass `--use_ort false`",
+        match=r"^`--memory_opt_backend ort` \(the default here\) needs ONNX Runtime Training: onnxruntime-training is not installed; install it with: pip install 'optimum-memopt\[cpu\]'.*Or pass `--memory_opt_backend none`",
     ):
         MemoptTrainer(model=tiny_model(), args=args)
 

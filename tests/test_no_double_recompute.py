@@ -67,7 +67,7 @@ def test_the_flag_named_recomputes_as_transformers_did(tmp_path):
     (`Layer+:1:-1@every2`) give the same losses."""
     theirs = llama(4)
     theirs.activation_checkpointing_enable(every_n_layers=2)
-    args = make_args(tmp_path / "t", "--max_steps", "5", "--use_ort", "false")
+    args = make_args(tmp_path / "t", "--max_steps", "5", "--memory_opt_backend", "none")
     plain = LossRecordingTrainer(model=theirs, args=args, train_dataset=CausalData(n=32))
     plain.train()
     ours = trainer(tmp_path / "o", llama(4), "--memory_opt_config", "Layer+:1:-1@every2", "--max_steps", "5")

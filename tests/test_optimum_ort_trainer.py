@@ -87,9 +87,11 @@ def test_what_ort_trainer_cannot_do_is_refused_before_training(tmp_path):
 
     from optimum_memopt.trainer import _check_ort_trainer_args
 
-    with pytest.raises(ValueError, match=r"^`--use_ort false` with optimum's ORTTrainer: ORTTrainer always trains"):
-        OptimumTrainer(model=tiny_model("deberta"), args=make_args(tmp_path, "--use_ort", "false"))
+    with pytest.raises(
+        ValueError, match=r"^`--memory_opt_backend none` with optimum's ORTTrainer: ORTTrainer always trains"
+    ):
+        OptimumTrainer(model=tiny_model("deberta"), args=make_args(tmp_path, "--memory_opt_backend", "none"))
     # the torch backend needs torch >= 2.5, where ORTTrainer cannot run: the check itself
-    torch_args = SimpleNamespace(use_ort=True, memory_opt=SimpleNamespace(backend="torch"))
+    torch_args = SimpleNamespace(memory_opt_on=True, memory_opt=SimpleNamespace(backend="torch"))
     with pytest.raises(ValueError, match=r"^`--memory_opt_backend torch` with optimum's ORTTrainer"):
         _check_ort_trainer_args(torch_args)

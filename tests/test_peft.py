@@ -40,7 +40,7 @@ def train(tmp_path, name, *flags):
 
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory):
-    trainer, _ = train(tmp_path_factory.mktemp("plain"), "plain", "--use_ort", "false")
+    trainer, _ = train(tmp_path_factory.mktemp("plain"), "plain", "--memory_opt_backend", "none")
     return trainer.losses
 
 

@@ -150,9 +150,32 @@ def _re(text):
 
 
 # -- names that say what they mean -------------------------------------------------------------------------------
-def test_backend_none_is_plain_pytorch_like_use_ort_false():
+def test_use_ort_is_the_switchs_deprecated_name_said_once_on_rank_0(tmp_path, caplog):
+    """`--use_ort false` is `--memory_opt_backend none`, `--use_ort true` the default; either is said deprecated once
+    (a warning the trainer logs on rank 0), and contradicting `--memory_opt_backend` is refused naming both."""
+    import logging
+
+    off = MemoptTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, use_ort=False)
+    assert off.memory_opt_backend == "none" and not off.memory_opt_on and off.memory_opt.entries == []
+    said = "`--use_ort false` is deprecated and will be removed: pass `--memory_opt_backend none`"
+    assert [n for n in off.memory_opt_warnings if said in n] == off.memory_opt_warnings[:1]
+    on = MemoptTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, use_ort=True)
+    assert on.memory_opt_on and "`--use_ort true` is deprecated" in on.memory_opt_warnings[0]
+    plain = MemoptTrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True)
+    assert not any("deprecated" in n for n in plain.memory_opt_warnings + plain.memory_opt_notes)
+    with caplog.at_level(logging.INFO, logger="optimum_memopt"):
+        MemoptTrainer(model=tiny_model("deberta"), args=off)
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
+    for use_ort, backend in ((False, "torch"), (True, "none")):
+        with pytest.raises(ValueError, match=rf"`--use_ort {str(use_ort).lower()}` .* say opposite things"):
+            MemoptTrainingArguments(
+                output_dir="unused", report_to="none", use_cpu=True, use_ort=use_ort, memory_opt_backend=backend
+            )
+
+
+def test_backend_none_is_plain_pytorch_like_use_ort_false_said_deprecated():
     args = MemoptTrainingArguments(output_dir="unused", report_to="none", use_cpu=True, memory_opt_backend="none")
-    assert not args.use_ort and args.memory_opt_summary == "plain PyTorch (no backend)"
+    assert not args.memory_opt_on and args.memory_opt_summary == "plain PyTorch (no backend)"
     with pytest.raises(
         ValueError, match=r"^`--memory_opt_config` configure .* but `--memory_opt_backend none` trains"
     ):
@@ -196,11 +219,21 @@ def test_backend_model_is_the_wrapped_model(tmp_path):
     "old, new",
     [("compat", "transformers_releases"), ("model_compat", "eager_attention"), ("offline", "offline_defaults")],
 )
-def test_renamed_modules_stay_importable_under_their_old_names(old, new):
+def test_renamed_modules_stay_importable_under_their_old_names_and_say_so(old, new):
+    """An old name is the new module itself, and its first import warns (FutureWarning) naming the new one."""
     import importlib
+    import sys
+    import warnings
 
     renamed = importlib.import_module(f"optimum_memopt.{new}")
-    assert importlib.import_module(f"optimum_memopt.{old}") is renamed
+    sys.modules.pop(f"optimum_memopt.{old}", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert importlib.import_module(f"optimum_memopt.{old}") is renamed
+    said = [str(w.message) for w in caught if issubclass(w.category, FutureWarning)]
+    assert said == [
+        f"optimum_memopt.{old} is deprecated and will be removed: import optimum_memopt.{new} (the same module)"
+    ]
     names = [n for n in vars(renamed) if not n.startswith("_") and callable(getattr(renamed, n))]
     assert names, new
     module = {}

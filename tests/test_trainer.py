@@ -58,7 +58,7 @@ def test_requested_plan_is_on_in_orts_structured_data(tmp_path):
 @pytest.mark.parametrize("arch", ["deberta", "roberta"])
 def test_ort_matches_pytorch(tmp_path, arch):
     ort_run = train(arch, out=tmp_path / "ort", steps=20)
-    pt_run = train(arch, flags=["--use_ort", "false"], out=tmp_path / "pt", steps=20)
+    pt_run = train(arch, flags=["--memory_opt_backend", "none"], out=tmp_path / "pt", steps=20)
     assert ort_run.ort_model is not None and type(ort_run.ort_model).__name__ == "ORTModule"
     assert pt_run.ort_model is None and pt_run.memopt_backend is None
     assert len(ort_run.losses) == len(pt_run.losses) == 20
@@ -217,7 +217,10 @@ def test_callbacks_order_files_and_evaluation(tmp_path):
 
 def test_loss_in_graph_with_label_smoothing(tmp_path):
     plain = train(
-        "deberta", out=tmp_path / "a", steps=6, flags=["--label_smoothing_factor", "0.1", "--use_ort", "false"]
+        "deberta",
+        out=tmp_path / "a",
+        steps=6,
+        flags=["--label_smoothing_factor", "0.1", "--memory_opt_backend", "none"],
     )
     in_graph = train(
         "deberta", out=tmp_path / "b", steps=6, flags=["--label_smoothing_factor", "0.1", "--ort_loss_in_graph"]
@@ -253,7 +256,7 @@ def test_loss_in_graph_with_best_model_at_end_saves_a_final_model_and_counts_rig
     assert [r for r in rows if r["input_type"] == "LABEL"]
     # evaluation with the smoothing applied, exactly as the plain PyTorch trainer computes it on the same weights
     in_graph_eval = trainer.evaluate()["eval_loss"]
-    plain_args = make_args(tmp_path / "plain", "--label_smoothing_factor", "0.1", "--use_ort", "false")
+    plain_args = make_args(tmp_path / "plain", "--label_smoothing_factor", "0.1", "--memory_opt_backend", "none")
     plain = MemoptTrainer(model=trainer.plain_model, args=plain_args, eval_dataset=ClsData(n=16))
     assert plain.evaluate()["eval_loss"] == pytest.approx(in_graph_eval, abs=1e-6)
     assert load_without_ort(tmp_path / "final") == "DebertaV2ForSequenceClassification"

@@ -142,12 +142,12 @@ BAD = [
     (
         "cli",
         ["--gradient_checkpointing"],
-        r"^`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, as in `--memory_opt_level 1 --gradient_checkpointing false`, or pass `--use_ort false`$",
+        r"^`--gradient_checkpointing` uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, as in `--memory_opt_level 1 --gradient_checkpointing false`, or pass `--memory_opt_backend none`$",
     ),
     (
         "cli",
         ["--torch_compile"],
-        r"^`--torch_compile` with ORTModule: dynamo traces ORT's own export .* drop `--torch_compile`, or pass `--use_ort false`$",
+        r"^`--torch_compile` with ORTModule: dynamo traces ORT's own export .* drop `--torch_compile`, or pass `--memory_opt_backend none`$",
     ),
     # the constructor checks what the command line's choices check
     (
@@ -208,7 +208,7 @@ BAD = [
         r"^`--ort_cache_dir` is '/proc/memopt-cache', but '/proc' cannot be",
     ),
 ]
-# every flag that only means something with ORT is refused with `--use_ort false`, by name
+# every flag that only means something with a backend is refused with `--memory_opt_backend none`, by name
 ORT_ONLY = [
     (["--memory_opt_config", "Gelu+:1:-1"], "--memory_opt_config"),
     (["--memory_opt_level", "1"], "--memory_opt_level"),
@@ -242,9 +242,9 @@ def test_bad_values_stop_with_their_message(tmp_path, how, value, pattern):
 def test_ort_only_flags_are_refused_in_plain_pytorch(flags, named):
     with pytest.raises(
         ValueError,
-        match=rf"^`{named}` configure ONNX Runtime's memory optimizer, but `--use_ort false` trains in plain PyTorch; drop `--use_ort false`, or drop those flags$",
+        match=rf"^`{named}` configure a memory backend, but `--memory_opt_backend none` trains in plain PyTorch; drop `--memory_opt_backend none`, or drop those flags$",
     ):
-        parse("--use_ort", "false", *flags)
+        parse("--memory_opt_backend", "none", *flags)
 
 
 def test_bad_level_is_refused_by_the_parser():
@@ -271,7 +271,7 @@ def test_environment_is_a_fallback(monkeypatch):
     # the flag wins over the environment
     assert [str(e) for e in parse("--memory_opt_config", "Cast+:2:-1").memory_opt.entries] == ["Cast+:2:-1"]
     # and plain PyTorch ignores ORT's variables
-    assert parse("--use_ort", "false").memory_opt.entries == []
+    assert parse("--memory_opt_backend", "none").memory_opt.entries == []
 
 
 @pytest.mark.parametrize(
@@ -390,7 +390,7 @@ def test_a_share_of_the_activations_as_the_budget(kwargs, pattern):
 def test_parsing_probes_nothing(monkeypatch):
     # installation, CUDA and kernel checks run when the trainer is built, not while parsing
     monkeypatch.setattr(ort, "_onnxruntime_dir", lambda: None)
-    assert parse("--memory_opt_config", "Gelu+:1:-1").use_ort
+    assert parse("--memory_opt_config", "Gelu+:1:-1").memory_opt_on
 
 
 # -- ZeRO-3 -------------------------------------------------------------------------------------------
@@ -457,7 +457,7 @@ def test_ort_trainer_flags_are_accepted_and_translated(monkeypatch):
     )
     assert args.ort_loss_in_graph and args.ort_log_level == "INFO" and args.optim == "adamw_ort_fused"
     assert args.ort_save_onnx_dir == "unused_out" and args.onnx_prefix == "bert"  # ORTTrainer saved to output_dir
-    assert args.ort_trainer_notes == [
+    assert args.memory_opt_warnings == [
         "`--use_module_with_loss` (optimum's ORTTrainer) is `--ort_loss_in_graph` here: the loss is computed inside "
         "ORT's graph",
         "`--onnx_log_level INFO` (optimum's ORTTrainer) is `--ort_log_level` here",
@@ -472,6 +472,6 @@ def test_ort_trainer_flags_that_cannot_work_say_why():
         parse("--save_onnx")
     with pytest.raises(ValueError, match=r"^`--onnx_log_level INFO` and `--ort_log_level VERBOSE` disagree"):
         parse("--onnx_log_level", "INFO", "--ort_log_level", "VERBOSE")
-    assert parse("--onnx_prefix", "x").ort_trainer_notes == [
+    assert parse("--onnx_prefix", "x").memory_opt_warnings == [
         "`--onnx_prefix x` has no effect without `--save_onnx` (or `--ort_save_onnx_dir`)"
     ]

@@ -152,17 +152,19 @@ def backend_label(backend: str) -> str:
     return "ORT" if backend == "ort" else f"{backend} backend"
 
 
-def memory_flags(use_ort: bool = True, config: str = "", level: int = 0, extra: Sequence[str] = ()) -> List[str]:
-    """Flags that pin one memory configuration, whatever the user's command line said."""
-    if not use_ort:
-        return ["--use_ort", "false", *extra]
-    return ["--use_ort", "true", "--memory_opt_level", str(level), "--memory_opt_config", config, *extra]
+def memory_flags(backend: bool = True, config: str = "", level: int = 0, extra: Sequence[str] = ()) -> List[str]:
+    """Flags that pin one memory configuration, whatever the user's command line said (its `--use_ort`, the
+    switch's deprecated name, is dropped: `ADVISOR_FLAGS`); `backend=False`: no backend."""
+    if not backend:
+        return ["--memory_opt_backend", "none", *extra]
+    return ["--memory_opt_level", str(level), "--memory_opt_config", config, *extra]
 
 
 # Flags of the user's command line that a measuring run must not inherit: the advisor's own, and, for a
 # run without ORT, every flag that only means something with ORT. Value: whether the flag takes a value
 # (None: a boolean flag, whose value is optional).
 ADVISOR_FLAGS = {
+    "--use_ort": None,
     "--memory_opt_config": True,
     "--memory_budget_mb": True,
     "--activation_memory_budget": True,
@@ -241,7 +243,7 @@ def child_command(
         *flags,
     ]
     drop = dict(ADVISOR_FLAGS)
-    if "--use_ort" in flags and flags[list(flags).index("--use_ort") + 1] == "false":
+    if "--memory_opt_backend" in flags and flags[list(flags).index("--memory_opt_backend") + 1] == "none":
         drop.update(ORT_ONLY_FLAGS)
     script_argv = [script_argv[0], *strip_flags(script_argv[1:], drop)]
     return [python, *script_argv, *overrides]

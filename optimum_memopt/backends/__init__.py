@@ -14,7 +14,7 @@ from .ort_flags import OrtFlags
 __all__ = ["Backend", "BackendFlags", "WrapSettings", "get_backend", "NAMES", "NONE"]
 
 NAMES = ("ort", "torch")  # the backends, by `--memory_opt_backend` name
-NONE = "none"  # `--memory_opt_backend none`: no backend, plain PyTorch (what `--use_ort false` says)
+NONE = "none"  # `--memory_opt_backend none`: no backend, plain PyTorch (what `--memory_opt_backend none` says)
 
 
 class BackendFlags(OrtFlags):

@@ -272,20 +272,20 @@ class OrtBackend(Backend):
                 f"{via} selects ZeRO stage 3, which ORTModule cannot run with the pinned stack: ORT 1.19's stage-3 "
                 f"support imports `_apply_to_tensors_only` from deepspeed.runtime.zero.parameter_offload, which "
                 f"DeepSpeed 0.15 renamed (ImportError). Use ZeRO stage 1 or 2 (examples/configs/ds_zero2.json), or "
-                f"`--use_ort false`"
+                f"`--memory_opt_backend none`"
             )
         asked = checkpointing_asked(args)
         if asked:
             name, what = asked
             raise ValueError(
                 f"{what} uses torch.utils.checkpoint, which ORTModule cannot export; use ORT's recompute instead, "
-                f"as in `--memory_opt_level 1 --{name} false`, or pass `--use_ort false`"
+                f"as in `--memory_opt_level 1 --{name} false`, or pass `--memory_opt_backend none`"
             )
         if args.torch_compile:
             raise ValueError(
                 "`--torch_compile` with ORTModule: dynamo traces ORT's own export (75-105 s before the first step on "
                 "the small recipe model) and speeds nothing up, since ORT runs the graph; drop `--torch_compile`, or "
-                "pass `--use_ort false`"
+                "pass `--memory_opt_backend none`"
             )
         return notes
 
@@ -314,7 +314,7 @@ class OrtBackend(Backend):
             raise ValueError(
                 "`--bf16` with ORTModule on CPU: the Trainer's CPU autocast exports bf16 MatMuls, for which ORT's CPU "
                 "execution provider has no kernel (NOT_IMPLEMENTED when the first step builds the session); drop "
-                "`--bf16` on CPU, train on a CUDA device, or pass `--use_ort false`"
+                "`--bf16` on CPU, train on a CUDA device, or pass `--memory_opt_backend none`"
             )
         if args.n_gpu > 1:
             raise ValueError(

@@ -10,7 +10,7 @@ __all__ = ["InputDensityCallback", "MemoryPhaseCallback", "PlanStatsCallback", "
 def default_callbacks(args, trainer=None):
     """The callbacks `MemoptTrainingArguments` asks for."""
     callbacks = []
-    if getattr(args, "use_ort", False) and getattr(args, "log_memory_plans", False):
+    if getattr(args, "memory_opt_on", False) and getattr(args, "log_memory_plans", False):
         callbacks.append(PlanStatsCallback(trainer))
     if getattr(args, "print_input_density", False):
         callbacks.append(InputDensityCallback(args.input_density_table_steps, trainer))

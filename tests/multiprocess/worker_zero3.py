@@ -1,7 +1,7 @@
 """One rank of a 2-process DeepSpeed ZeRO-3 run on CPU (gloo) through the Trainer: a small Llama whose parameters
 are partitioned, released after each submodule's forward and gathered again for its backward (the persistence
 threshold, reuse distance and prefetch at 0, so that even this model's parameters are released). Usage:
-worker_zero3.py MODE OUT BACKEND [RESUME], MODE one of `none` (`--use_ort false`), `level1`, or `plan:CONFIG`; RESUME, a
+worker_zero3.py MODE OUT BACKEND [RESUME], MODE one of `none` (`--memory_opt_backend none`), `level1`, or `plan:CONFIG`; RESUME, a
 checkpoint directory to resume from. Writes OUT/rank{r}.json: losses, the parameters' checksum, the wrapper."""
 
 import json
@@ -37,7 +37,7 @@ def main():
     mode, out = sys.argv[1], sys.argv[2]
     resume = sys.argv[4] if len(sys.argv) > 4 else None  # argv[3]: the stack's backend, the torch one here
     rank = int(os.environ.get("RANK", "0"))
-    memory = ["--use_ort", "false"] if mode == "none" else ["--memory_opt_backend", "torch"]
+    memory = ["--memory_opt_backend", "none"] if mode == "none" else ["--memory_opt_backend", "torch"]
     if mode == "level1":
         memory += ["--memory_opt_level", "1"]
     elif mode.startswith("plan:"):

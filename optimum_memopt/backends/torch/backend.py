@@ -86,21 +86,21 @@ class TorchBackend(Backend):
             name, what = asked
             raise ValueError(
                 f"{what} with the torch backend would recompute the same layers twice over; use the backend's "
-                f"whole-layer recompute instead, as in `--memory_opt_level 1 --{name} false`, or pass `--use_ort "
-                f"false` to keep transformers' checkpointing"
+                f"whole-layer recompute instead, as in `--memory_opt_level 1 --{name} false`, or pass "
+                f"`--memory_opt_backend none` to keep transformers' checkpointing"
             )
         fsdp_ac = _fsdp_checkpointing(args)
         if fsdp_ac:
             raise ValueError(
                 f"{fsdp_ac} with the torch backend would recompute the same layers twice over (FSDP wraps them in "
                 f"torch's `checkpoint_wrapper`); turn it off and use the backend's whole-layer recompute instead, as "
-                f"in `--memory_opt_level 1`, or pass `--use_ort false` to keep FSDP's checkpointing"
+                f"in `--memory_opt_level 1`, or pass `--memory_opt_backend none` to keep FSDP's checkpointing"
             )
         if args.torch_compile:
             raise ValueError(
                 "`--torch_compile` with the torch backend: its recompute runs in Python hooks (a dispatch mode and "
                 "saved-tensor hooks) that torch.compile would trace or break around; drop `--torch_compile`, or pass "
-                "`--use_ort false` to compile plain PyTorch"
+                "`--memory_opt_backend none` to compile plain PyTorch"
             )
         check_requests(args.memory_opt.enabled_entries)
         return []
@@ -114,14 +114,14 @@ class TorchBackend(Backend):
                 f"the model given is {compiled}: the torch backend's recompute runs in Python hooks (a dispatch mode "
                 f"and saved-tensor hooks) that torch.compile would trace or break around, and the compiled wrapper "
                 f"hands every attribute the backend sets to the inner model; give the model before `torch.compile` "
-                f"(`model._orig_mod`) to train with the plans, or pass `--use_ort false` to train the compiled model "
-                f"without them"
+                f"(`model._orig_mod`) to train with the plans, or pass `--memory_opt_backend none` to train the "
+                f"compiled model without them"
             )
         layers = find_layers(model)
         if not layers:
             raise ValueError(
                 f"the torch backend recomputes inside transformer layers, but found no list of repeated layers in "
-                f"{type(model).__name__} (an nn.ModuleList of blocks); train it with `--use_ort false`"
+                f"{type(model).__name__} (an nn.ModuleList of blocks); train it with `--memory_opt_backend none`"
             )
         twice = checkpointed_elsewhere(model, layers)
         if twice is not None:

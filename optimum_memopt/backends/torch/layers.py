@@ -79,8 +79,8 @@ def checkpointed_elsewhere(model: nn.Module, layers: List[nn.Module]) -> Optiona
             f"`checkpoint_wrapper` (FSDP's `activation_checkpointing`, `fsdp_config={{'activation_checkpointing': "
             f"True}}` or `fsdp_activation_checkpointing: true` in accelerate's config, or a script's own "
             f"`apply_activation_checkpointing`), so with the torch backend they would be recomputed twice over; "
-            f"turn it off and pass {_as_flag(wrapped, len(layers))} for the same recompute, or pass `--use_ort "
-            f"false` to keep it"
+            f"turn it off and pass {_as_flag(wrapped, len(layers))} for the same recompute, or pass "
+            f"`--memory_opt_backend none` to keep it"
         )
     on = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False) is True]
     if not on:
@@ -90,6 +90,6 @@ def checkpointed_elsewhere(model: nn.Module, layers: List[nn.Module]) -> Optiona
         f"(`model.activation_checkpointing_enable()` or `gradient_checkpointing_enable()` was called on it: by the "
         f"script, by PEFT's `prepare_model_for_kbit_training`, or by a trainer given `gradient_checkpointing=True`), "
         f"so with the torch backend they would be recomputed twice over; call `model.activation_checkpointing_"
-        f"disable()` and pass {_as_flag(on, len(layers))} for the same recompute, or pass `--use_ort false` to keep "
-        f"transformers' checkpointing"
+        f"disable()` and pass {_as_flag(on, len(layers))} for the same recompute, or pass `--memory_opt_backend none` "
+        f"to keep transformers' checkpointing"
     )
