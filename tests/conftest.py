@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from optimum_memopt.backends import ort as _ort  # noqa: E402
 from optimum_memopt.backends import torch as _torch_backend  # noqa: E402
 
-# Two stacks (README "Two stacks"): the ORT stack (torch 2.4, onnxruntime-training) and the modern stack (torch
+# Two stacks (docs/ort-stack.md, "Two stacks"): the ORT stack (torch 2.4, onnxruntime-training) and the modern stack (torch
 # >= 2.5, no ORT). Tests marked `ort` need ONNX Runtime Training or its defaults; `torch_backend` tests need torch
 # >= 2.5. CI runs the suite once in each environment.
 ORT_STACK = _ort.is_installed()

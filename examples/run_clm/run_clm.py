@@ -41,7 +41,7 @@ OFFLINE_DEFAULT_ARGS = [
     "--output_dir", "outputs/run_clm", *overwrite_output_dir_flag(), "--do_train", "--do_eval",
     "--max_steps", "30", "--per_device_train_batch_size", "8", "--learning_rate", "5e-4", "--logging_steps", "5",
     "--report_to", "none", "--save_strategy", "no", "--block_size", "128",
-    "--memory_opt_backend", "torch", "--memory_opt_config", "MatMul+silu+Mul+:1:-1",
+    "--memory_opt_backend", "torch", "--use_peft", "--memory_opt_config", "auto", "--memory_budget_mb", "150",
     "--print_memory_stats", "--disable_tqdm", "true",
 ]  # fmt: skip
 
