@@ -10,6 +10,7 @@ model, without the `Trainer`.
         optimizer.step()
         optimizer.zero_grad()
     print(memopt.table())  # the plan table of the first step
+    memopt.picture("step_memory.png")  # auto: where the step's memory goes, the budget, the choice
     memopt.config          # the plans running now (auto: the solver's choice, from step two)
     memopt.remove()        # the model trains plainly again
 
@@ -72,6 +73,19 @@ class MemoptHandle:
         if report is None:
             return "memory plans: no training step has run through the model yet"
         return format_plan_table(report)
+
+    def picture(self, path: str):
+        """Draw the step's memory as `auto` saw it (step one by layer mark, the budget, the peak predicted with the
+        choice and the one measured after it, the plans per layer) to a PNG at `path`; the matplotlib figure."""
+        from .callbacks.step_memory import draw_step_memory
+
+        planner = getattr(getattr(self.model, "_memopt_recompute", None), "planner", None)
+        if planner is None or planner.memory is None or not planner.fits:
+            raise RuntimeError(
+                "optimum-memopt: the step-memory picture is drawn from `auto`'s choice, which needs "
+                "optimize_memory(model, 'auto', budget_mb=...) and two training steps"
+            )
+        return draw_step_memory(planner.solver_data(), path)
 
     def step_done(self) -> None:
         """Say an optimizer step ended (with `reports_steps=True`: where several forwards make one step)."""

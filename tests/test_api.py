@@ -94,7 +94,11 @@ def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
     assert memopt.config == choice["config"] and choice["config"] not in ("", None)
     assert choice["predicted_peak_mb"] <= budget and choice["measured_peak_mb"] <= budget, choice
     with open(tmp_path / "solver.json") as f:
-        assert json.load(f)["fits"][-1]["config"] == choice["config"]
+        data = json.load(f)
+    assert data["fits"][-1]["config"] == choice["config"]
+    figure = memopt.picture(str(tmp_path / "step_memory.png"))
+    assert (tmp_path / "step_memory.png").is_file()
+    assert [b.get_height() for b in figure.axes[0].patches] == [s["peak_mb"] for s in data["memory"]["segments"]]
 
 
 def test_under_gradient_accumulation_the_loop_says_where_steps_end():

@@ -20,7 +20,7 @@ start (what is held there that was not at step one's) and adds the gradients' by
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ...memory import MIB
@@ -63,6 +63,17 @@ def predict(memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[i
         if best is None or value > best.peak_bytes:
             best = Prediction(value, seg.name)
     return best
+
+
+def segment_peaks(
+    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0
+) -> List[tuple]:
+    """Each segment's predicted peak (`predict`'s terms) with `freed` bytes freed per layer: (name, bytes)."""
+    last = len(memory.segments) - 1
+    return [
+        (seg.name, _moved(seg, measured_freed, freed) + (extra if k < last else 0))
+        for k, seg in enumerate(memory.segments)
+    ]
 
 
 def predict_range(memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int]) -> Tuple[int, int]:
@@ -136,6 +147,7 @@ class Fit:
     floor: Prediction  # the least peak recompute reaches (each layer freeing the most it can)
     choice: Optional[List[Candidate]] = None  # None: nothing fits (`why_not`)
     predicted: Optional[Prediction] = None
+    segments: List[tuple] = field(default_factory=list)  # (segment, its predicted peak in bytes) with the choice
     why_not: str = ""
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
@@ -161,6 +173,7 @@ class Fit:
             "per_layer": [c.label for c in self.choice] if self.choice else None,
             "predicted_peak_mb": self.predicted.peak_mb if self.predicted else None,
             "predicted_peak_in": self.predicted.where if self.predicted else None,
+            "predicted_segments": [{"name": name, "peak_mb": value / MIB} for name, value in self.segments],
             "freed_mb": self.freed / MIB,
             "recompute_ms": self.recompute_seconds * 1000,
             "floor_mb": self.floor.peak_mb,
@@ -216,6 +229,7 @@ def fit(
         result.why_not = "no choice frees the bytes needed in the units the solver counts in"
         return result
     result.predicted = predict(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
+    result.segments = segment_peaks(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
     return result
 
 
@@ -241,6 +255,7 @@ def fit_share(
         )
         return result
     result.predicted = predict(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
+    result.segments = segment_peaks(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
     return result
 
 

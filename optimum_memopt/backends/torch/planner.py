@@ -249,10 +249,9 @@ class BudgetPlanner:
             "choices": len(self.fits),
         }
 
-    def _write(self) -> None:
-        if not self.out_dir:
-            return
-        data = {
+    def solver_data(self) -> dict:
+        """The solver's figures: what `memory_auto/solver.json` holds (and the step-memory picture draws)."""
+        return {
             "budget_mb": self.budget_mb,
             "activation_memory_budget": self.share,
             "processes": self.ranks.size if self.ranks is not None else 1,  # rank 0 chose for all of them
@@ -282,6 +281,11 @@ class BudgetPlanner:
             "fits": [f.as_dict() for f in self.fits],
             "verified": self.verified,
         }
+
+    def _write(self) -> None:
+        if not self.out_dir:
+            return
+        data = self.solver_data()
         path = os.path.join(self.out_dir, "solver.json")
 
         def write(tmp):
