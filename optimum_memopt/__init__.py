@@ -34,6 +34,17 @@ _LAZY = {
 }
 
 
+def _deprecated_name(old: str, module) -> None:
+    """Make the module named `old` be `module` itself (same object: imports and attribute patches keep working),
+    warning once, as it is first imported (FutureWarning, shown by default), which module to import instead."""
+    import sys
+    import warnings
+
+    said = f"{old} is deprecated and will be removed: import {module.__name__} (the same module)"
+    warnings.warn(said, FutureWarning, stacklevel=3)
+    sys.modules[old] = module
+
+
 def __getattr__(name):
     if name in _LAZY:
         import importlib
