@@ -1,5 +1,6 @@
 """The backend seam: the trainer and the arguments speak no ORT, each backend checks its own flags, one ZeRO-stage
-reader serves every route, parsing loads no recompute engine, the torch backend's package keeps its shape, and a
+reader serves every route, parsing loads no recompute engine, the torch backend's modules keep their jobs (import
+directions), and a
 configured backend that is missing from the trained model stops the run."""
 
 import ast
@@ -38,13 +39,48 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
     assert not [n for n in imported if ".backends.ort" in n or ".backends.torch" in n or "onnxruntime" in n]
 
 
-def test_the_torch_backend_is_a_package_of_small_modules():
-    sizes = {n: sum(1 for _ in open(os.path.join(TORCH_PKG, n))) for n in os.listdir(TORCH_PKG) if n.endswith(".py")}
-    want = {"names", "policy", "layers", "tracking", "recipe", "hooks", "checkpoint", "profile", "report"}
-    want |= {"_torch_api", "solver", "engine", "backend", "graph", "__init__", "budget", "planner", "watch", "ranks"}
-    assert {n[:-3] for n in sizes} == want
-    assert max(sizes.values()) <= 300, sizes
+# The torch backend's modules by job: applying a policy to a running layer, measuring the step, deciding what to
+# recompute (what any plan would do, the solver, the planner), and the glue that joins them to the seam.
+APPLY = {"engine", "hooks", "recipe", "checkpoint", "layers"}
+MEASURE = {"tracking", "watch", "profile", "graph"}
+DECIDE = {"rule", "policy", "solver", "budget", "planner", "report"}
+GLUE = {"backend", "__init__", "_torch_api", "names", "ranks"}
+
+
+def _torch_imports(name):
+    """The backend's own modules that `name` imports (relative imports), and whether it imports torch itself."""
+    found = _imports(os.path.join(TORCH_PKG, f"{name}.py"))
+    mine = {n.lstrip(".").split(".")[0] for n in found if n.startswith(".") and not n.startswith("..")}
+    return mine - {""}, any(n == "torch" or n.startswith("torch.") for n in found)
+
+
+def test_the_torch_backend_is_grouped_by_job():
+    modules = {n[:-3] for n in os.listdir(TORCH_PKG) if n.endswith(".py")}
+    assert modules == APPLY | MEASURE | DECIDE | GLUE
     assert not os.path.exists(os.path.join(PKG, "backends", "torch_recompute.py"))
+
+
+@pytest.mark.parametrize("name", sorted(DECIDE))
+def test_deciding_never_reaches_the_engine_nor_torch(name):
+    """What any plan would do, the solver and the planner work on step one's figures: they import no module that
+    runs a layer, and no torch."""
+    mine, torch_itself = _torch_imports(name)
+    assert not mine & APPLY and not torch_itself, (name, mine & APPLY)
+
+
+@pytest.mark.parametrize("name", ["rule", "graph", "profile", "solver"])
+def test_the_what_if_model_is_pure(name):
+    """The rule, the layer graph, the profile and the solver import none of the backend's torch-facing modules."""
+    mine, torch_itself = _torch_imports(name)
+    assert not torch_itself and mine <= {"rule", "graph", "profile", "policy", "names"}, (name, mine)
+
+
+@pytest.mark.parametrize("name", sorted(APPLY | MEASURE))
+def test_applying_and_measuring_never_reach_the_solver(name):
+    """The engine and the readings take a policy and record; they never ask the solver, the budget or the planner
+    (the planner drives them from above, through the engine's state)."""
+    mine, _ = _torch_imports(name)
+    assert not mine & {"solver", "budget", "planner", "report"}, (name, mine)
 
 
 def test_private_torch_names_are_reached_from_one_module_only():

@@ -3,14 +3,16 @@
 Step one records, per layer, every storage an op made (its plan name, bytes, op time, the storages it read and
 whether it read them as they were made), the storages from outside the layer that ops read, and the order in which
 autograd first saved each storage. `effect(graph, ops)` replays the engine's decision for a set of plan names (the
-rule of `hooks.pack`: at its first save, a planned output is stashed when each input is a parameter, a storage
-saved before it, or a planned output recomputable in turn, read as it was made) and returns the bytes freed and the
-op time recomputed once per backward. The plan table and the budget solver read it. Pure: no torch.
+rule of `rule`, which `hooks.pack` asks too: at its first save, a planned output is stashed when each input is a
+parameter, a storage saved before it, or a planned output recomputable in turn, read as it was made) and returns the
+bytes freed and the op time recomputed once per backward. The plan table and the budget solver read it. Pure: no torch.
 """
 
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Dict, FrozenSet, Iterable, List, Set, Tuple
+
+from .rule import KEPT, RecomputeRule
 
 PARAM = -1  # an input that is a parameter (or a leaf that requires grad): always there at backward
 
@@ -64,6 +66,25 @@ class Effect:
         return out
 
 
+class _GraphRule(RecomputeRule):
+    """The recompute rule (`rule`) on step one's graph, for the plan names `ops`: a node is there at backward as it
+    is when it is a parameter or saved as it is so far (`kept`), has a recipe once one was built (`built`)."""
+
+    def __init__(self, nodes, ops: FrozenSet[str], kept: Set[int], built: Set[int]):
+        self.nodes, self.ops, self.kept, self.built = nodes, ops, kept, built
+
+    def has_recipe(self, i: int) -> bool:
+        return i in self.built
+
+    def planned(self, i: int) -> bool:
+        n = self.nodes[i]
+        return n.call >= 0 and n.plan in self.ops
+
+    def sources(self, i: int):
+        for j, fresh in self.nodes[i].inputs:
+            yield KEPT if j == PARAM or j in self.kept else (j if fresh else None)
+
+
 def effect(graph: LayerGraph, ops: Iterable[str]) -> Effect:
     """What recomputing the outputs of the plan names `ops` frees in this layer, and what it costs."""
     ops = frozenset(ops)
@@ -72,19 +93,7 @@ def effect(graph: LayerGraph, ops: Iterable[str]) -> Effect:
     built: Set[int] = set()  # recipes built (stashed outputs and chain links)
     freed: Set[int] = set()
 
-    def recomputable(i: int, memo: Dict[int, bool]) -> bool:
-        if i in built:
-            return True
-        n = nodes[i]
-        if n.call < 0 or n.plan not in ops:
-            return False
-        if i not in memo:
-            memo[i] = False
-            memo[i] = all(available(j, fresh, memo) for j, fresh in n.inputs)
-        return memo[i]
-
-    def available(j: int, fresh: bool, memo: Dict[int, bool]) -> bool:
-        return j == PARAM or j in kept or (fresh and recomputable(j, memo))
+    rule = _GraphRule(nodes, ops, kept, built)
 
     def build(i: int) -> None:
         if i in built:
@@ -98,7 +107,7 @@ def effect(graph: LayerGraph, ops: Iterable[str]) -> Effect:
         n = nodes[i]
         if i in built and n.own:
             freed.add(i)  # a chain link built earlier, saved now as it was made: its recipe stands in
-        elif n.own and n.plan in ops and n.call >= 0 and recomputable(i, {}):
+        elif n.own and rule.recomputable(i):
             build(i)
             freed.add(i)
         else:

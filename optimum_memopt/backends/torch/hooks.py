@@ -29,7 +29,8 @@ from . import _torch_api
 from .graph import PARAM, LayerGraph, Node
 from .profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE
 from .recipe import Recipe, StandIn, Stashed, changed_in_place, tensors_in
-from .tracking import Input, LayerRun, Made, TrackingMode, storage_bytes, storage_key
+from .rule import KEPT, RecomputeRule
+from .tracking import LayerRun, Made, TrackingMode, storage_bytes, storage_key
 
 
 def _kept(run: LayerRun, t: Optional[torch.Tensor]) -> bool:
@@ -46,29 +47,30 @@ def _changed_since_made(made, x: torch.Tensor) -> bool:
     return made.version != _torch_api.version(x) or (made.recipe is not None and made.index in made.recipe.changed)
 
 
-def _available(run: LayerRun, inp: Optional[Input], memo: dict) -> bool:
-    """Whether a recipe can have this input at backward: a parameter, a tensor autograd keeps as it is, or a planned
-    output recomputable in turn (a chain), which the op read as it was made."""
-    if inp is None:
-        return True
-    if _kept(run, inp.ref()):
-        return True
-    maker = inp.maker
-    return maker is not None and inp.version == maker.version and _recomputable(run, maker, memo)
+class _LiveRule(RecomputeRule):
+    """The recompute rule (`rule`) on the storages of a layer running now: a parameter or a tensor autograd keeps
+    as it is is there at backward; a planned output is recomputable in turn if the op read it as it was made."""
 
+    def __init__(self, run: LayerRun):
+        self.run = run
 
-def _recomputable(run: LayerRun, made: Made, memo: dict) -> bool:
-    """Whether `made`'s output can be recomputed at backward: it has a recipe already, or its op is planned here
-    and every input is available (recursively: a chain down to tensors kept anyway)."""
-    if made.recipe is not None:
-        return True
-    if made.call is None:
-        return False
-    key = id(made)
-    if key not in memo:
-        memo[key] = False  # the layer's ops form no cycle; this only stops a repeated walk
-        memo[key] = all(_available(run, inp, memo) for inp in made.inputs)
-    return memo[key]
+    def has_recipe(self, made: Made) -> bool:
+        return made.recipe is not None
+
+    def planned(self, made: Made) -> bool:
+        return made.call is not None
+
+    def key(self, made: Made) -> int:
+        return id(made)
+
+    def sources(self, made: Made):
+        for inp in made.inputs:
+            if inp is None or _kept(self.run, inp.ref()):
+                yield KEPT
+            elif inp.maker is not None and inp.version == inp.maker.version:
+                yield inp.maker
+            else:
+                yield None
 
 
 def _recipe(run: LayerRun, made: Made) -> Recipe:
@@ -111,7 +113,7 @@ def pack(run: LayerRun, x: torch.Tensor):
         elif x.dtype != made.dtype:
             made.why_not = OTHER_DTYPE
         elif made.recipe is None and not all(_kept(run, inp.ref()) for inp in made.inputs if inp is not None):
-            if not (made.call is not None and _recomputable(run, made, {})):
+            if not (made.call is not None and _LiveRule(run).recomputable(made)):
                 made.why_not = INPUT_NOT_KEPT
         made.recomputable = not made.why_not
         made.own = made.why_not not in (CHANGED_IN_PLACE, OTHER_DTYPE)
