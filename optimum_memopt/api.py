@@ -61,6 +61,37 @@ class MemoptHandle:
         """`auto`'s last choice and its check (config, predicted and measured peak, recompute time), or None."""
         return self.backend.auto_choice(self.model) if self.asked.auto else None
 
+    @property
+    def _state(self):
+        state = getattr(self.model, "_memopt_recompute", None)
+        if state is None:
+            why = "it was removed" if self._removed else f"{self.backend.title} keeps no such state"
+            raise RuntimeError(f"optimum-memopt: the model holds no torch backend's state ({why})")
+        return state
+
+    @property
+    def layers(self) -> list:
+        """The transformer layers the backend runs (each module once)."""
+        return list(self._state.layers)
+
+    @property
+    def policy(self):
+        """What each layer runs now (torch backend): `policy.layers[i].mode` ('keep', 'ops' or 'layer') and `.ops`,
+        the plan names recomputed there."""
+        return self._state.policy
+
+    @property
+    def profile(self):
+        """What the first training step measured (torch backend), None before it: per layer, the bytes kept for
+        backward by plan and the op times (`profile.layers`), and the step's memory by segment (`profile.memory`)."""
+        return self._state.profile
+
+    def solver_figures(self) -> Optional[dict]:
+        """`auto`'s figures, as `solver.json` holds them (step one by segment, every choice with its prediction, every
+        check), or None where `auto` did not run or has not measured step one yet."""
+        planner = getattr(self._state, "planner", None)
+        return planner.solver_data() if planner is not None and planner.memory is not None else None
+
     def report(self) -> Optional[PlanReport]:
         """The plan table's data once the first training step ran (None before)."""
         return self.backend.plan_report(self.model, self.settings)

@@ -397,7 +397,7 @@ def test_a_users_saved_tensor_hooks_see_all_but_the_planned_outputs(tmp_path, mo
         trainer.train()
         runs[name] = trainer
     assert runs["planned"].losses == runs["plain"].losses
-    profile = runs["planned"].backend_model._memopt_recompute.profile
+    profile = runs["planned"].memopt_handle.profile
     stashed = sum(b for layer in profile.layers for b in layer.applied.values())
     assert stashed > 0 and set().union(*(layer.applied for layer in profile.layers)) == {"Mul", "silu"}
     assert sum(stashed_saves) > 3 * stashed  # 3 steps; some storages saved more than once

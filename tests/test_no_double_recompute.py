@@ -73,7 +73,7 @@ def test_the_flag_named_recomputes_as_transformers_did(tmp_path):
     ours = trainer(tmp_path / "o", llama(4), "--memory_opt_config", "Layer+:1:-1@every2", "--max_steps", "5")
     ours.train()
     assert [layer.gradient_checkpointing for layer in theirs.model.layers] == [True, False, True, False]
-    modes = [p.mode for p in ours.backend_model._memopt_recompute.policy.layers]
+    modes = [p.mode for p in ours.memopt_handle.policy.layers]
     assert modes == [LAYER, KEEP, LAYER, KEEP]
     assert ours.losses == pytest.approx(plain.losses, abs=1e-5)
 

@@ -56,7 +56,7 @@ def test_lora_trains_as_plain_pytorch_through_the_torch_backend(tmp_path, plain,
     trainer, model = train(tmp_path, "run", "--memory_opt_backend", "torch", *flags)
     assert max(abs(a - b) for a, b in zip(trainer.losses, plain)) <= LOSS_ATOL, (trainer.losses, plain)
     assert len(trainer.losses) == len(plain) == STEPS
-    state = trainer.backend_model._memopt_recompute
+    state = trainer.memopt_handle
     assert len(state.layers) == 2 and [p.mode for p in state.policy.layers] == modes
     for i, mode in enumerate(modes):
         if mode == "ops":  # the chain ran on the LoRA layer: its frozen projections' outputs were recomputed

@@ -34,8 +34,8 @@ def test_the_picture_draws_solver_json_and_goes_to_tensorboard(tmp_path):
     train(tmp_path / "warm-up", None, steps=1)  # the process's first training keeps what libraries allocate once
     roomy = train(tmp_path / "roomy", 10**6)
     measured = roomy.memopt_handle.auto["measured_peak_mb"]
-    planner = roomy.memopt_handle.model._memopt_recompute.planner
-    budget = round((measured + planner.fits[0].floor.peak_mb) / 2, 1)  # something must be recomputed
+    floor = roomy.memopt_handle.solver_figures()["fits"][0]["floor_mb"]
+    budget = round((measured + floor) / 2, 1)  # something must be recomputed
     out = tmp_path / "tight"
     trainer = train(out, budget, report_to="tensorboard")
     png = out / "memory_auto" / "step_memory.png"

@@ -389,7 +389,7 @@ def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path, cap
     assert any(c.freed_bytes for c in final.choice) and not all(c.whole for c in final.choice)
     assert planner.verified[-1]["measured_peak_mb"] <= budget
     assert losses == plain_losses
-    policy = trainer.backend_model._memopt_recompute.policy
+    policy = trainer.memopt_handle.policy
     rebuilt = RecomputePolicy.from_plans(parse_inline(final.config()), 0, 3)
     assert [(p.mode, p.ops) for p in policy.layers] == [(p.mode, p.ops) for p in rebuilt.layers]
     with open(tmp_path / "tight" / "memory_auto" / "solver.json") as f:
@@ -422,13 +422,13 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path, con
         report = json.load(f)
     assert all(p["peak_drop_bytes"] <= p["saving_bytes"] for p in report["plans"])
     note = next(n for n in report["notes"] if n.startswith("step one peaked at"))
-    state = eager.backend_model._memopt_recompute
-    memory = state.profile.memory
+    handle = eager.memopt_handle
+    memory = handle.profile.memory
     assert f"step one peaked at {memory.peak.peak_bytes / MIB:,.1f} MiB, {memory.peak.name}" in note
     assert "the allocator read after every op of the model's forward and backward" in note
     assert "(+N) may be up to N" in note
 
-    peak_drop, layers = _peak_drop(state.policy, state.profile), state.profile.layers
+    peak_drop, layers = _peak_drop(handle.policy, handle.profile), handle.profile.layers
 
     def drop(ops):
         """The table's figure and bounds for a set of ops (a row, where the table offers the set)."""
@@ -439,9 +439,9 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path, con
         assert (row["peak_drop_bytes"], row["peak_drop_min_bytes"], row["peak_drop_max_bytes"]) == drop(ops)
     ops = config.split(":")[0].strip("+").split("+")
     predicted, least, most = drop(ops)
-    del eager, state  # what the process holds before each run's first layer is left out of its peak
+    del eager, handle  # what the process holds before each run's first layer is left out of its peak
     run = train_decoder(tmp_path, config.split(":")[0], steps=1, memory_opt_config=config)
-    ran = run.backend_model._memopt_recompute.profile.memory
+    ran = run.memopt_handle.profile.memory
     measured = (memory.peak.peak_bytes - memory.start_bytes) - (ran.peak.peak_bytes - ran.start_bytes)
     assert least == predicted < most  # one-sided here: the peak with nothing recomputed is after the layers
     # the allocator counts what is not tensor data too (tensors' metadata, autograd's nodes, Python's larger objects):

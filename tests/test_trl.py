@@ -75,7 +75,7 @@ def test_sft_trainer_with_the_mixin_trains_as_plain_sft(tmp_path, text, arch, lo
     ours = sft(tmp_path / "ours", text, arch, True, lora=lora, **flags)
     assert plain.args.bf16 and ours.args.bf16  # TRL's default, kept by with_memory_flags
     assert len(ours.losses) == STEPS and ours.losses == plain.losses  # bitwise
-    state = ours.backend_model._memopt_recompute
+    state = ours.memopt_handle
     assert len(state.layers) == 2 and state.profile is not None
     if lora:
         assert isinstance(ours.model, peft.PeftModel)
