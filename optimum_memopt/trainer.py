@@ -24,26 +24,10 @@ from transformers import Trainer, TrainerCallback
 from . import checkpoints, transformers_releases
 from .backends import Backend, WrapSettings, get_backend, optimizer_for
 from .backends.base import Budget
-from .losses import LossInGraph
+from .ort_trainer_parts import OrtTrainerParts, fire_pre_optimizer_step
 from .trainer_args import MemoptTrainingArguments
 
 logger = logging.getLogger(__name__)
-
-
-def _fire_pre_optimizer_step(trainer, optimizer) -> None:
-    """optimum's ORTTrainer runs a copy of an older training loop that fires no `on_pre_optimizer_step` (where the
-    memory phases take `post_backward`): fire it from the optimizer's own step pre-hook, as the loop would just
-    before `optimizer.step()`."""
-    inner = optimizer
-    while hasattr(inner, "optimizer"):  # accelerate's / DeepSpeed's wrappers
-        inner = inner.optimizer
-    if getattr(inner, "_memopt_pre_step_hook", None) is not None:
-        return
-
-    def pre_step(opt, args, kwargs):
-        trainer.control = trainer.callback_handler.on_pre_optimizer_step(trainer.args, trainer.state, trainer.control)
-
-    inner._memopt_pre_step_hook = inner.register_step_pre_hook(pre_step)
 
 
 IN_PROCESS = "step one with every layer recomputed whole, then the budget solver's choice from its measurements"
@@ -75,28 +59,12 @@ class _OptimizerReady(TrainerCallback):
         # transformers 4.49 passes the optimizer given at __init__ (usually None) here: read the trainer's own.
         optimizer = trainer.optimizer if trainer.optimizer is not None else optimizer
         if getattr(trainer, "_memopt_over_ort_trainer", False) and optimizer is not None:
-            _fire_pre_optimizer_step(trainer, optimizer)
+            fire_pre_optimizer_step(trainer, optimizer)
         if self.message is not None or trainer.memopt_backend is None or optimizer is None:
             return
         self.message = trainer.memopt_backend.on_optimizer_ready(optimizer, args, trainer.is_deepspeed_enabled) or ""
         if self.message and state.is_world_process_zero:
             logger.info("%s", self.message)
-
-
-def is_optimum_ort_trainer(cls) -> bool:
-    """Whether a Trainer class derives from optimum's `ORTTrainer` (optimum <= 1.27), which wraps the model in
-    ORTModule itself inside its own training loop."""
-    return any(c.__name__ == "ORTTrainer" and c.__module__.startswith("optimum.onnxruntime") for c in cls.__mro__)
-
-
-@contextlib.contextmanager
-def _attribute(obj, name, value):
-    old = getattr(obj, name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        setattr(obj, name, old)
 
 
 # What each training log line carries of the plugin's figures (rounded to 0.01) unless `--log_all_memory_metrics`:
@@ -113,8 +81,10 @@ LOG_LINE_METRICS = (
 )
 
 
-class MemoptTrainerMixin:
-    """Trains through a memory-optimizer backend (ORTModule) with the settings of `MemoptTrainingArguments`.
+class MemoptTrainerMixin(OrtTrainerParts):
+    """Trains through a memory backend (the torch backend, or ORTModule) with the settings of
+    `MemoptTrainingArguments`; its ORT-only parts (optimum's ORTTrainer underneath, the in-graph loss) are
+    `ort_trainer_parts.OrtTrainerParts`, its base.
 
     Put it first in the bases of any Trainer subclass: ``class MyTrainer(MemoptTrainerMixin, SFTTrainer)``.
     Over optimum's `ORTTrainer` (``class MyTrainer(MemoptTrainerMixin, ORTTrainer)``) the model is still wrapped
@@ -137,10 +107,7 @@ class MemoptTrainerMixin:
         problem = transformers_releases.accelerate_problem()
         if problem:
             raise RuntimeError(problem)
-        self._memopt_over_ort_trainer = is_optimum_ort_trainer(type(self))
-        if self._memopt_over_ort_trainer and isinstance(targs, MemoptTrainingArguments):
-            _check_ort_trainer_args(targs)
-        with self._memopt_optimum_args(targs):
+        with self._memopt_ort_before_init(targs):  # optimum's ORTTrainer underneath, if it is (ort_trainer_parts)
             super().__init__(*args, **kwargs)
         if not isinstance(self.args, MemoptTrainingArguments):
             raise TypeError(
@@ -168,12 +135,7 @@ class MemoptTrainerMixin:
         self.memopt_handle = None  # the model under the backend, once wrapped (`optimum_memopt.api.MemoptHandle`)
         self._memopt_prepared = None
         self._memopt_wrap_seen = False
-        self._memopt_loss_wrapper: Optional[LossInGraph] = None
-        if a.memory_opt_on and a.ort_loss_in_graph:
-            # The loss is computed in the graph from the labels alone: the Trainer scales it for gradient
-            # accumulation itself. (transformers 4.47 would otherwise read LossInGraph's **kwargs as a model that
-            # takes num_items_in_batch and skip that scaling.)
-            self.model_accepts_loss_kwargs = False
+        self._memopt_ort_after_init(a)
         # The plans the run trains with: the validated ones, or auto's choice once `resolve_memory_plan` ran.
         self.memory_plan = (list(a.memory_opt.entries), a.memory_opt.level) if not a.memory_opt.auto else None
         self.memory_plan_reason: Optional[str] = None
@@ -243,48 +205,7 @@ class MemoptTrainerMixin:
                 raise RuntimeError(problem)
         if self.args.memory_opt_on:
             self.resolve_memory_plan()
-        if not self._memopt_over_ort_trainer:
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-        # With `use_module_with_loss`, ORTTrainer.train() trains `self._training_model` (its ModuleWithLoss, not
-        # built here): the model itself, whose loss the backend computes in the graph.
-        self._training_model = self.model
-        with self._memopt_builds_ort_trainers_module():
-            return super().train(resume_from_checkpoint, *args, **kwargs)
-
-    # -- optimum's ORTTrainer underneath ----------------------------------------------------------------
-    def _memopt_optimum_args(self, targs):
-        """optimum's ORTTrainer builds its `ModuleWithLoss` in `__init__` when `use_module_with_loss` is set, and that
-        class cannot be built with transformers >= 4.46 (docs/STACK.md); the arguments already turned the flag into
-        the in-graph loss, so ORTTrainer's `__init__` sees it off (the arguments keep it as given)."""
-        if self._memopt_over_ort_trainer and getattr(targs, "use_module_with_loss", False):
-            return _attribute(targs, "use_module_with_loss", False)
-        return contextlib.nullcontext()
-
-    @contextlib.contextmanager
-    def _memopt_builds_ort_trainers_module(self):
-        """While ORTTrainer trains, `torch_ort.ORTModule` (which its loop imports to wrap the model) builds the
-        module through this trainer's backend, with the run's plans; `isinstance` checks still see ORT's class."""
-        import torch_ort
-
-        real = torch_ort.ORTModule
-        trainer = self
-
-        class _Through(type):
-            def __instancecheck__(cls, obj):
-                return isinstance(obj, real)
-
-            def __call__(cls, module, debug_options=None):
-                # ORTTrainer's DebugOptions come from `--save_onnx` / `--onnx_prefix`, which the arguments turned
-                # into `--ort_save_onnx_dir`; the backend builds the same options from those.
-                if trainer.memopt_backend.find(module) is not None:
-                    return module  # already wrapped (a second train() call): wrapped once
-                return trainer._memopt_wrap(module)
-
-        torch_ort.ORTModule = _Through("ORTModule", (), {})
-        try:
-            yield
-        finally:
-            torch_ort.ORTModule = real
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_rng_state(self, checkpoint):
         try:
@@ -372,9 +293,7 @@ class MemoptTrainerMixin:
         backend = self.memopt_backend
         self._memopt_plain_model = model
         self._memopt_prepare(model)
-        inner = model
-        if self.args.ort_loss_in_graph:
-            self._memopt_loss_wrapper = inner = LossInGraph(inner, self.args.label_smoothing_factor)
+        inner = self._memopt_in_graph_loss(model)
         from .api import attach
 
         # the one path of `optimum_memopt.optimize_memory`; the Trainer reports each optimizer step (`step_done`)
@@ -415,15 +334,7 @@ class MemoptTrainerMixin:
         return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        smoother = self.label_smoother
-        in_graph = self._memopt_loss_wrapper is not None and model is not self._memopt_plain_model
-        if in_graph:
-            # The smoothing is computed inside the graph (LossInGraph); in evaluation the smoother applies as usual.
-            self.label_smoother = None
-        try:
-            result = super().compute_loss(model, inputs, *args, **kwargs)
-        finally:
-            self.label_smoother = smoother
+        result = super().compute_loss(model, inputs, *args, **kwargs)  # the in-graph loss: ort_trainer_parts
         loss = result[0] if isinstance(result, tuple) else result
         if model.training and getattr(loss, "requires_grad", False):
             self._memopt_notify("observe_loss", loss)
@@ -443,8 +354,6 @@ class MemoptTrainerMixin:
         if self.args.memory_measure_out:
             logger.info("measuring run (--memory_measure_out): the model is not saved")
             return None
-        if state_dict is not None and self._memopt_loss_wrapper is not None:
-            state_dict = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state_dict.items()}
         with self._memopt_plain_in_place():
             return super()._save(output_dir, state_dict=state_dict)
 
@@ -504,21 +413,6 @@ def _fsdp_asked_but_off(trainer) -> Optional[str]:
         f"turn it on for this run (its distributed type is {kind}; it turns FSDP on for GPU-type process groups "
         f"only): the Trainer trains with {how}, not sharded, and the memory figures reported are that run's"
     )
-
-
-def _check_ort_trainer_args(args: MemoptTrainingArguments) -> None:
-    """What cannot hold when optimum's ORTTrainer runs the training loop (it always wraps in ORTModule)."""
-    if not args.memory_opt_on:
-        raise ValueError(
-            "`--memory_opt_backend none` with optimum's ORTTrainer: ORTTrainer always trains through ORTModule; for a "
-            "plain PyTorch run put MemoptTrainerMixin over transformers' Trainer (`MemoptTrainer`) instead"
-        )
-    if args.memory_opt.backend != "ort":
-        raise ValueError(
-            f"`--memory_opt_backend {args.memory_opt.backend}` with optimum's ORTTrainer: ORTTrainer wraps the model "
-            f"in ORTModule itself, so only `--memory_opt_backend ort` applies there; for the torch backend use "
-            f"`MemoptTrainer`"
-        )
 
 
 class MemoptTrainer(MemoptTrainerMixin, Trainer):

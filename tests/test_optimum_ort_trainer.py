@@ -9,7 +9,8 @@ import json
 import pytest
 from helpers import ClsData, LossRecordingMixin, make_args, tiny_model
 
-from optimum_memopt.trainer import MemoptTrainerMixin, is_optimum_ort_trainer
+from optimum_memopt.ort_trainer_parts import is_optimum_ort_trainer
+from optimum_memopt.trainer import MemoptTrainerMixin
 
 pytestmark = pytest.mark.ort
 
@@ -85,7 +86,7 @@ def test_use_module_with_loss_trains_with_the_in_graph_loss_under_ort_trainer(tm
 def test_what_ort_trainer_cannot_do_is_refused_before_training(tmp_path):
     from types import SimpleNamespace
 
-    from optimum_memopt.trainer import _check_ort_trainer_args
+    from optimum_memopt.ort_trainer_parts import check_ort_trainer_args as _check_ort_trainer_args
 
     with pytest.raises(
         ValueError, match=r"^`--memory_opt_backend none` with optimum's ORTTrainer: ORTTrainer always trains"
