@@ -5,11 +5,16 @@
     python examples/custom_loop/train.py                                   # a chained plan, offline default
     python examples/custom_loop/train.py --plans auto --budget_mb 60       # the least recompute under 60 MiB
     python examples/custom_loop/train.py --plans none                      # the same loop without the plugin
-    accelerate launch --config_file examples/configs/accelerate_cpu_2proc.yaml examples/custom_loop/train.py
+    accelerate launch --config_file examples/configs/accelerate_multi_gpu.yaml examples/custom_loop/train.py  # GPUs
 
 Model: `--model_name_or_path` (a hub name or a local directory), or nothing: a Llama of `--model_size` built from a
 config in code, with a tokenizer trained locally. Data: `--train_file` (.txt, one document per line; or CSV / JSON
 with a `text` column), or nothing: generated text, packed to `--block_size`. Writes `losses.json` to `--output_dir`.
+
+Several processes: on GPUs, as above. On a CPU-only machine, accelerate 1.15 gives this loop no data parallelism
+under the 2-process CPU config (its `Accelerator` reports `DistributedType.NO` and process index 0 in both processes,
+although torch.distributed is up), so the two processes train apart; the Trainer's recipes (`--use_cpu
+--ddp_backend gloo`) are the tested way to run 2 CPU processes (docs/distributed.md).
 """
 
 import argparse
