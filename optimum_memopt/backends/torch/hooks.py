@@ -101,8 +101,12 @@ def pack(run: LayerRun, x: torch.Tensor):
     stash = None
     if made is not None and made.storage.expired():
         made = None  # freed; the address now belongs to a storage made outside this layer
-    if run.record is not None and ptr and ptr not in run.saved_keys:
-        run.saved_keys.add(ptr)
+    # a storage's first save, by the storage (the record of the op that made it, else its address): an address alone
+    # would take a storage made at a freed one's address for it (checkpoint drops what it saves at once, so a later
+    # output of the same size can reuse the address) and leave it out of the layer's graph
+    first = id(made) if made is not None else ptr
+    if run.record is not None and ptr and first not in run.saved_keys:
+        run.saved_keys.add(first)
         run.saves.append(made if made is not None else (ptr, storage_bytes(x)))
     if made is not None and made.recomputable is None:
         run.counted.append(made)

@@ -115,7 +115,7 @@ class LayerRun:
         # outside the layer as (key, bytes)), for the layer's graph (`graph`)
         self.all_made: List[Made] = []
         self.saves: List[object] = []
-        self.saved_keys: set = set()
+        self.saved_keys: set = set()  # the record's id for a storage made here, else the storage's address
         self.ops = 0
 
     def on_op(self, func, args, kwargs, out, rng, seconds: float = 0.0) -> None:
