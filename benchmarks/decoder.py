@@ -89,8 +89,8 @@ def apply_titan_sac(model):
 
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    from optimum_memopt.backends.torch.checkpoint import without_cache
-    from optimum_memopt.backends.torch.layers import find_layers
+    from optimum_memopt.backends.torch.apply.checkpoint import without_cache
+    from optimum_memopt.backends.torch.apply.layers import find_layers
 
     for layer in find_layers(model):
         original = layer.forward

@@ -32,8 +32,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from transformers import BertConfig, BertForMaskedLM  # noqa: E402
 
 from optimum_memopt.backends.base import WrapSettings  # noqa: E402
+from optimum_memopt.backends.torch.apply.layers import find_layers  # noqa: E402
 from optimum_memopt.backends.torch.backend import TorchBackend  # noqa: E402
-from optimum_memopt.backends.torch.layers import find_layers  # noqa: E402
 from optimum_memopt.memory import allocator_bytes_in_use  # noqa: E402
 from optimum_memopt.plans import parse_plans  # noqa: E402
 

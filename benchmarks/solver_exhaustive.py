@@ -29,8 +29,8 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from budget_decoder import DECODER, TORCH, budget_of, solve  # noqa: E402
 
 from optimum_memopt.advisor import run_child  # noqa: E402
-from optimum_memopt.backends.torch.budget import plan_entries  # noqa: E402
-from optimum_memopt.backends.torch.solver import Candidate  # noqa: E402
+from optimum_memopt.backends.torch.decide.budget import plan_entries  # noqa: E402
+from optimum_memopt.backends.torch.decide.solver import Candidate  # noqa: E402
 
 
 def candidate(c: dict) -> Candidate:

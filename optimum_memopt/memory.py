@@ -11,7 +11,7 @@ phase runs, by a light sampler thread (every `SAMPLE_INTERVAL_S`), so a short sp
 samples can be missed; the resident high-water mark (VmHWM, reset through `/proc/self/clear_refs`)
 is reported beside it as the second, conservative column. Where a caller knows when memory can peak
 (the torch backend after each op of the model's forward and each node of its backward, in the steps it
-measures: `backends.torch.watch`), it pauses every sampler of the process (`read_at_ops`) and reads
+measures: `backends.torch.measure.watch`), it pauses every sampler of the process (`read_at_ops`) and reads
 for all of them at those moments (`observe_all`): the same step then reads the same peaks every run.
 
 For ORTModule on CPU this is exact only when ORT allocates through glibc: its CPU arena keeps freed

@@ -11,7 +11,10 @@ The torch backend also takes (ONNX Runtime's backend refuses them):
 
 * ``Layer+`` as the subgraph: the whole layer recomputed (``Layer+:1:-1`` is level 1, ``Layer+:1:4`` the first 4);
 * a layer selector after ``@``, with the count -1: ``Gelu+:1:-1@4-11`` (layers 4 to 11), ``Layer+:1:-1@every2``
-  (layers 0, 2, 4... as transformers' ``every_n_layers``), ``Layer+:1:-1@0+5+9`` (items joined by ``+``).
+  (layers 0, 2, 4... as transformers' ``every_n_layers``), ``Layer+:1:-1@0+5+9`` (items joined by ``+``);
+* ``Loss+``: a causal LM's head and cross-entropy over chunks of tokens, each chunk's logits recomputed in backward
+  (``Loss+:1:-1``: chunks whose logits hold no more than the final hidden states; ``Loss+:1:-1@chunks8``: 8
+  chunks; ``Loss+:1:-1@tokens1024``: 1024 tokens a chunk).
 
 A backend describes what it found as *cluster ids*: one or more plans joined by commas
 (``Cast+:1:-1,Gelu+:2:-1``), which `parse_cluster_id` reads.
@@ -29,6 +32,9 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 EXAMPLE = "Gelu+:1:-1"
 LAYER = "Layer+"  # the whole layer (torch backend)
+LOSS = "Loss+"  # a causal LM's head and loss over chunks of tokens (torch backend)
+LOSS_EXAMPLE = "'Loss+:1:-1', 'Loss+:1:-1@chunks8' or 'Loss+:1:-1@tokens1024'"
+_LOSS_SELECTOR_RE = re.compile(r"^(chunks|tokens)([0-9]+)$", re.IGNORECASE)
 SELECTOR_EXAMPLE = "'Layer+:1:-1@every2', 'Gelu+:1:-1@4-11' or 'Layer+:1:-1@0+5+9'"
 # ASCII digits only (`\d` would take `５` or `٥` as 5); `every` in any case, as op names are
 _ITEM_RE = re.compile(r"^(?:([0-9]+)|([0-9]+)-([0-9]+)|every([0-9]+))$", re.IGNORECASE)
@@ -173,6 +179,13 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     subgraph, type_text, count_text = (f.strip() for f in fields)
     if subgraph.lower() == LAYER.lower():
         subgraph = LAYER  # `layer+` is `Layer+`, as `mul+` is `Mul+`
+    if subgraph.lower() == LOSS.lower():
+        return _loss_entry(prefix, type_text, count_text, selector.strip() if at else None)
+    if LOSS.lower() in [p.lower() for p in _PART_RE.findall(subgraph)]:
+        raise PlanError(
+            f"{prefix} names {LOSS!r} with other parts: the head and loss are a plan of their own, not an op of a "
+            f"layer; give it as its own entry, as in 'Gelu+:1:-1,Loss+:1:-1'"
+        )
     if not subgraph:
         raise PlanError(f"{prefix} has an empty subgraph; expected a sequence of 'OpName+' parts, as in {EXAMPLE!r}")
     if not _SUBGRAPH_RE.match(subgraph):
@@ -211,11 +224,42 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     return PlanEntry(subgraph, opt_type, count, selector if at else "")
 
 
+def _loss_entry(prefix: str, type_text: str, count_text: str, selector: Optional[str]) -> PlanEntry:
+    """`Loss+:1:-1`, optionally `@chunksN` or `@tokensN` (N from 1): the head and loss chunked."""
+    expected = f"expected {LOSS_EXAMPLE}"
+    opt_type = _parse_int(type_text, f"{prefix} has optimization type", expected)
+    if opt_type not in (0, 1):
+        raise PlanError(f"{prefix} has optimization type {opt_type}; `Loss+` is 1 (on) or 0 (off): {expected}")
+    count = _parse_int(count_text, f"{prefix} has apply count", expected)
+    if count != -1:
+        raise PlanError(
+            f"{prefix} has apply count {count}; a model has one head, so `Loss+` takes -1 and says its chunks after "
+            f"'@': {expected}"
+        )
+    if selector is None:
+        return PlanEntry(LOSS, opt_type, -1, "")
+    m = _LOSS_SELECTOR_RE.match(selector)
+    if m is None or len(m.group(2)) > MAX_DIGITS or int(m.group(2)) < 1:
+        ascii_only = (
+            ", whose digits are not ASCII (0-9)" if any(c.isdigit() and not c.isascii() for c in selector) else ""
+        )
+        raise PlanError(
+            f"{prefix} has chunking {quoted(selector)}{ascii_only}; expected 'chunksN' (N chunks) or 'tokensN' (N "
+            f"tokens a chunk), N from 1 to {'9' * MAX_DIGITS}, as in {LOSS_EXAMPLE}"
+        )
+    return PlanEntry(LOSS, opt_type, -1, f"{m.group(1).lower()}{int(m.group(2))}")
+
+
 def _check_duplicates(entries: Sequence[PlanEntry]) -> None:
     """One rule, whatever the spelling (`mul+` is `Mul+`): a subgraph may be named twice only on layers that do not
     overlap, each entry with its `@` selector (`Mul+:1:-1@0-1,Mul+:1:-1@2-3`, as the solver writes its choices)."""
     seen: Dict[str, List[PlanEntry]] = {}
     for entry in entries:
+        if entry.subgraph == LOSS and seen.get(LOSS.lower()):
+            raise PlanError(
+                f"names {LOSS!r} twice ({str(seen[LOSS.lower()][0])!r} and {str(entry)!r}); a model has one head: "
+                f"give one, as in {LOSS_EXAMPLE}"
+            )
         for other in seen.get(entry.subgraph.lower(), []):
             twice = f"names subgraph {other.subgraph!r} twice ({str(other)!r} and {str(entry)!r})"
             if not (entry.layers or other.layers):

@@ -250,6 +250,8 @@ class MemoptTrainerMixin(OrtTrainerParts):
             options=self.memopt_backend.options(a) if self.memopt_backend is not None else {},
             budget=self._memopt_budget() if self.memory_plan_reason == IN_PROCESS else None,
             reset_peaks=bool(a.skip_memory_metrics),
+            label_smoothing=float(a.label_smoothing_factor or 0.0),
+            loss_reader="the Trainer's `compute_loss_func`" if self.compute_loss_func is not None else None,
         )
 
     def _memopt_budget(self) -> Budget:
@@ -334,7 +336,22 @@ class MemoptTrainerMixin(OrtTrainerParts):
         return super().training_step(model, inputs, *args, **kwargs)
 
     def compute_loss(self, model, inputs, *args, **kwargs):
-        result = super().compute_loss(model, inputs, *args, **kwargs)  # the in-graph loss: ort_trainer_parts
+        handle = self.memopt_handle
+        if (
+            self.label_smoother is not None
+            and model.training
+            and handle is not None
+            and handle.backend.smooths_labels(handle.model)
+        ):
+            # the model's training forward smooths the labels itself (a chunked head makes no whole logits): it is
+            # handed the labels, as it is without label smoothing
+            smoother, self.label_smoother = self.label_smoother, None
+            try:
+                result = super().compute_loss(model, inputs, *args, **kwargs)
+            finally:
+                self.label_smoother = smoother
+        else:
+            result = super().compute_loss(model, inputs, *args, **kwargs)  # the in-graph loss: ort_trainer_parts
         loss = result[0] if isinstance(result, tuple) else result
         if model.training and getattr(loss, "requires_grad", False):
             self._memopt_notify("observe_loss", loss)

@@ -33,7 +33,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def recomputed(monkeypatch):
     """The ops the torch backend's recipes recompute, by name (`gelu`, `mm`), one entry per computation."""
-    from optimum_memopt.backends.torch import recipe
+    from optimum_memopt.backends.torch.apply import recipe
 
     calls = []
     real = recipe.Recipe.outputs
@@ -51,7 +51,8 @@ def recomputed(monkeypatch):
 def recomputed_as_first(monkeypatch):
     """Each planned output the torch backend recomputes, against the tensor the first forward made: a list of
     (op name, dtype made, dtype recomputed, bitwise equal), one entry per tensor backward asked for."""
-    from optimum_memopt.backends.torch import _torch_api, recipe
+    from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch.apply import recipe
 
     made, seen = {}, []
     real_init, real_materialize = recipe.Stashed.__init__, recipe.Stashed.materialize

@@ -12,7 +12,7 @@ from torch_engine import Counting
 from transformers import AutoModelForSequenceClassification, BertConfig, BertForSequenceClassification
 
 from optimum_memopt import MemoptTrainingArguments
-from optimum_memopt.backends.torch.layers import find_layers
+from optimum_memopt.backends.torch.apply.layers import find_layers
 from optimum_memopt.backends.torch.names import canonical_ops
 from optimum_memopt.backends.torch.policy import RecomputePolicy
 from optimum_memopt.plans import PlanEntry
@@ -374,7 +374,7 @@ class CountingTrainer(LossRecordingTrainer):
 def test_a_users_saved_tensor_hooks_see_all_but_the_planned_outputs(tmp_path, monkeypatch):
     """Every save of a planned output is one the user's hooks do not see (the RMSNorm's product is saved by the three
     projections that read it: three saves of one storage), and nothing else is kept from them."""
-    from optimum_memopt.backends.torch import hooks
+    from optimum_memopt.backends.torch.apply import hooks
 
     stashed_saves = []
     real_pack = hooks.pack

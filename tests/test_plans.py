@@ -311,8 +311,35 @@ def test_whole_layers_and_layer_selectors_read_and_round_trip():
         entries[1].select(6)
 
 
-@pytest.mark.parametrize("value", ["Layer+:1:2", "Gelu+:1:-1@0-3"])
+@pytest.mark.parametrize("value", ["Layer+:1:2", "Gelu+:1:-1@0-3", "Loss+:1:-1@chunks4"])
 def test_the_ort_backend_refuses_whole_layer_plans_and_selectors(value):
     with pytest.raises(ValueError, match=r"are the torch backend's; ONNX Runtime applies a plan to its first N"):
         MemoryOptConfig(plans=value, backend="ort")
     assert MemoryOptConfig(plans=value, backend="torch").entries == parse_entries(value)
+
+
+def test_the_head_and_loss_plan_reads_and_round_trips():
+    entries = parse_entries("Layer+:1:-1@every2, loss+:1:-1@Chunks8")
+    assert to_inline(entries) == "Layer+:1:-1@every2,Loss+:1:-1@chunks8"
+    assert parse_entries("Loss+:1:-1")[0] == PlanEntry("Loss+", 1, -1, "")
+    assert parse_entries("LOSS+:1:-1@tokens1024")[0].layers == "tokens1024"
+    assert not parse_entries("Loss+:0:-1")[0].enabled
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [
+        ("Loss+:1:4", "apply count 4; a model has one head, so `Loss+` takes -1"),
+        ("Loss+:2:-1", "optimization type 2; `Loss+` is 1 (on) or 0 (off)"),
+        ("Loss+:1:-1@4", "chunking '4'; expected 'chunksN' (N chunks) or 'tokensN' (N tokens a chunk)"),
+        ("Loss+:1:-1@chunks0", "chunking 'chunks0'"),
+        ("Loss+:1:-1@chunks٥", "chunking 'chunks٥', whose digits are not ASCII (0-9)"),
+        ("Loss+:1:-1@tokens" + "9" * 5000, "(5006 characters); expected 'chunksN'"),
+        ("Loss+:1:-1,loss+:1:-1@chunks2", "names 'Loss+' twice ('Loss+:1:-1' and 'Loss+:1:-1@chunks2'); a model has"),
+        ("Gelu+Loss+:1:-1", "names 'Loss+' with other parts: the head and loss are a plan of their own"),
+    ],
+)
+def test_bad_head_and_loss_plans_are_refused_with_the_form_that_works(value, fragment):
+    with pytest.raises(PlanError) as e:
+        parse_entries(value)
+    assert fragment in str(e.value) and "Loss+:1:-1" in str(e.value)

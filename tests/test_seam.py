@@ -39,48 +39,127 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
     assert not [n for n in imported if ".backends.ort" in n or ".backends.torch" in n or "onnxruntime" in n]
 
 
-# The torch backend's modules by job: applying a policy to a running layer, measuring the step, deciding what to
-# recompute (what any plan would do, the solver, the planner), and the glue that joins them to the seam.
-APPLY = {"engine", "hooks", "recipe", "checkpoint", "layers"}
-MEASURE = {"tracking", "watch", "profile", "graph"}
-DECIDE = {"rule", "policy", "solver", "budget", "planner", "report"}
-GLUE = {"backend", "__init__", "_torch_api", "names", "ranks"}
+# The torch backend's modules by job, one package each: applying a policy to a running layer, measuring the step,
+# deciding what to recompute (what any plan would do, the solver, the planner, the table); beside them the words the
+# three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
+JOBS = {
+    "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers"},
+    "measure": {"watch", "profile", "graph"},
+    "decide": {"solver", "budget", "planner", "report"},
+}
+SHARED = {"names", "rule", "policy", "nested"}
+GLUE = {"backend", "__init__", "_torch_api", "ranks"}
+# Levers beyond a layer's recompute, one module each (mechanism, what-if, candidates): above the three jobs.
+LEVERS = {"loss"}
+PACKAGES = [*JOBS, "levers"]
 
 
-def _torch_imports(name):
-    """The backend's own modules that `name` imports (relative imports), and whether it imports torch itself."""
-    found = _imports(os.path.join(TORCH_PKG, f"{name}.py"))
-    mine = {n.lstrip(".").split(".")[0] for n in found if n.startswith(".") and not n.startswith("..")}
-    return mine - {""}, any(n == "torch" or n.startswith("torch.") for n in found)
+def _modules():
+    """Every module of the torch backend as (package or "", name)."""
+    out = set()
+    for folder, _, files in os.walk(TORCH_PKG):
+        rel = os.path.relpath(folder, TORCH_PKG)
+        for f in files:
+            if f.endswith(".py"):
+                out.add(("" if rel == "." else rel, f[:-3]))
+    return out
+
+
+def _torch_imports(package, name):
+    """The backend's own modules that `package/name` imports, as (package or "", name), and whether it imports torch
+    itself. Relative imports are resolved from the module's own place."""
+    path = os.path.join(TORCH_PKG, package, f"{name}.py")
+    here = ["optimum_memopt", "backends", "torch"] + ([package] if package else [])
+    mine, torch_itself = set(), False
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            torch_itself |= any(a.name == "torch" or a.name.startswith("torch.") for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                torch_itself |= node.module == "torch" or (node.module or "").startswith("torch.")
+                continue
+            base = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
+            inside = base[3:] if base[:3] == ["optimum_memopt", "backends", "torch"] else None
+            if inside is None:
+                continue
+            targets = [inside] if inside else []
+            if (
+                not node.module or len(inside) == 1 and inside[0] in PACKAGES
+            ):  # `from . import x`, `from .apply import x`
+                targets = [inside + [a.name] for a in node.names]
+            for t in targets:
+                mine.add(
+                    (t[0], t[1]) if t and t[0] in PACKAGES and len(t) > 1 else ("", t[0]) if t else ("", "__init__")
+                )
+    return mine, torch_itself
 
 
 def test_the_torch_backend_is_grouped_by_job():
-    modules = {n[:-3] for n in os.listdir(TORCH_PKG) if n.endswith(".py")}
-    assert modules == APPLY | MEASURE | DECIDE | GLUE
+    expected = {(job, n) for job, names in JOBS.items() for n in names} | {(job, "__init__") for job in JOBS}
+    expected |= {("", n) for n in SHARED | GLUE} | {("levers", n) for n in LEVERS | {"__init__"}}
+    assert _modules() == expected
     assert not os.path.exists(os.path.join(PKG, "backends", "torch_recompute.py"))
 
 
-@pytest.mark.parametrize("name", sorted(DECIDE))
-def test_deciding_never_reaches_the_engine_nor_torch(name):
+def _of(job):
+    return sorted((job, n) for n in JOBS[job])
+
+
+@pytest.mark.parametrize("module", _of("apply") + _of("measure") + _of("decide"))
+def test_no_job_reaches_a_lever(module):
+    """A lever uses the three jobs; none of them knows a lever (the backend installs it, the planner is handed it)."""
+    mine, _ = _torch_imports(*module)
+    assert not {p for p, _ in mine} & {"levers"}, (module, mine)
+
+
+@pytest.mark.parametrize("module", _of("measure"))
+def test_measuring_reaches_neither_applying_nor_deciding(module):
+    """The readings and step one's records are forms the other two fill and read: they import neither."""
+    mine, _ = _torch_imports(*module)
+    assert not {p for p, _ in mine} & {"apply", "decide"}, (module, mine)
+
+
+@pytest.mark.parametrize("module", _of("decide"))
+def test_deciding_never_reaches_the_engine(module):
     """What any plan would do, the solver and the planner work on step one's figures: they import no module that
-    runs a layer, and no torch."""
-    mine, torch_itself = _torch_imports(name)
-    assert not mine & APPLY and not torch_itself, (name, mine & APPLY)
+    runs a layer (the planner drives the engine through the state it is handed)."""
+    mine, _ = _torch_imports(*module)
+    assert not {p for p, _ in mine} & {"apply"}, (module, mine)
 
 
-@pytest.mark.parametrize("name", ["rule", "graph", "profile", "solver"])
-def test_the_what_if_model_is_pure(name):
-    """The rule, the layer graph, the profile and the solver import none of the backend's torch-facing modules."""
-    mine, torch_itself = _torch_imports(name)
-    assert not torch_itself and mine <= {"rule", "graph", "profile", "policy", "names"}, (name, mine)
+@pytest.mark.parametrize("module", _of("apply"))
+def test_applying_never_reaches_the_solver(module):
+    """The engine takes a policy and records step one; it never asks the solver, the budget or the planner."""
+    mine, _ = _torch_imports(*module)
+    assert not {p for p, _ in mine} & {"decide"}, (module, mine)
 
 
-@pytest.mark.parametrize("name", sorted(APPLY | MEASURE))
-def test_applying_and_measuring_never_reach_the_solver(name):
-    """The engine and the readings take a policy and record; they never ask the solver, the budget or the planner
-    (the planner drives them from above, through the engine's state)."""
-    mine, _ = _torch_imports(name)
-    assert not mine & {"solver", "budget", "planner", "report"}, (name, mine)
+@pytest.mark.parametrize(
+    "module",
+    [
+        ("", "rule"),
+        ("", "policy"),
+        ("measure", "graph"),
+        ("measure", "profile"),
+        ("decide", "solver"),
+        ("decide", "budget"),
+        ("decide", "report"),
+    ],
+)
+def test_the_what_if_model_is_pure(module):
+    """The rule, the policy, step one's graph and profile, the solver, the budget and the table import no torch, and
+    of the backend only each other and the plan names."""
+    mine, torch_itself = _torch_imports(*module)
+    pure = {
+        ("", "rule"),
+        ("", "policy"),
+        ("", "names"),
+        ("measure", "graph"),
+        ("measure", "profile"),
+        ("decide", "solver"),
+        ("decide", "budget"),
+    }
+    assert not torch_itself and mine <= pure, (module, mine - pure)
 
 
 def test_private_torch_names_are_reached_from_one_module_only():
@@ -90,10 +169,11 @@ def test_private_torch_names_are_reached_from_one_module_only():
     private = re.compile(
         r"torch\._C\b|_python_dispatch|\._schema\b|\._version\b|_top_saved_tensors_default_hooks|\._base\b"
     )
-    for name in os.listdir(TORCH_PKG):
-        if not name.endswith(".py") or name == "_torch_api.py":
+    for package, name in _modules():
+        if name == "_torch_api":
             continue
-        assert not private.findall(open(os.path.join(TORCH_PKG, name)).read()), name
+        text = open(os.path.join(TORCH_PKG, package, f"{name}.py")).read()
+        assert not private.findall(text), (package, name)
 
 
 def test_building_the_arguments_loads_no_recompute_engine():

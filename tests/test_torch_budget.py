@@ -17,13 +17,13 @@ from helpers import tiny_decoder as decoder
 from torch_engine import engine, keep, pair, step
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
-from optimum_memopt.backends.torch.budget import fit, fit_share, freed_bytes, plan_entries, predict, selector
-from optimum_memopt.backends.torch.graph import saved_bytes
-from optimum_memopt.backends.torch.planner import BudgetPlanner
+from optimum_memopt.backends.torch.decide.budget import fit, fit_share, freed_bytes, plan_entries, predict, selector
+from optimum_memopt.backends.torch.decide.planner import BudgetPlanner
+from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
+from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
+from optimum_memopt.backends.torch.measure.graph import saved_bytes
+from optimum_memopt.backends.torch.measure.profile import Segment, StepMemory
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
-from optimum_memopt.backends.torch.profile import Segment, StepMemory
-from optimum_memopt.backends.torch.report import _freed, _peak_drop
-from optimum_memopt.backends.torch.solver import Candidate, candidates, choose, policy_of
 from optimum_memopt.memory import MIB
 from optimum_memopt.plans import PlanError, parse_inline
 
@@ -299,7 +299,7 @@ def test_step_one_is_read_after_every_op_and_misses_no_peak():
     that is not measured; a forward that raises leaves it all as it found it."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    from optimum_memopt.backends.torch.watch import READ_AT_OPS, OpReadings
+    from optimum_memopt.backends.torch.measure.watch import READ_AT_OPS, OpReadings
     from optimum_memopt.memory import reading_at_ops
 
     _, model = pair(_brief_spikes, n=2)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch_engine import engine, keep, ops, pair, step
 
-from optimum_memopt.backends.torch.graph import effect, frontier, saved_bytes, whole_layer
+from optimum_memopt.backends.torch.measure.graph import effect, frontier, saved_bytes, whole_layer
 from optimum_memopt.backends.torch.policy import RecomputePolicy
 
 pytestmark = pytest.mark.torch_backend

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch_engine import Counting, engine, ops, pair, step
 
+from optimum_memopt.backends.torch.apply.tracking import is_param
 from optimum_memopt.backends.torch.policy import LayerPolicy, RecomputePolicy
-from optimum_memopt.backends.torch.tracking import is_param
 
 pytestmark = pytest.mark.torch_backend
 
@@ -130,8 +130,8 @@ def test_a_new_storage_at_a_freed_planned_outputs_address_is_not_taken_for_it():
     the planned output itself, still alive, marks it changed. The allocator's reuse is not reproducible on demand,
     so the tracker is handed the situation directly."""
     from optimum_memopt.backends.torch import _torch_api
-    from optimum_memopt.backends.torch.recipe import Recipe
-    from optimum_memopt.backends.torch.tracking import LayerRun, Made, storage_key
+    from optimum_memopt.backends.torch.apply.recipe import Recipe
+    from optimum_memopt.backends.torch.apply.tracking import LayerRun, Made, storage_key
 
     aten = torch.ops.aten
     run = LayerRun(frozenset({"MatMul"}), None)

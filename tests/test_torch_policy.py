@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch_engine import engine, pair, step
 
+from optimum_memopt.backends.torch.decide.report import plan_report
 from optimum_memopt.backends.torch.policy import KEEP, LAYER, OPS, LayerPolicy, RecomputePolicy
-from optimum_memopt.backends.torch.report import plan_report
 from optimum_memopt.plans import parse_plans
 
 pytestmark = pytest.mark.torch_backend

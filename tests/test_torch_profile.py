@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch_engine import engine, ops, pair, step
 
+from optimum_memopt.backends.torch.measure.profile import CHANGED_IN_PLACE
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
-from optimum_memopt.backends.torch.profile import CHANGED_IN_PLACE
 
 pytestmark = pytest.mark.torch_backend
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch_engine import Counting, engine, ops, pair, step
 
-from optimum_memopt.backends.torch.profile import INPUT_NOT_KEPT
+from optimum_memopt.backends.torch.measure.profile import INPUT_NOT_KEPT
 
 pytestmark = pytest.mark.torch_backend
 

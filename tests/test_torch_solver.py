@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch_engine import engine, keep, pair, step
 
-from optimum_memopt.backends.torch.graph import effect
-from optimum_memopt.backends.torch.solver import Candidate, candidates, choose, policy_of
+from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
+from optimum_memopt.backends.torch.measure.graph import effect
 
 pytestmark = pytest.mark.torch_backend
 

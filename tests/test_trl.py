@@ -133,3 +133,22 @@ def test_trls_activation_offloading_receives_what_the_backend_keeps(tmp_path, te
     # the planned outputs are recipes, not handed on (seen: 560 tensors, 3.7 MiB without the plugin; 476, 2.5 MiB
     # with it); every other tensor saved in the layers reached TRL's hooks
     assert 0 < sum(given) < plain_bytes and 0 < len(given) <= plain_given
+
+
+def test_trls_fused_head_is_not_chunked_twice(tmp_path, text, caplog):
+    """`SFTTrainer` chunks the head itself (TRL's fused LM head, installed in its __init__): `Loss+` detects it,
+    says so, and leaves TRL's forward as it is; the run is plain SFT's, the table's note says whose head ran."""
+    import json
+    import logging
+
+    plain = sft(tmp_path / "plain", text, "llama", False)
+    with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
+        ours = sft(tmp_path / "ours", text, "llama", True, memory_opt_config="Layer+:1:-1,Loss+:1:-1")
+    assert ours.losses == plain.losses
+    lever = ours.backend_model._memopt_recompute.levers["loss"]
+    assert lever.trl and not lever.installed and lever.calls == 0
+    assert "chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own forward; it is not chunked " \
+           "twice" in caplog.text  # fmt: skip
+    with open(tmp_path / "ours" / "memory_plans.json") as f:
+        notes = " ".join(json.load(f)["notes"])
+    assert "`Loss+`: the head is TRL's fused LM head, chunked by TRL already: not chunked again" in notes

@@ -78,6 +78,8 @@ class WrapSettings:
     options: dict = field(default_factory=dict)  # backend-specific, validated by the arguments
     budget: Optional[Budget] = None  # choose the plans from the run's first step (`plans_in_process`)
     reset_peaks: bool = True  # False: CUDA's peak counter is the Trainer's (`--skip_memory_metrics false`)
+    label_smoothing: float = 0.0  # the Trainer's `label_smoothing_factor` (a loss computed in the forward applies it)
+    loss_reader: Optional[str] = None  # what computes the loss from the logits outside the model (`compute_loss_func`)
 
 
 class Backend:
@@ -135,6 +137,11 @@ class Backend:
         """What `auto` chose in this process (`plans_in_process`): its plans in the grammar ("config"), the predicted
         and measured peaks (MiB) and the recompute per step (ms); None where nothing was chosen here."""
         return None
+
+    def smooths_labels(self, wrapped: nn.Module) -> bool:
+        """Whether the wrapped model's training forward computes the loss with the Trainer's label smoothing itself
+        (the Trainer then hands it the labels instead of smoothing the logits, which it no longer returns)."""
+        return False
 
     def step_done(self, wrapped: nn.Module) -> None:
         """After each optimizer step (the next training forward starts a new step)."""

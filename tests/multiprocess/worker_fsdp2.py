@@ -22,8 +22,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from optimum_memopt.backends.base import WrapSettings  # noqa: E402
-from optimum_memopt.backends.torch import recipe  # noqa: E402
+from optimum_memopt.backends.torch.apply import recipe  # noqa: E402
 from optimum_memopt.backends.torch.backend import TorchBackend  # noqa: E402
+from optimum_memopt.backends.torch.nested import tensors_in  # noqa: E402
 from optimum_memopt.plans import parse_plans  # noqa: E402
 
 STEPS, ROWS, SEQ, VOCAB = 6, 4, 32, 128
@@ -36,7 +37,7 @@ def checked_outputs(real):
         if self.value is None and self.args is not None:
             checks["recipe_replays"] += 1
             replayed.add(self.func.overloadpacket.__name__)
-            for t in recipe.tensors_in((self.args, self.kwargs)):
+            for t in tensors_in((self.args, self.kwargs)):
                 checks["recipe_inputs"] += 1
                 checks["parameter_inputs"] += isinstance(t, torch.nn.Parameter) or isinstance(
                     t._base, torch.nn.Parameter

@@ -52,7 +52,7 @@ def __getattr__(name):
 
         return getattr(policy, name)
     if name == "ModelProfile":
-        from .profile import ModelProfile
+        from .measure.profile import ModelProfile
 
         return ModelProfile
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

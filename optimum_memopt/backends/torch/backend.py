@@ -9,10 +9,11 @@ from typing import List, Optional
 from torch import nn
 
 from ...memory import MIB
+from ...plans import LOSS as LOSS_PLAN
 from ...plans import PlanError, PlanReport, to_inline
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
-from .layers import checkpointed_elsewhere, distinct, find_layers, repeated
+from .apply.layers import checkpointed_elsewhere, distinct, find_layers, repeated
 from .policy import LayerPolicy, RecomputePolicy, check_requests
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,34 @@ def _one_plan_per_module(model, layers, policy: RecomputePolicy, shared, setting
         f"of its {len(shared[0])} uses a step; the table's figures for it are one use's"
     )
     return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note])
+
+
+def _loss_lever(model: nn.Module, settings: WrapSettings):
+    """The loss lever (`Loss+`) on the model's head, installed; refused with the reason where it cannot run."""
+    from .levers.loss import ChunkedLoss, Chunking, causal_lm, loss_problem
+
+    plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
+    problem = loss_problem(model)
+    if problem is None and settings.loss_reader:
+        problem = (
+            f"{settings.loss_reader} computes the loss from the model's logits, which a chunked head never makes "
+            f"whole (and the Trainer hands such a loss no labels to the model)"
+        )
+    if problem is not None:
+        raise ValueError(
+            f"`--memory_opt_config` has {plan!r}, but {problem}; drop `Loss+` to train with the head whole"
+        )
+    policy_loss = next(e.layers for e in settings.entries if e.subgraph == LOSS_PLAN)
+    lever = ChunkedLoss(causal_lm(model), Chunking.from_selector(policy_loss))
+    lever.smoothing = settings.label_smoothing or None
+    if lever.trl:
+        logger.warning(
+            "`%s`: the model's head is chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own "
+            "forward; it is not chunked twice, and the step's head and loss are what TRL's head makes of them",
+            plan,
+        )
+    lever.install()
+    return lever
 
 
 class TorchBackend(Backend):
@@ -137,10 +166,12 @@ class TorchBackend(Backend):
             logger.warning("%s", note)
         model = self.apply_policy(model, policy)
         state = getattr(model, STATE)
+        if policy.loss is not None:
+            state.levers["loss"] = _loss_lever(model, settings)
         state.reset_peaks = settings.reset_peaks
         state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
         if settings.budget is not None:
-            from .planner import BudgetPlanner
+            from .decide.planner import BudgetPlanner
 
             b = settings.budget
             state.planner = BudgetPlanner(
@@ -161,12 +192,18 @@ class TorchBackend(Backend):
     def step_done(self, wrapped: nn.Module) -> None:
         getattr(wrapped, STATE).step_done()
 
+    def smooths_labels(self, wrapped: nn.Module) -> bool:
+        lever = getattr(wrapped, STATE).levers.get("loss")
+        return lever is not None and lever.installed and lever.smoothing is not None
+
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         """The model as it was before `wrap`: its layers' forwards and the step readings' hooks taken off, the state
         dropped (a budget planner's meter closed)."""
         state = vars(wrapped).pop(STATE, None)
         if state is not None:
             state.uninstall()
+            for lever in state.levers.values():
+                lever.remove()
             state.watch = None
             if state.planner is not None and state.planner.meter is not None:
                 state.planner.meter.close()
@@ -175,7 +212,7 @@ class TorchBackend(Backend):
 
     def apply_policy(self, model: nn.Module, policy: RecomputePolicy) -> nn.Module:
         """Install `policy` on the model's layers (a model wrapped before, by another trainer, starts clean)."""
-        from .engine import RecomputeState
+        from .apply.engine import RecomputeState
 
         previous = vars(model).get(STATE)
         if isinstance(previous, RecomputeState):
@@ -205,12 +242,14 @@ class TorchBackend(Backend):
         )
 
     def plan_report(self, wrapped: nn.Module, settings: WrapSettings) -> Optional[PlanReport]:
-        from .report import plan_report
+        from .decide.report import plan_report
 
         state = getattr(wrapped, STATE)
         if state.profile is None:
             return None
         report = plan_report(state.policy, state.profile)
+        for lever in state.levers.values():
+            report.notes.append(lever.note())
         if state.planner is not None and state.planner.stage in ("start", "measure"):
             report.notes.append(
                 f"--memory_opt_config auto ({state.planner.asked}): this first step ran with every "

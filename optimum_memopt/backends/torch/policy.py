@@ -7,9 +7,10 @@ came from, so the report never parses the arguments again. Pure: no torch state.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from ...plans import LAYER as LAYER_PLAN
+from ...plans import LOSS as LOSS_PLAN
 from ...plans import PlanEntry, PlanError, shared_layer
 from .names import VIEW_NAMES, canonical_ops
 
@@ -55,6 +56,8 @@ class Request:
 
 def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_config") -> None:
     for entry in entries:
+        if entry.subgraph == LOSS_PLAN:
+            continue
         if entry.subgraph != LAYER_PLAN and any(op.lower() == "layer" for op in entry.ops):
             raise ValueError(
                 f"`{flag}` has {str(entry)!r}: `Layer+` (the whole layer recomputed) takes no op names; give the "
@@ -72,7 +75,7 @@ def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
     count, so it is checked here, when the arguments are built."""
     claimed: Dict[str, List[PlanEntry]] = {}
     for entry in entries:
-        if entry.subgraph == LAYER_PLAN:
+        if entry.subgraph in (LAYER_PLAN, LOSS_PLAN):
             continue
         names, unknown = canonical_ops(entry.subgraph)
         if not names and not unknown:
@@ -107,6 +110,9 @@ class RecomputePolicy:
     layers: List[LayerPolicy]
     requests: List[Request] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what the plans' reader should know (overlaps resolved)
+    # the head and loss chunked (`Loss+`): its chunking as the plan gives it ("", "chunks8", "tokens1024"), else None;
+    # applied by the loss lever (`levers.loss`), not by the engine
+    loss: Optional[str] = None
 
     @classmethod
     def from_plans(cls, entries: Sequence[PlanEntry], level: int, n_layers: int) -> "RecomputePolicy":
@@ -115,8 +121,9 @@ class RecomputePolicy:
         -1 all, or those its `@` selector names). A layer both checkpointed whole and named by an op plan is
         checkpointed whole (it frees all the op plan would), said in `notes`."""
         requests, whole = [], {}
+        loss = next((e.layers for e in entries if e.subgraph == LOSS_PLAN and e.enabled), None)
         for entry in entries:
-            if not entry.enabled:
+            if not entry.enabled or entry.subgraph == LOSS_PLAN:  # the head's plan, not a layer's (`loss_plan`)
                 continue
             if entry.subgraph == LAYER_PLAN:
                 for i in entry.select(n_layers):
@@ -126,7 +133,7 @@ class RecomputePolicy:
             names, unknown = canonical_ops(entry.subgraph)
             requests.append(Request(entry, tuple(names), tuple(unknown)))
         if level == 1:
-            return cls([LayerPolicy(LAYER) for _ in range(n_layers)], requests)
+            return cls([LayerPolicy(LAYER) for _ in range(n_layers)], requests, loss=loss)
         ops: List[Dict[str, str]] = [{} for _ in range(n_layers)]
         notes, overlaps = [], {}
         for r in requests:
@@ -149,7 +156,7 @@ class RecomputePolicy:
                 f"other layers"
             )
         layers = [LayerPolicy(LAYER) if i in whole else LayerPolicy.of_ops(o) for i, o in enumerate(ops)]
-        return cls(layers, requests, notes)
+        return cls(layers, requests, notes, loss)
 
     @property
     def level(self) -> int:
@@ -168,6 +175,13 @@ class RecomputePolicy:
         return self.layers[index].ops
 
     def describe(self) -> str:
+        if self.loss is not None:
+            return f"{self._describe_layers()}, the head and loss chunked"
+        return self._describe_layers()
+
+    def _describe_layers(self) -> str:
+        if not self.active:
+            return "no layer recomputed"
         if self.level == 1:
             return "whole layers checkpointed"
         if self.whole_layers:

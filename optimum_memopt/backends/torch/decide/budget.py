@@ -23,12 +23,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from ...memory import MIB
-from ...plans import LAYER as LAYER_PLAN
-from ...plans import PlanEntry
-from .graph import effect, saved_bytes, whole_layer
-from .policy import LAYER, OPS, RecomputePolicy
-from .profile import ModelProfile, Segment, StepMemory
+from ....memory import MIB
+from ....plans import LAYER as LAYER_PLAN
+from ....plans import PlanEntry
+from ..measure.graph import effect, saved_bytes, whole_layer
+from ..measure.profile import ModelProfile, Segment, StepMemory
+from ..policy import LAYER, OPS, RecomputePolicy
 from .solver import Candidate, candidates, choose, policy_of
 
 

@@ -23,10 +23,10 @@ from typing import Callable, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ...memory import MIB, MemoryMeter, observe_all, read_at_ops
-from . import _torch_api
+from ....memory import MIB, MemoryMeter, observe_all, read_at_ops
+from .. import _torch_api
+from ..nested import tensors_in
 from .profile import Segment, StepMemory
-from .recipe import tensors_in
 
 logger = logging.getLogger(__name__)
 

@@ -25,11 +25,12 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from . import _torch_api
-from .graph import PARAM, LayerGraph, Node
-from .profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE
-from .recipe import Recipe, StandIn, Stashed, changed_in_place, tensors_in
-from .rule import KEPT, RecomputeRule
+from .. import _torch_api
+from ..measure.graph import PARAM, LayerGraph, Node
+from ..measure.profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE
+from ..nested import tensors_in
+from ..rule import KEPT, RecomputeRule
+from .recipe import Recipe, StandIn, Stashed, changed_in_place
 from .tracking import LayerRun, Made, TrackingMode, storage_bytes, storage_key
 
 

@@ -3,13 +3,13 @@ that keep it, bytes for that batch), which are on, requests that matched nothing
 
 from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
-from ...memory import MIB
-from ...plans import LAYER as LAYER_PLAN
-from ...plans import FoundPlan, PlanReport, Unmatched, match_requests
+from ....memory import MIB
+from ....plans import LAYER as LAYER_PLAN
+from ....plans import FoundPlan, PlanReport, Unmatched, match_requests
+from ..measure.graph import effect, frontier
+from ..measure.profile import ModelProfile
+from ..policy import LAYER, LayerPolicy, RecomputePolicy
 from .budget import freed_bytes, predict, predict_range
-from .graph import effect, frontier
-from .policy import LAYER, LayerPolicy, RecomputePolicy
-from .profile import ModelProfile
 
 BACKEND = "torch"
 

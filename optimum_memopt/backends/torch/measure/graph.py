@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Dict, FrozenSet, Iterable, List, Set, Tuple
 
-from .rule import KEPT, RecomputeRule
+from ..rule import KEPT, RecomputeRule
 
 PARAM = -1  # an input that is a parameter (or a leaf that requires grad): always there at backward
 

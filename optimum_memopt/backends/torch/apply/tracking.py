@@ -13,10 +13,11 @@ from typing import Callable, Dict, FrozenSet, List, Optional
 import torch
 from torch import nn
 
-from . import _torch_api
-from .names import plan_name
-from .profile import LayerProfile
-from .recipe import Recipe, map_tensors, rng_state, tensors_in
+from .. import _torch_api
+from ..measure.profile import LayerProfile
+from ..names import plan_name
+from ..nested import map_tensors, tensors_in
+from .recipe import Recipe, rng_state
 
 
 def storage_key(t: torch.Tensor) -> int:

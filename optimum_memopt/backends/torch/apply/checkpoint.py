@@ -15,9 +15,9 @@ from typing import Optional
 
 from torch.utils.checkpoint import checkpoint
 
-from . import _torch_api
+from .. import _torch_api
+from ..measure.profile import LayerProfile
 from .hooks import finish, hooked, tracked
-from .profile import LayerProfile
 from .tracking import LayerRun
 
 CACHE_KWARGS = ("past_key_values", "layer_past")

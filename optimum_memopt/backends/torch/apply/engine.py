@@ -7,16 +7,16 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ...memory import READABLE_DEVICES, MemoryMeter
-from . import _torch_api
+from ....memory import READABLE_DEVICES, MemoryMeter
+from .. import _torch_api
+from ..measure.profile import LayerProfile, ModelProfile
+from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
+from ..nested import tensors_in
+from ..policy import LAYER, OPS, RecomputePolicy
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
 from .layers import LayerForwards
-from .policy import LAYER, OPS, RecomputePolicy
-from .profile import LayerProfile, ModelProfile
-from .recipe import tensors_in
 from .tracking import LayerRun
-from .watch import StepReadings, StepWatch, first_grad_tensor
 
 
 class RecomputeState:
@@ -41,6 +41,7 @@ class RecomputeState:
         self._backward_ended = False  # the backward of the last training forward ended (steps not reported)
         self._model = model  # whose forward and backward are read op by op in the steps measured (`StepReadings`)
         self._readings: Optional[StepReadings] = None
+        self.levers: dict = {}  # the levers beyond the layers running on this model, by name (`levers/`): held here
 
     @property
     def originals(self):

@@ -21,13 +21,13 @@ import logging
 import os
 from typing import Callable, List, Optional
 
-from ...callbacks.base import atomic_write
-from ...memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
+from ....callbacks.base import atomic_write
+from ....memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
+from ..measure.profile import StepMemory
+from ..measure.watch import StepWatch
+from ..ranks import Ranks
 from .budget import Fit, above, as_kept, fit, fit_share, freed_bytes, merged
-from .profile import StepMemory
-from .ranks import Ranks
 from .solver import candidates
-from .watch import StepWatch
 
 logger = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from typing import FrozenSet, List, Optional, Sequence
 
 import numpy as np
 
-from .graph import frontier, whole_layer
-from .policy import LAYER, LayerPolicy, RecomputePolicy
-from .profile import ModelProfile
+from ..measure.graph import frontier, whole_layer
+from ..measure.profile import ModelProfile
+from ..policy import LAYER, LayerPolicy, RecomputePolicy
 
 STEPS = 4096  # the bytes to free are counted in at most this many units when they must be rounded
 EXACT_STEPS = 1 << 18  # or in up to this many units of their greatest common divisor (exact)

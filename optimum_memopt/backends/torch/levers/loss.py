@@ -1,0 +1,282 @@
+"""The loss lever (`Loss+`): a causal LM's head and its cross-entropy run over chunks of tokens.
+
+Once the layers are recomputed, a decoder's step peaks at its head and loss: the whole logits (tokens x vocabulary,
+upcast to fp32 by transformers' causal-LM loss) and their gradient. With this lever the whole logits never exist in
+training. The model's own forward runs with the head given no position to project (`logits_to_keep`, an empty index:
+the backbone, and all the family does around it, run as they are); the final hidden states are taken from the
+backbone's output; and the loss is summed chunk by chunk: each chunk's logits are made by the head module, their
+cross-entropy summed, and the logits let go. Backward makes each chunk's logits again from the hidden states
+(`torch.utils.checkpoint`, RNG state kept: one more head matmul a step, the lever's price). The sum is divided as
+transformers divides it: by `num_items_in_batch` where the Trainer passes it, else by the tokens whose label is not
+`ignore_index`.
+
+Kept from transformers' loss: the shift (or the caller's `shift_labels`), `ignore_index`, the fp32 upcast,
+`num_items_in_batch`, the family's final-logit soft-capping, and the head module as the model calls it (tied
+embeddings, a LoRA on `lm_head`, ZeRO-3's and FSDP's gathering hooks and autocast all see the same calls); the
+Trainer's label smoothing is `LabelSmoother`'s formula, chunk by chunk (`smoothing`, set by the trainer).
+
+A training output carries no logits (`None`), said once; evaluation, `predict`, generation, and any forward without
+labels or without grad run the model's forward untouched. A model whose forward this lever does not know is refused
+by name (`loss_problem`), never left whole silently.
+"""
+
+import functools
+import inspect
+import logging
+import math
+import os
+import types
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+logger = logging.getLogger(__name__)
+
+# Families whose `*ForCausalLM.forward` is: the backbone, the hidden states sliced by `logits_to_keep`, the head, the
+# loss (`self.loss_function`) on the logits, and an output with the logits. tests/test_torch_loss.py holds the
+# installed transformers' forwards to these forms, so a release that changes one fails CI, not a user's run.
+PLAIN_HEAD = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi", "phi3", "smollm3", "starcoder2"}
+)
+# ... the same, with the logits soft-capped before the loss (`config.final_logit_softcapping`).
+SOFT_CAPPED = frozenset({"gemma2", "gemma3_text"})
+KNOWN = PLAIN_HEAD | SOFT_CAPPED
+
+
+@dataclass(frozen=True)
+class Chunking:
+    """How the tokens are chunked: `chunks` of equal rows, or `tokens` rows a chunk; neither: chunks whose logits
+    hold no more than the final hidden states (rows = tokens x hidden / vocabulary), the bare `Loss+:1:-1`."""
+
+    chunks: Optional[int] = None
+    tokens: Optional[int] = None
+
+    @classmethod
+    def from_selector(cls, selector: str) -> "Chunking":
+        """`chunks8`, `tokens1024` or "" (the plan grammar has checked the form)."""
+        if selector.startswith("chunks"):
+            return cls(chunks=int(selector[len("chunks") :]))
+        if selector.startswith("tokens"):
+            return cls(tokens=int(selector[len("tokens") :]))
+        return cls()
+
+    def rows(self, n_tokens: int, hidden: int, vocab: int) -> int:
+        """The rows (tokens) of one chunk for a step of `n_tokens` tokens."""
+        if self.tokens is not None:
+            return max(1, self.tokens)
+        if self.chunks is not None:
+            return max(1, math.ceil(n_tokens / self.chunks))
+        return max(1, math.ceil(n_tokens * hidden / vocab))
+
+    def describe(self) -> str:
+        if self.tokens is not None:
+            return f"chunks of {self.tokens} tokens"
+        if self.chunks is not None:
+            return f"{self.chunks} chunks"
+        return "chunks whose logits hold no more than the final hidden states"
+
+
+def causal_lm(model: nn.Module) -> Optional[nn.Module]:
+    """The transformers model with the LM head inside `model` (itself, or under PEFT / DDP wrappers, which pass
+    attribute reads on to it), or None."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and module.get_output_embeddings() is not None:
+            return module
+    return None
+
+
+def _plain_loss_functions() -> List[Callable]:
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    return [ForCausalLMLoss]
+
+
+def fused_by_trl(lm: nn.Module) -> bool:
+    """Whether TRL's fused LM head (`add_fused_lm_head`, which `SFTTrainer` installs) already replaced the forward."""
+    forward = vars(lm).get("forward")
+    code = getattr(getattr(forward, "__func__", forward), "__code__", None)  # its own (`functools.wraps` copies names)
+    return code is not None and "fused_lm_head" in code.co_varnames and "trl" in code.co_filename.split(os.sep)
+
+
+def loss_problem(model: nn.Module) -> Optional[str]:
+    """Why `Loss+` cannot chunk this model's head and loss, or None where it can."""
+    lm = causal_lm(model)
+    name = type(model).__name__
+    if lm is None:
+        return f"{name} has no LM head (no `get_output_embeddings()`): `Loss+` chunks a causal LM's head and its loss"
+    kind = getattr(lm.config, "model_type", None)
+    if kind not in KNOWN:
+        return (
+            f"{type(lm).__name__} (model_type {kind!r}): `Loss+` knows the forwards of {', '.join(sorted(KNOWN))} "
+            f"(the backbone, the head, the loss, nothing else between); this one may do more between the head and "
+            f"the loss, so its head is not chunked"
+        )
+    if fused_by_trl(lm):
+        return None  # said by the lever: the head is chunked already
+    replaced = vars(lm).get("forward")
+    if replaced is not None:
+        return (
+            f"{type(lm).__name__}'s forward was replaced on the instance "
+            f"({getattr(replaced, '__qualname__', type(replaced).__name__)}): `Loss+` runs the model's own forward "
+            f"and cannot know what the replacement does"
+        )
+    loss_fn = lm.loss_function
+    if loss_fn not in _plain_loss_functions():
+        return (
+            f"{type(lm).__name__}'s loss is {getattr(loss_fn, '__qualname__', loss_fn)!r}, not transformers' "
+            f"causal-LM loss (`ForCausalLMLoss`): `Loss+` computes that loss and no other"
+        )
+    return None
+
+
+class ChunkedLoss:
+    """The mechanism on one causal LM: `install` replaces its forward on the instance, `remove` gives it back;
+    `chunking` may change between steps (the solver's choice), None runs the model's forward as it is."""
+
+    def __init__(self, lm: nn.Module, chunking: Optional[Chunking], say: Callable[[str], None] = logger.warning):
+        self.lm = lm
+        self.chunking = chunking
+        self.say = say
+        self.smoothing: Optional[float] = None  # the Trainer's label smoothing, where it is on (set per step)
+        self.trl = fused_by_trl(lm)
+        self.last: Optional[dict] = None  # the last chunked forward: tokens, rows a chunk, chunks
+        self.calls = 0  # training forwards whose loss was chunked
+        self._said = set()
+        self.installed = False
+        self._mine = None  # the forward `install` put on the instance
+        text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+        self.softcap = getattr(text, "final_logit_softcapping", None) if text.model_type in SOFT_CAPPED else None
+        self.vocab = text.vocab_size
+
+    def install(self) -> None:
+        if self.installed or self.trl:
+            return
+        lm, own = self.lm, type(self.lm).forward
+        signature = inspect.signature(own)
+
+        @functools.wraps(own)
+        def forward(model_self, *args, **kwargs):
+            return self._forward(signature, args, kwargs)
+
+        lm.forward = self._mine = types.MethodType(forward, lm)
+        self.installed = True
+
+    def remove(self) -> None:
+        """Give the model its forward back. Where something wrapped ours since (accelerate's mixed precision wraps
+        the instance's forward in autocast), ours stays inside it and runs the model's forward untouched."""
+        if self.installed:
+            if vars(self.lm).get("forward") is self._mine:
+                del self.lm.forward
+            self.installed = False
+
+    def note(self) -> str:
+        """What the plan table's notes say of the lever: how the last training step's head ran."""
+        if self.trl:
+            return (
+                "`Loss+`: the head is TRL's fused LM head, chunked by TRL already: not chunked again, and its memory "
+                "is in the step as TRL's head makes it"
+            )
+        if self.last is None:
+            return "`Loss+`: no training forward with labels has run yet, so the head has not been chunked yet"
+        last = self.last
+        return (
+            f"`Loss+` ({self.chunking.describe()}): the head and loss ran in {last['chunks']} chunk(s) of up to "
+            f"{last['rows']} of the step's {last['tokens']} tokens, each chunk's logits made again in backward; the "
+            f"rows above are the layers' (the head's memory is not measured as a row yet)"
+        )
+
+    def _once(self, key: str, text: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            self.say(text)
+
+    def _forward(self, signature, args, kwargs):
+        lm = self.lm
+        plain = functools.partial(type(lm).forward, lm)
+        if args:  # positional arguments (rare: the Trainer passes keywords) are named as the forward names them
+            bound = signature.bind(lm, *args, **kwargs)
+            bound.arguments.pop(next(iter(signature.parameters)))
+            extra = bound.arguments.pop(
+                next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), "\0"), {}
+            )
+            kwargs = {**bound.arguments, **extra}
+        labels = kwargs.get("labels")
+        off = self.chunking is None or not self.installed
+        if off or labels is None or not (lm.training and torch.is_grad_enabled()):
+            return plain(**kwargs)
+        keep = kwargs.get("logits_to_keep", 0)
+        if not (isinstance(keep, int) and keep == 0):
+            self._once(
+                "keep",
+                f"a training forward of {type(lm).__name__} passed `logits_to_keep={keep!r}`: its loss is the head's "
+                f"on those positions only, so `Loss+` leaves such forwards whole",
+            )
+            return plain(**kwargs)
+        kwargs = dict(kwargs)
+        labels = kwargs.pop("labels")
+        captured = []
+        backbone = getattr(lm, lm.base_model_prefix)
+        hook = backbone.register_forward_hook(lambda module, inputs, output: captured.append(output))
+        try:
+            out = plain(labels=None, logits_to_keep=torch.empty(0, dtype=torch.long), **kwargs)
+        finally:
+            hook.remove()
+        hidden = captured[-1].last_hidden_state if hasattr(captured[-1], "last_hidden_state") else captured[-1][0]
+        loss = self.loss(hidden, labels, kwargs)
+        self._once(
+            "logits",
+            f"`Loss+`: {type(lm).__name__}'s training forwards return no logits (`outputs.logits` is None): the head "
+            f"and its loss run in {self.chunking.describe()}, and the whole logits never exist; a `compute_loss` or "
+            f"callback that reads them in training gets None (evaluation and `predict` keep the whole logits)",
+        )
+        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        return type(out)(loss=loss, logits=None, **fields)
+
+    def loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """Transformers' causal-LM loss (or the Trainer's smoothed one) from the final hidden states, chunk by
+        chunk."""
+        ignore = kwargs.get("ignore_index", -100)
+        shifted = kwargs.get("shift_labels")
+        if shifted is None:
+            shifted = F.pad(labels, (0, 1), value=ignore)[..., 1:]
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        target = shifted.reshape(-1).to(flat.device)
+        rows = self.chunking.rows(flat.shape[0], flat.shape[1], self.vocab)
+        head = self.lm.get_output_embeddings()
+        parts = [
+            checkpoint(_chunk_sums, head, h, y, ignore, self.softcap, self.smoothing, use_reentrant=False)
+            for h, y in zip(flat.split(rows), target.split(rows))
+        ]
+        self.calls += 1
+        self.last = {"tokens": flat.shape[0], "rows": rows, "chunks": len(parts)}
+        count = kwargs.get("num_items_in_batch")
+        if count is None:
+            count = (target != ignore).sum()
+        elif torch.is_tensor(count):
+            count = count.to(flat.device)
+        if self.smoothing is None:
+            return functools.reduce(torch.add, parts) / count
+        nll = functools.reduce(torch.add, [p[0] for p in parts]) / count
+        smooth = functools.reduce(torch.add, [p[1] for p in parts]) / (count * self.vocab)
+        return (1 - self.smoothing) * nll + self.smoothing * smooth
+
+
+def _chunk_sums(head: nn.Module, hidden, target, ignore: int, softcap: Optional[float], smoothing: Optional[float]):
+    """One chunk: its logits from the head, soft-capped where the family does, and the sum of its tokens' loss (with
+    smoothing: the two sums of `LabelSmoother`, the labels' and the whole vocabulary's)."""
+    logits = head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    if smoothing is None:
+        return F.cross_entropy(logits.float(), target, ignore_index=ignore, reduction="sum")
+    minus = -F.log_softmax(logits, dim=-1)
+    padding = target.eq(ignore).unsqueeze(-1)
+    nll = minus.gather(dim=-1, index=target.clamp(min=0).unsqueeze(-1)).masked_fill(padding, 0.0)
+    smooth = minus.sum(dim=-1, keepdim=True, dtype=torch.float32).masked_fill(padding, 0.0)
+    return nll.sum(), smooth.sum()

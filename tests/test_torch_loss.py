@@ -1,0 +1,348 @@
+"""The loss lever (`Loss+`): a causal LM's head and cross-entropy over chunks of tokens, each chunk's logits made
+again in backward. Same losses and gradients as the model's own forward (bitwise with one chunk), on Llama, Qwen2,
+Qwen3 and Gemma 2 (tied embeddings, soft-capped logits); with ignored labels, `num_items_in_batch`, `shift_labels`,
+label smoothing, a LoRA on `lm_head` and bf16 autocast; whole logits never made in training; the forward untouched
+in evaluation; refusals by name; the families' forwards held to the form the lever knows."""
+
+import ast
+import inspect
+import json
+import textwrap
+
+import pytest
+import torch
+import transformers
+from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from optimum_memopt.backends.torch.levers.loss import (
+    KNOWN,
+    PLAIN_HEAD,
+    SOFT_CAPPED,
+    ChunkedLoss,
+    Chunking,
+    causal_lm,
+    loss_problem,
+)
+
+pytestmark = pytest.mark.torch_backend
+
+VOCAB, SEQ, BATCH = 256, 24, 3
+
+
+def decoder(arch: str, seed: int = 0):
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64,
+    )  # fmt: skip
+    if arch == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if arch == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    if arch == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=16, **common))
+    if arch == "gemma2":  # tied embeddings, final-logit soft-capping (30.0 by default), head_dim given
+        model = Gemma2ForCausalLM(Gemma2Config(head_dim=16, **common))
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert model.config.final_logit_softcapping
+        return model
+    raise ValueError(arch)
+
+
+def batch(step: int, ignore_from: int = 5):
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    labels = ids.clone()
+    labels[0, :ignore_from] = -100  # a prompt left out of the loss
+    labels[1, -3:] = -100  # padding
+    return ids, labels
+
+
+def train(model, steps: int, chunking=None, step_kwargs=None, smoothing=None):
+    """Losses and the last step's gradients of `steps` SGD steps, with the lever on (`chunking`) or not."""
+    lever = None
+    if chunking is not None:
+        lever = ChunkedLoss(causal_lm(model), chunking, say=lambda text: None)
+        lever.smoothing = smoothing
+        lever.install()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses, grads = [], {}
+    model.train()
+    for s in range(steps):
+        ids, labels = batch(s)
+        out = model(input_ids=ids, labels=labels, **(step_kwargs(s) if step_kwargs else {}))
+        if lever is not None:
+            assert out.logits is None
+        out.loss.backward()
+        losses.append(out.loss.detach().clone())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    if lever is not None:
+        lever.remove()
+    return losses, grads, lever
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+def test_one_chunk_is_bitwise_the_models_own_loss(arch):
+    plain, plain_grads, _ = train(decoder(arch), 3)
+    one, one_grads, lever = train(decoder(arch), 3, Chunking(chunks=1))
+    assert lever.last == {"tokens": BATCH * SEQ, "rows": BATCH * SEQ, "chunks": 1}
+    assert all(torch.equal(a, b) for a, b in zip(plain, one)), (plain, one)
+    assert plain_grads.keys() == one_grads.keys()
+    assert all(torch.equal(plain_grads[n], one_grads[n]) for n in plain_grads)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("chunking", [Chunking(chunks=5), Chunking(tokens=16), Chunking()])
+def test_chunks_give_the_models_own_losses_and_gradients_over_20_steps(arch, chunking):
+    plain, plain_grads, _ = train(decoder(arch), 20)
+    chunked, grads, lever = train(decoder(arch), 20, chunking)
+    assert lever.last["chunks"] > 1 and lever.calls == 20
+    for a, b in zip(plain, chunked):
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (a.item(), b.item())
+    assert plain_grads.keys() == grads.keys()
+    for n in plain_grads:
+        torch.testing.assert_close(grads[n], plain_grads[n], rtol=0, atol=1e-5, msg=n)
+
+
+def test_the_default_chunk_holds_no_more_logits_than_the_hidden_states():
+    assert Chunking().rows(8192, 256, 8192) == 256  # vocabulary / hidden = 32: 32 chunks
+    assert Chunking(chunks=3).rows(10, 4, 100) == 4 and Chunking(tokens=7).rows(10, 4, 100) == 7
+
+
+def test_num_items_in_batch_and_shift_labels_are_the_models_own():
+    """Gradient accumulation's token count divides the sum, and pre-shifted labels are not shifted again."""
+    items = torch.tensor(50)
+
+    def kwargs(step):
+        ids, labels = batch(step)
+        shifted = torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        return {"num_items_in_batch": items} if step % 2 else {"shift_labels": shifted}
+
+    plain, plain_grads, _ = train(decoder("llama"), 4, step_kwargs=kwargs)
+    chunked, grads, _ = train(decoder("llama"), 4, Chunking(chunks=4), step_kwargs=kwargs)
+    for a, b in zip(plain, chunked):
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item())
+    for n in plain_grads:
+        torch.testing.assert_close(grads[n], plain_grads[n], rtol=0, atol=1e-5)
+
+
+def test_label_smoothing_is_the_trainers_label_smoother():
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    smoother = LabelSmoother(epsilon=0.1)
+    model = decoder("qwen2")
+    ids, labels = batch(0)
+    reference = smoother(model(input_ids=ids), labels, shift_labels=True)
+    lever = ChunkedLoss(causal_lm(model), Chunking(chunks=3), say=lambda text: None)
+    lever.smoothing = 0.1
+    lever.install()
+    model.train()
+    got = model(input_ids=ids, labels=labels).loss
+    assert abs(got.item() - reference.item()) <= 1e-6 * reference.item()
+
+
+def test_a_lora_on_the_head_is_trained_as_without_chunks():
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        model = decoder("llama")
+        config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "lm_head"])
+        return peft.get_peft_model(model, config)
+
+    torch.manual_seed(1)
+    plain, plain_grads, _ = train(lora(), 5)
+    torch.manual_seed(1)
+    chunked, grads, lever = train(lora(), 5, Chunking(chunks=4))
+    assert type(lever.lm).__name__ == "LlamaForCausalLM"
+    assert any("lm_head.lora_A" in n for n in grads)
+    for a, b in zip(plain, chunked):  # dropout on the head's LoRA: each chunk's recompute replays its mask
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item())
+    for n in plain_grads:
+        torch.testing.assert_close(grads[n], plain_grads[n], rtol=0, atol=1e-5)
+
+
+def test_bf16_autocast_keeps_the_fp32_upcast():
+    def run(chunking):
+        model = decoder("llama")
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return train(model, 3, chunking)[0]
+
+    plain, chunked = run(None), run(Chunking(chunks=4))
+    assert all(a.dtype == b.dtype == torch.float32 for a, b in zip(plain, chunked))
+    for a, b in zip(plain, chunked):
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (a.item(), b.item())
+
+
+def test_no_whole_logits_in_training_and_the_forward_untouched_elsewhere():
+    """In training no tensor of the whole logits' size is made (the dispatcher sees every op's output); evaluation
+    and a forward without labels return the whole logits; the lever says once what training outputs lose."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.most = max(self.most, t.numel())
+            return out
+
+    said = []
+    model = decoder("llama")
+    lever = ChunkedLoss(causal_lm(model), Chunking(chunks=6), say=said.append)
+    lever.install()
+    ids, labels = batch(0)
+    model.train()
+    with Largest() as seen:
+        model(input_ids=ids, labels=labels).loss.backward()
+    whole = BATCH * SEQ * VOCAB
+    assert seen.most < whole and seen.most >= whole // 6  # one chunk's logits, never the whole
+    model(input_ids=ids, labels=labels)
+    assert len(said) == 1 and "return no logits (`outputs.logits` is None)" in said[0]
+    assert model(input_ids=ids).logits.shape == (BATCH, SEQ, VOCAB)
+    model.eval()
+    out = model(input_ids=ids, labels=labels)
+    assert out.logits.shape == (BATCH, SEQ, VOCAB) and out.loss is not None
+    lever.remove()
+    assert "forward" not in vars(model)
+
+
+def test_models_it_cannot_chunk_are_refused_by_name():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    assert "GPT2LMHeadModel (model_type 'gpt2')" in loss_problem(gpt2)
+    custom = decoder("llama")
+    custom.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
+    assert "not transformers' causal-LM loss (`ForCausalLMLoss`)" in loss_problem(custom)
+    assert "has no LM head" in loss_problem(torch.nn.Linear(2, 2))
+    assert loss_problem(decoder("qwen3")) is None
+
+
+def _statements(cls) -> list:
+    fn = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+    return [ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+
+
+def _form(cls) -> list:
+    """A forward's statements with what differs without a change of meaning made equal: the output class, the
+    backbone's output annotation, and the loss's arguments given by keyword or by position."""
+    out = []
+    for s in _statements(cls):
+        s = s.replace("outputs: BaseModelOutputWithPast = ", "outputs = ")
+        s = s.replace("self.loss_function(logits, labels, self.vocab_size, **kwargs)", "LOSS")
+        s = s.replace(
+            "self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)", "LOSS"
+        )
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("kind", sorted(KNOWN))
+def test_each_known_familys_forward_is_the_form_the_lever_runs(kind):
+    """Backbone, slice, head, (soft-cap), loss, output: what the lever runs around; a release that changes one of
+    these forwards fails here."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    llama = _form(LlamaForCausalLM)
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
+    form = _form(cls)
+    if kind in PLAIN_HEAD:
+        assert form == llama, "\n".join(form)
+    else:
+        assert kind in SOFT_CAPPED
+        capped = [s for s in form if "final_logit_softcapping" in s]
+        assert [s for s in form if s not in capped] == llama, "\n".join(form)
+        assert capped and "logits = self.lm_head(hidden_states)" in form[form.index(capped[0]) - 1]
+
+
+# -- through the Trainer -----------------------------------------------------------------------------------------
+
+
+class Causal(torch.utils.data.Dataset):
+    """Token sequences whose first tokens are a prompt left out of the loss."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        ids, labels = batch(100 + i)
+        return {"input_ids": ids[0], "labels": labels[0]}
+
+
+def trainer_run(tmp_path, name, *flags, model=None, **trainer_kwargs):
+    from helpers import LossRecordingTrainer, make_args
+
+    args = make_args(
+        tmp_path / name, "--max_steps", "6", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps",
+        "2", "--logging_steps", "1", *flags,
+    )  # fmt: skip
+    trainer = LossRecordingTrainer(
+        model=model or decoder("llama"), args=args, train_dataset=Causal(), **trainer_kwargs
+    )
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.parametrize("smoothing,bf16", [("0", False), ("0.1", False), ("0", True)])
+def test_through_the_trainer_the_losses_are_plain_ones_with_accumulation_and_smoothing(tmp_path, smoothing, bf16):
+    """Gradient accumulation (the Trainer's `num_items_in_batch`), label smoothing (the model's forward smooths,
+    chunk by chunk, where the Trainer would smooth the logits) and bf16 (accelerate wraps the instance's forward,
+    ours included, in autocast): the losses of the run without the backend (under bf16, the first step's exactly:
+    after it, the gradients' last bits, summed chunk by chunk, flip bf16 roundings in the next forwards, 1e-5 apart
+    over these 6 steps, as one chunk, bitwise, shows they are nothing else). Removed, the forward is plain again."""
+    common = ("--label_smoothing_factor", smoothing, *(("--bf16",) if bf16 else ()))
+    plain = trainer_run(tmp_path, "plain", "--memory_opt_backend", "none", *common)
+    run = trainer_run(
+        tmp_path, "loss", "--memory_opt_backend", "torch", "--memory_opt_config", "Loss+:1:-1@chunks4", *common
+    )
+    assert len(run.losses) == 12
+    for a, b in zip(plain.losses, run.losses):
+        assert abs(a - b) <= (5e-5 if bf16 else 1e-6) * abs(a), (a, b)
+    if bf16:
+        assert run.losses[:2] == plain.losses[:2]
+        one = trainer_run(
+            tmp_path, "one", "--memory_opt_backend", "torch", "--memory_opt_config", "Loss+:1:-1@chunks1", *common
+        )
+        assert one.losses == plain.losses
+    lever = run.backend_model._memopt_recompute.levers["loss"]
+    assert lever.calls == 12 and lever.last == {"tokens": 4 * SEQ, "rows": SEQ, "chunks": 4}
+    assert (lever.smoothing is not None) == (smoothing != "0")
+    with open(tmp_path / "loss" / "memory_plans.json") as f:
+        notes = " ".join(json.load(f)["notes"])
+    assert f"`Loss+` (4 chunks): the head and loss ran in 4 chunk(s) of up to {SEQ} of the step's {4 * SEQ}" in notes
+    model = run.memopt_handle.model
+    run.memopt_handle.remove()
+    ids, labels = batch(0)
+    model.train()
+    assert model(input_ids=ids, labels=labels).logits.shape == (BATCH, SEQ, VOCAB) and lever.calls == 12
+
+
+def test_a_loss_computed_outside_the_model_or_an_unknown_family_is_refused_at_train(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    flags = ("--memory_opt_backend", "torch", "--memory_opt_config", "Loss+:1:-1")
+    with pytest.raises(ValueError) as e:
+        trainer_run(tmp_path, "func", *flags, compute_loss_func=lambda outputs, labels, num_items_in_batch=None: 0)
+    assert "has 'Loss+:1:-1', but the Trainer's `compute_loss_func` computes the loss from the model's logits" in str(
+        e.value
+    )
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB))
+    with pytest.raises(ValueError) as e:
+        trainer_run(tmp_path, "gpt2", *flags, model=gpt2)
+    assert "GPT2LMHeadModel (model_type 'gpt2'): `Loss+` knows the forwards of gemma, gemma2" in str(e.value)
+    assert "drop `Loss+` to train with the head whole" in str(e.value)
