@@ -197,6 +197,14 @@ class _CudaPeaks:
 _CUDA_PEAKS = _CudaPeaks()
 
 
+def fold_cuda_peak() -> None:
+    """Fold CUDA's peak so far into every open meter's own, so that a reset of the counter after work read aside
+    (`backends/torch/measure/aside.py`) takes from no meter what it saw before."""
+    peak = torch.cuda.max_memory_allocated()
+    for meter in list(_CUDA_PEAKS.folded):
+        _CUDA_PEAKS.folded[meter] = max(_CUDA_PEAKS.folded[meter], peak)
+
+
 def training_device(args=None, model=None) -> str:
     """The kind of device the training runs on: where the model's parameters are, else the arguments' device.
 

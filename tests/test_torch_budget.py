@@ -17,7 +17,16 @@ from helpers import tiny_decoder as decoder
 from torch_engine import engine, keep, pair, step
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
-from optimum_memopt.backends.torch.decide.budget import fit, fit_share, freed_bytes, plan_entries, predict, selector
+from optimum_memopt.backends.torch.decide.budget import (
+    HeadChoice,
+    fit,
+    fit_share,
+    freed_bytes,
+    head_choices,
+    plan_entries,
+    predict,
+    selector,
+)
 from optimum_memopt.backends.torch.decide.planner import BudgetPlanner
 from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
 from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
@@ -140,6 +149,64 @@ def test_the_fit_is_the_least_recompute_of_every_combination_that_fits(profile, 
     assert result.floor.peak_bytes == floor
     if share == 1.0:
         assert all(c.label == "keep" for c in result.choice) and result.config() == ""
+
+
+@pytest.mark.parametrize("share", [0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+def test_the_head_is_chosen_with_the_layers_in_one_solve(profile, share):
+    """The ways of running the head and loss (what each holds less than the measured step's head, what it adds to a
+    step) are weighed with every layer's configurations: the least total time among every combination whose peak,
+    with the head's segment moved, fits; the choice's plans and policy carry the head's way."""
+    per_layer = candidates(profile)
+    q = freed_bytes(profile, whole())
+    base = 10 << 20
+    head_peak = base + 3 * sum(q)  # the head and loss peak over the layers' segments: chunking matters
+    mem = memory_of([base + 1000] * L, head_peak, [base + 4000] * L, base)
+    heads = [
+        HeadChoice(""),
+        HeadChoice("Loss+:1:-1@chunks2", sum(q), 0.002),
+        HeadChoice("Loss+:1:-1@chunks8", 2 * sum(q), 0.004),
+    ]
+    plain = predict(mem, q, [0] * L).peak_bytes
+    floor = min(predict(mem, q, [max(c.freed_bytes for c in o) for o in per_layer], head=h.bytes_less).peak_bytes
+                for h in heads)  # fmt: skip
+    budget = int(floor + share * (plain - floor))
+    result = fit(profile, mem, budget, whole(), heads=heads)
+    best = None
+    for head in heads:
+        for combo in itertools.product(*per_layer):
+            freed = [c.freed_bytes for c in combo]
+            if predict(mem, q, freed, head=head.bytes_less).peak_bytes <= budget:
+                t = sum(c.seconds for c in combo) + head.seconds
+                best = (t, head) if best is None or t < best[0] else best
+    assert result.choice is not None and result.predicted.peak_bytes <= budget
+    assert result.recompute_seconds == pytest.approx(best[0]) and result.floor.peak_bytes == floor
+    assert result.predicted == predict(mem, q, [c.freed_bytes for c in result.choice], head=result.head.bytes_less)
+    if result.head.plan:
+        assert result.config().endswith("," + result.head.plan) or result.config() == result.head.plan
+        assert result.policy().loss == result.head.plan.partition("@")[2]
+    else:
+        assert "Loss+" not in result.config() and result.policy().loss is None
+    if share == 0.0:  # the least any choice reaches needs the head's most
+        assert result.head.plan == "Loss+:1:-1@chunks8"
+    if share == 1.0:
+        assert result.config() == "" and result.head.plan == ""
+    assert fit(profile, mem, floor - 1, whole(), heads=heads).choice is None
+
+
+def test_the_heads_ways_are_weighed_against_the_one_the_step_ran():
+    from optimum_memopt.backends.torch.measure.profile import HeadMeasure, HeadOption, ModelProfile
+
+    measured = HeadMeasure(1024, 64, 4096, "Loss+:1:-1@chunks4", [
+        HeadOption("Loss+:1:-1@chunks2", 30, 0.010), HeadOption("Loss+:1:-1@chunks8", 12, 0.013),
+        HeadOption("Loss+:1:-1@chunks4", 20, 0.012),
+    ])  # fmt: skip
+    got = head_choices(ModelProfile([], head=measured))
+    assert got == [
+        HeadChoice("Loss+:1:-1@chunks2", -10, 0.0),  # holds more than the step ran; no faster than it, not slower
+        HeadChoice("Loss+:1:-1@chunks8", 8, pytest.approx(0.001)),
+        HeadChoice("Loss+:1:-1@chunks4", 0, 0.0),
+    ]
+    assert head_choices(ModelProfile([])) == [HeadChoice("")]
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0])
@@ -468,7 +535,8 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path, con
         """The table's figure and bounds for a set of ops (a row, where the table offers the set)."""
         return peak_drop([_freed(rec, ops) for rec in layers])
 
-    rows = {tuple(sorted(p["config"].split(":")[0].strip("+").split("+"))): p for p in report["plans"]}
+    layer_rows = [p for p in report["plans"] if not p["config"].startswith("Loss+")]  # the head's: test_torch_loss
+    rows = {tuple(sorted(p["config"].split(":")[0].strip("+").split("+"))): p for p in layer_rows}
     for ops, row in rows.items():  # every row, single plans and the sets offered (these depend on op timings too)
         assert (row["peak_drop_bytes"], row["peak_drop_min_bytes"], row["peak_drop_max_bytes"]) == drop(ops)
     ops = config.split(":")[0].strip("+").split("+")

@@ -21,6 +21,7 @@ from optimum_memopt.backends.torch.levers.loss import (
     Chunking,
     causal_lm,
     loss_problem,
+    plan_of,
 )
 
 pytestmark = pytest.mark.torch_backend
@@ -348,3 +349,96 @@ def test_a_loss_computed_outside_the_model_or_an_unknown_family_is_refused_at_tr
         trainer_run(tmp_path, "gpt2", *flags, model=gpt2)
     assert "GPT2LMHeadModel (model_type 'gpt2'): `Loss+` knows the forwards of gemma, gemma2" in str(e.value)
     assert "drop `Loss+` to train with the head whole" in str(e.value)
+
+
+# -- measured after step one: the table's rows, and `auto`'s choice ------------------------------------------------
+
+
+def wide_run(tmp_path, name, steps=1, **memory):
+    """A decoder whose head and loss outweigh its layers (vocabulary / hidden = 32), through the Trainer."""
+    from helpers import Tokens
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, attn_implementation="sdpa",
+    )  # fmt: skip
+    args = MemoptTrainingArguments(
+        output_dir=str(tmp_path / name), use_cpu=True, max_steps=steps, per_device_train_batch_size=8,
+        logging_steps=1, report_to="none", save_strategy="no", disable_tqdm=True, memory_opt_backend="torch",
+        **memory,
+    )  # fmt: skip
+    trainer = MemoptTrainer(model=LlamaForCausalLM(config), args=args, train_dataset=Tokens(seq=64, vocab=2048))
+    trainer.train()
+    return trainer
+
+
+def test_the_table_has_a_row_per_chunking_and_its_peak_drop_is_what_a_run_measures(tmp_path):
+    """After step one each way of running the head is measured alone; each row's PEAK DROP is what a run with that
+    chunking then measures (step one against step one, read after every op), within 2% here."""
+    from optimum_memopt.memory import MIB
+
+    wide_run(tmp_path, "warm-up")  # the process's first training allocates for good
+    eager = wide_run(tmp_path, "eager")
+    head = eager.memopt_handle.profile.head
+    assert head.ran == "" and (head.tokens, head.hidden, head.vocab) == (8 * 64, 64, 2048)
+    assert [o.plan for o in head.options] == [""] + [f"Loss+:1:-1@chunks{c}" for c in (2, 4, 8, 16, 32)]
+    with open(tmp_path / "eager" / "memory_plans.json") as f:
+        table = json.load(f)
+    rows = {p["config"]: p for p in table["plans"] if p["config"].startswith("Loss+")}
+    assert list(rows) == [o.plan for o in head.options[1:]] and not any(r["enabled"] for r in rows.values())
+    own = head.options[0].held_bytes
+    assert all(rows[o.plan]["saving_bytes"] == own - o.held_bytes for o in head.options[1:])
+    assert rows["Loss+:1:-1@chunks2"]["saving_bytes"] > own / 3  # half the logits and their gradient
+    assert "the head and loss (`Loss+` rows): each way run alone after step one on its shapes (512 tokens" in " ".join(
+        table["notes"]
+    )
+    memory = eager.memopt_handle.profile.memory
+    assert memory.peak.name.startswith("after the layers")
+    for plan in ("Loss+:1:-1@chunks2", "Loss+:1:-1@chunks8"):
+        run = wide_run(tmp_path, plan, memory_opt_config=plan)
+        ran = run.memopt_handle.profile.memory
+        measured = (memory.peak.peak_bytes - memory.start_bytes) - (ran.peak.peak_bytes - ran.start_bytes)
+        predicted = rows[plan]["peak_drop_bytes"]
+        assert abs(measured - predicted) <= 0.02 * predicted, (plan, measured / MIB, predicted / MIB)
+        measured_head = run.memopt_handle.profile.head
+        assert measured_head.ran == plan and measured_head.option("") is None  # the whole head is not tried
+        assert rows[plan]["recompute_seconds"] >= 0
+
+
+def test_auto_chooses_the_heads_chunks_with_the_layers_when_the_budget_needs_them(tmp_path, capsys):
+    """A budget below what recomputing every layer reaches, and above what chunking the head as well reaches: the
+    solver's choice chunks the head, step two runs it (the head's way switched as that step's first layer starts)
+    and its check meets the budget; the losses are the plain run's to 1e-6."""
+    from optimum_memopt.backends.torch.decide.budget import predict
+
+    wide_run(tmp_path, "warm-up")
+    roomy = wide_run(tmp_path, "roomy", steps=3, memory_opt_config="auto", memory_budget_mb=10**6)
+    planner = roomy.backend_model._memopt_recompute.planner
+    most = [max(c.freed_bytes for c in options) for options in planner.per_layer]
+    layers_only = predict(planner.solved, planner.measured_freed, most).peak_mb
+    floor = planner.fits[0].floor.peak_mb
+    assert floor < layers_only
+    budget = round((floor + layers_only) / 2, 1)
+    capsys.readouterr()
+    tight = wide_run(tmp_path, "tight", steps=3, memory_opt_config="auto", memory_budget_mb=budget)
+    planner = tight.backend_model._memopt_recompute.planner
+    final = planner.fits[-1]
+    assert final.head.plan.startswith("Loss+:1:-1@chunks") and final.config().endswith(final.head.plan)
+    assert planner.verified[-1]["measured_peak_mb"] <= budget
+    lever = tight.backend_model._memopt_recompute.levers["loss"]
+    assert lever.installed and lever.calls >= 2 and plan_of(lever.chunking) == final.head.plan
+    out = capsys.readouterr().out
+    assert f"Under {budget:,.1f} MiB the solver chose `--memory_opt_config {planner.fits[0].config()}`" in out
+    roomy_losses = [h["loss"] for h in roomy.state.log_history if "loss" in h]
+    tight_losses = [h["loss"] for h in tight.state.log_history if "loss" in h]
+    assert len(tight_losses) == 3
+    for a, b in zip(roomy_losses, tight_losses):
+        assert abs(a - b) <= 1e-6 * abs(a), (roomy_losses, tight_losses)
+    with open(tmp_path / "tight" / "memory_auto" / "solver.json") as f:
+        solver = json.load(f)
+    assert solver["fits"][-1]["head"] == final.head.plan
+    assert [h["config"] for h in solver["head_candidates"]][0] == "own"

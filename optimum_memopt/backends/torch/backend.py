@@ -70,11 +70,12 @@ def _one_plan_per_module(model, layers, policy: RecomputePolicy, shared, setting
     return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note])
 
 
-def _loss_lever(model: nn.Module, settings: WrapSettings):
-    """The loss lever (`Loss+`) on the model's head, installed; refused with the reason where it cannot run."""
+def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str]):
+    """The loss lever on the model's head, and why there is none: installed where `Loss+` was asked (`selector`: its
+    chunking), refused with the reason where it cannot run; elsewhere, on a causal LM it can run on, there to
+    measure the head and loss after step one (the table's `Loss+` rows) without touching the forward."""
     from .levers.loss import ChunkedLoss, Chunking, causal_lm, loss_problem
 
-    plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
     problem = loss_problem(model)
     if problem is None and settings.loss_reader:
         problem = (
@@ -82,11 +83,20 @@ def _loss_lever(model: nn.Module, settings: WrapSettings):
             f"whole (and the Trainer hands such a loss no labels to the model)"
         )
     if problem is not None:
-        raise ValueError(
-            f"`--memory_opt_config` has {plan!r}, but {problem}; drop `Loss+` to train with the head whole"
-        )
-    policy_loss = next(e.layers for e in settings.entries if e.subgraph == LOSS_PLAN)
-    lever = ChunkedLoss(causal_lm(model), Chunking.from_selector(policy_loss))
+        if selector is not None:
+            plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
+            raise ValueError(
+                f"`--memory_opt_config` has {plan!r}, but {problem}; drop `Loss+` to train with the head whole"
+            )
+        return None, (f"`Loss+` cannot run on it: {problem}" if causal_lm(model) is not None else None)
+    if selector is None:
+        lever = ChunkedLoss(causal_lm(model), None)
+        lever.smoothing = settings.label_smoothing or None
+        if settings.budget is not None and settings.budget.share is None:
+            lever.install()  # the model's own head, until `auto` may choose chunks as a step's first layer starts
+        return lever, None
+    plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
+    lever = ChunkedLoss(causal_lm(model), Chunking.from_selector(selector))
     lever.smoothing = settings.label_smoothing or None
     if lever.trl:
         logger.warning(
@@ -95,7 +105,7 @@ def _loss_lever(model: nn.Module, settings: WrapSettings):
             plan,
         )
     lever.install()
-    return lever
+    return lever, None
 
 
 class TorchBackend(Backend):
@@ -166,8 +176,10 @@ class TorchBackend(Backend):
             logger.warning("%s", note)
         model = self.apply_policy(model, policy)
         state = getattr(model, STATE)
-        if policy.loss is not None:
-            state.levers["loss"] = _loss_lever(model, settings)
+        lever, why_not = _loss_lever(model, settings, policy.loss)
+        if lever is not None:
+            state.levers["loss"] = lever
+        state.lever_problems = {"loss": why_not} if why_not else {}
         state.reset_peaks = settings.reset_peaks
         state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
         if settings.budget is not None:
@@ -249,7 +261,17 @@ class TorchBackend(Backend):
             return None
         report = plan_report(state.policy, state.profile)
         for lever in state.levers.values():
-            report.notes.append(lever.note())
+            note = lever.note()
+            if note:
+                report.notes.append(note)
+        for problem in getattr(state, "lever_problems", {}).values():
+            report.notes.append(f"the head and loss were not measured each way they can run: {problem}")
+        if "loss" in state.levers and state.profile.head is None and not state.steps_reported:
+            report.notes.append(
+                "the head and loss were not measured each way they can run: they are measured between steps, and "
+                "the loop does not say where its steps end (`optimize_memory(..., reports_steps=True)` and "
+                "`handle.step_done()` after each optimizer step)"
+            )
         if state.planner is not None and state.planner.stage in ("start", "measure"):
             report.notes.append(
                 f"--memory_opt_config auto ({state.planner.asked}): this first step ran with every "

@@ -42,6 +42,7 @@ class RecomputeState:
         self._model = model  # whose forward and backward are read op by op in the steps measured (`StepReadings`)
         self._readings: Optional[StepReadings] = None
         self.levers: dict = {}  # the levers beyond the layers running on this model, by name (`levers/`): held here
+        self._levers_measured = False
 
     @property
     def originals(self):
@@ -74,6 +75,10 @@ class RecomputeState:
         one's memory, watched since its first layer, is complete (`profile.memory`)."""
         self._step_ended = True
         self._close_watch()
+        if self.profile is not None and not self._levers_measured:
+            self._levers_measured = True  # after step one, between steps: each lever measures what it would do
+            for lever in self.levers.values():
+                lever.after_step_one(self.profile, self.reset_peaks)
 
     def _close_watch(self) -> None:
         watch, self.watch = self.watch, None
@@ -122,7 +127,7 @@ class RecomputeState:
         else:
             out = original(*args, **kwargs)
         if record is not None and index == len(self.layers) - 1:
-            self.profile, self._recording = ModelProfile(self._recording), None
+            self.profile, self._recording = ModelProfile(self._recording, autocast=_autocast(args, kwargs)), None
         if watch is not None:
             _mark_backward(watch, index, out)
             if index == len(self.layers) - 1:
@@ -157,6 +162,14 @@ def _check_alone(layer, index: int) -> None:
         f"`--memory_opt_level 1` (every layer) or `--memory_opt_config 'Layer+:1:-1@every2'` (every other layer) "
         f"for whole-layer recompute"
     )
+
+
+def _autocast(args, kwargs) -> Optional[str]:
+    """The dtype autocast runs this layer's device in ("bfloat16"), or None where it is off."""
+    device = _device(args, kwargs)
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return None
+    return str(torch.get_autocast_dtype(device)).replace("torch.", "")
 
 
 def _device(args, kwargs) -> str:

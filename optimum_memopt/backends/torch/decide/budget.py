@@ -27,7 +27,7 @@ from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
 from ....plans import PlanEntry
 from ..measure.graph import effect, saved_bytes, whole_layer
-from ..measure.profile import ModelProfile, Segment, StepMemory
+from ..measure.profile import HEAD_SEGMENT, ModelProfile, Segment, StepMemory
 from ..policy import LAYER, OPS, RecomputePolicy
 from .solver import Candidate, candidates, choose, policy_of
 
@@ -55,28 +55,33 @@ class Prediction:
         return self.peak_bytes / MIB
 
 
-def predict(memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0) -> Prediction:
-    """The step's peak with `freed` bytes freed per layer, from a step measured with `measured_freed`."""
+def predict(
+    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0, head: int = 0
+) -> Prediction:
+    """The step's peak with `freed` bytes freed per layer, from a step measured with `measured_freed`; `head`: the
+    bytes the head and loss hold less than in the measured step (another way of running them: `levers.loss`)."""
     best: Optional[Prediction] = None
     for k, seg in enumerate(memory.segments):
-        value = _moved(seg, measured_freed, freed) + (extra if k < len(memory.segments) - 1 else 0)
+        value = _moved(seg, measured_freed, freed, head) + (extra if k < len(memory.segments) - 1 else 0)
         if best is None or value > best.peak_bytes:
             best = Prediction(value, seg.name)
     return best
 
 
 def segment_peaks(
-    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0
+    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0, head: int = 0
 ) -> List[tuple]:
     """Each segment's predicted peak (`predict`'s terms) with `freed` bytes freed per layer: (name, bytes)."""
     last = len(memory.segments) - 1
     return [
-        (seg.name, _moved(seg, measured_freed, freed) + (extra if k < last else 0))
+        (seg.name, _moved(seg, measured_freed, freed, head) + (extra if k < last else 0))
         for k, seg in enumerate(memory.segments)
     ]
 
 
-def predict_range(memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int]) -> Tuple[int, int]:
+def predict_range(
+    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], head: int = 0
+) -> Tuple[int, int]:
     """The least and the most the step's peak can be with `freed` bytes freed per layer, where `predict` gives one
     figure inside that range. The readings are exact (the same each run), but they cannot tell how much of a change
     of policy in a layer shows in that layer's own forward and backward: a planned tensor is let go of in the forward
@@ -84,10 +89,11 @@ def predict_range(memory: StepMemory, measured_freed: Sequence[int], freed: Sequ
     brings its tensors back one at a time (its backward may peak with some of them gone). So the segment of layer
     j's forward, which `predict` moves by all of the change, may be higher by what `freed` frees there or lower by
     what the measured policy did; layer k's backward, which `predict` does not move by layer k's change, may be lower
-    by what `freed` frees there or higher by what the measured policy did. Every other segment moves exactly."""
+    by what `freed` frees there or higher by what the measured policy did. Every other segment moves exactly (the
+    head's by `head`, as measured)."""
     low = high = None
     for seg in memory.segments:
-        value = _moved(seg, measured_freed, freed)
+        value = _moved(seg, measured_freed, freed, head)
         down = up = 0
         if seg.own is not None and seg.own < len(freed):
             now, then = freed[seg.own], measured_freed[seg.own]
@@ -97,9 +103,10 @@ def predict_range(memory: StepMemory, measured_freed: Sequence[int], freed: Sequ
     return low, high
 
 
-def _moved(seg: Segment, measured_freed: Sequence[int], freed: Sequence[int]) -> int:
+def _moved(seg: Segment, measured_freed: Sequence[int], freed: Sequence[int], head: int = 0) -> int:
     held = seg.held
-    return seg.peak_bytes + sum(measured_freed[:held]) - sum(freed[:held])
+    moved = seg.peak_bytes + sum(measured_freed[:held]) - sum(freed[:held])
+    return moved - head if seg.name.startswith(HEAD_SEGMENT) else moved
 
 
 def above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
@@ -138,6 +145,37 @@ def merged(kept: Sequence[StepMemory], measured_freed: Sequence[int]) -> StepMem
     return StepMemory(first.device, segments, first.start_bytes, first.how)
 
 
+@dataclass(frozen=True)
+class HeadChoice:
+    """One way to run the head and loss, as the solver weighs it: its plan ("": the model's own head; `Loss+:1:-1@
+    chunks8`), the bytes the head and loss hold less than in the measured step, the seconds it adds to a step."""
+
+    plan: str
+    bytes_less: int = 0
+    seconds: float = 0.0
+
+    @property
+    def selector(self) -> Optional[str]:
+        """The plan's chunking as the policy holds it ("chunks8"; "" for bare `Loss+:1:-1`), None: the own head."""
+        return self.plan.partition("@")[2] if self.plan else None
+
+
+AS_MEASURED = HeadChoice("")  # the head as the measured step ran it (where no other way was measured)
+
+
+def head_choices(profile: ModelProfile) -> List[HeadChoice]:
+    """The ways the head and loss can run (`levers.loss`'s measure after step one), against the one the step ran;
+    the way the step ran alone where none was measured."""
+    head = profile.head
+    if head is None:
+        return [AS_MEASURED]
+    ran = head.option(head.ran)
+    return [
+        HeadChoice(o.plan, ran.held_bytes - o.held_bytes, 0.0 if o is ran else max(0.0, o.seconds - ran.seconds))
+        for o in head.options
+    ]
+
+
 @dataclass
 class Fit:
     """The solver's answer for one budget."""
@@ -151,17 +189,20 @@ class Fit:
     why_not: str = ""
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
+    head: HeadChoice = AS_MEASURED  # how the head and loss run with the choice
 
     @property
     def recompute_seconds(self) -> float:
-        return sum(c.seconds for c in self.choice) if self.choice else 0.0
+        return sum(c.seconds for c in self.choice) + self.head.seconds if self.choice else 0.0
 
     @property
     def freed(self) -> int:
         return sum(c.freed_bytes for c in self.choice) if self.choice else 0
 
     def policy(self) -> RecomputePolicy:
-        return policy_of(self.choice)
+        policy = policy_of(self.choice)
+        policy.loss = self.head.selector
+        return policy
 
     def as_dict(self) -> dict:
         """The answer in `memory_auto/solver.json`."""
@@ -171,6 +212,8 @@ class Fit:
             "activation_mb": self.activation_bytes / MIB if self.share is not None else None,
             "config": self.config() if self.choice else None,
             "per_layer": [c.label for c in self.choice] if self.choice else None,
+            "head": (self.head.plan or "own") if self.choice else None,
+            "head_freed_mb": self.head.bytes_less / MIB if self.choice else None,
             "predicted_peak_mb": self.predicted.peak_mb if self.predicted else None,
             "predicted_peak_in": self.predicted.where if self.predicted else None,
             "predicted_segments": [{"name": name, "peak_mb": value / MIB} for name, value in self.segments],
@@ -184,7 +227,9 @@ class Fit:
 
     def config(self) -> str:
         """The choice in the plan grammar (`--memory_opt_config`), for a run without `auto`."""
-        return ",".join(str(e) for e in plan_entries(self.choice)) if self.choice else ""
+        if not self.choice:
+            return ""
+        return ",".join([str(e) for e in plan_entries(self.choice)] + ([self.head.plan] if self.head.plan else []))
 
 
 def fit(
@@ -194,15 +239,49 @@ def fit(
     measured: RecomputePolicy,
     extra_bytes: int = 0,
     per_layer: Optional[Sequence[Sequence[Candidate]]] = None,
+    heads: Sequence[HeadChoice] = (AS_MEASURED,),
 ) -> Fit:
     """The least-recompute policy whose predicted peak is at most `budget_bytes`, from a step measured under
-    `measured` (its memory by segment and each layer's graph)."""
-    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer)
+    `measured` (its memory by segment and each layer's graph), with the way of running the head and loss (`heads`,
+    from `head_choices`) chosen in the same solve: for each, the layers' least-time choice under the budget with
+    the head's segment moved by what that way holds less; the least total time wins (the head's time included)."""
+    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer, heads)
     result.budget_bytes = budget_bytes
-    needs = [0] * len(per_layer)
+    best, first_why = None, None
+    for head in heads:
+        needs, why_not = _needs(memory, q, budget_bytes, extra_bytes, head.bytes_less, len(per_layer))
+        if why_not is None and _floor(memory, q, per_layer, extra_bytes, head).peak_bytes > budget_bytes:
+            why_not = (
+                f"recomputing the most every layer can still peaks at {result.floor.peak_mb:,.1f} MiB "
+                f"({result.floor.where}), over the budget"
+            )
+        choice = choose(per_layer, 0, prefix_needs=needs) if why_not is None else None
+        if why_not is None and choice is None:  # the bytes are there, but not in the solver's units
+            why_not = "no choice frees the bytes needed in the units the solver counts in"
+        if choice is None:
+            first_why = first_why or why_not
+            continue
+        seconds = sum(c.seconds for c in choice) + head.seconds
+        if best is None or seconds < best[0]:
+            best = (seconds, choice, head)
+    if best is None:
+        result.why_not = first_why
+        return result
+    _, result.choice, result.head = best
+    freed = [c.freed_bytes for c in result.choice]
+    result.predicted = predict(memory, q, freed, extra_bytes, result.head.bytes_less)
+    result.segments = segment_peaks(memory, q, freed, extra_bytes, result.head.bytes_less)
+    return result
+
+
+def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, head: int, layers: int):
+    """Per layer, the bytes the first i + 1 layers must free for every segment to fit (the solver's prefix needs),
+    with the head's segment moved by `head`; or why recompute cannot meet the budget (a segment no layer's tensors
+    are held in peaks over it)."""
+    needs = [0] * layers
     last = len(memory.segments) - 1
     for k, seg in enumerate(memory.segments):
-        need = seg.peak_bytes + (extra_bytes if k < last else 0) + sum(q[: seg.held]) - budget_bytes
+        need = _moved(seg, q, [0] * seg.held, head) + (extra_bytes if k < last else 0) - budget_bytes
         if need <= 0:
             continue
         if seg.held == 0:
@@ -212,25 +291,17 @@ def fit(
                 if seg.name.startswith("layer")
                 else "where no layer's tensors are held"
             )
-            result.why_not = (
+            return needs, (
                 f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB "
                 f"{'in ' if seg.name.startswith('layer') else ''}{seg.name}, {where}: recompute cannot lower it"
             )
-            return result
         needs[seg.held - 1] = max(needs[seg.held - 1], need)
-    if result.floor.peak_bytes > budget_bytes:
-        result.why_not = (
-            f"recomputing the most every layer can still peaks at {result.floor.peak_mb:,.1f} MiB "
-            f"({result.floor.where}), over the budget"
-        )
-        return result
-    result.choice = choose(per_layer, 0, prefix_needs=needs)
-    if result.choice is None:  # the bytes are there, but not in the solver's units
-        result.why_not = "no choice frees the bytes needed in the units the solver counts in"
-        return result
-    result.predicted = predict(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
-    result.segments = segment_peaks(memory, q, [c.freed_bytes for c in result.choice], extra_bytes)
-    return result
+    return needs, None
+
+
+def _floor(memory: StepMemory, q, per_layer, extra_bytes: int, head: HeadChoice) -> Prediction:
+    most = [max(c.freed_bytes for c in options) for options in per_layer]
+    return predict(memory, q, most, extra_bytes, head.bytes_less)
 
 
 def fit_share(
@@ -259,13 +330,14 @@ def fit_share(
     return result
 
 
-def _start(profile, memory, measured, extra_bytes, per_layer):
+def _start(profile, memory, measured, extra_bytes, per_layer, heads=(AS_MEASURED,)):
     """What `fit` and `fit_share` share: the candidates, what the measured policy freed per layer, and the answer
-    begun with the measured step's peak and the floor (each layer freeing the most it can)."""
+    begun with the measured step's peak and the floor (each layer freeing the most it can, the head run the way
+    that holds least)."""
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
-    most = [max(c.freed_bytes for c in options) for options in per_layer]
-    result = Fit(0, measured=predict(memory, q, q, extra_bytes), floor=predict(memory, q, most, extra_bytes))
+    floor = min((_floor(memory, q, per_layer, extra_bytes, h) for h in heads), key=lambda p: p.peak_bytes)
+    result = Fit(0, measured=predict(memory, q, q, extra_bytes), floor=floor)
     return per_layer, q, result
 
 

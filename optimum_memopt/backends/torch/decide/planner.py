@@ -26,7 +26,7 @@ from ....memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_us
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
-from .budget import Fit, above, as_kept, fit, fit_share, freed_bytes, merged
+from .budget import Fit, above, as_kept, fit, fit_share, freed_bytes, head_choices, merged
 from .solver import candidates
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,7 @@ class BudgetPlanner:
         self.fits: List[Fit] = []
         self.extra = 0  # what later steps hold that step one did not, read at step two's start
         self.per_layer: list = []  # each layer's candidates, from step one
+        self.heads: list = []  # the ways the head and loss can run, measured after step one (`budget.HeadChoice`)
         self.measured_freed: list = []  # bytes step one's policy (whole layers) freed per layer
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
@@ -129,7 +130,11 @@ class BudgetPlanner:
                 f"({result.floor.where}); raise the budget or lower `--per_device_train_batch_size`"
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
             )
-        state.set_policy(result.policy())
+        policy = result.policy()
+        state.set_policy(policy)
+        lever = state.levers.get("loss")
+        if lever is not None:
+            lever.use(policy.loss)  # the head's way, chosen with the layers' (its time and memory measured aside)
         self.say(self._describe(result, state))
         if self.watch.resets:
             self.meter.reset_peak()
@@ -159,12 +164,13 @@ class BudgetPlanner:
             )
         self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
         self.per_layer = candidates(state.profile)
+        self.heads = head_choices(state.profile)
 
     def _fit(self, state, budget_bytes: Optional[int]) -> Fit:
         if self.share is not None:
             return fit_share(state.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
-        return fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer)
+        return fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
 
     def _describe(self, result: Fit, state) -> str:
         again = " (again, for a budget lowered by the miss)" if len(self.fits) > 1 else ""
@@ -277,6 +283,10 @@ class BudgetPlanner:
             "candidates": [
                 [{"config": c.label, "freed_mb": c.freed_bytes / MIB, "recompute_ms": c.seconds * 1000} for c in opts]
                 for opts in self.per_layer
+            ],
+            "head_candidates": [
+                {"config": h.plan or "own", "freed_mb": h.bytes_less / MIB, "recompute_ms": h.seconds * 1000}
+                for h in self.heads
             ],
             "fits": [f.as_dict() for f in self.fits],
             "verified": self.verified,

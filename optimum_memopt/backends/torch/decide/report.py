@@ -52,6 +52,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         for name in sorted(totals, key=lambda k: -totals[k])
     ]
     plans += combinations(policy, profile, drop)
+    plans += head_rows(profile, drop)
     canonical = [e for r in policy.requests for e in r.canonical]
     whole_plans = [str(r.entry) for r in policy.requests if r.entry.subgraph == LAYER_PLAN]
     level = policy.level
@@ -70,6 +71,10 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         )
     if drop is not None:
         notes.append(_where_the_peak_is(policy, profile))
+    if profile.head is not None:
+        notes.append(_how_the_head_was_measured(profile))
+    elif profile.head_problem:
+        notes.append(f"the head and loss were not measured each way they can run: {profile.head_problem}")
     elif profile.memory_problem:
         notes.append(
             f"step one's memory could not be followed layer by layer ({profile.memory_problem}): no PEAK DROP"
@@ -121,17 +126,18 @@ def _peak_drop(policy: RecomputePolicy, profile: ModelProfile) -> Optional[Calla
     none = predict(memory, q, zero).peak_bytes
     none_low, none_high = predict_range(memory, q, zero)
 
-    def drop(freed: List[int]) -> Drop:
-        low, high = predict_range(memory, q, freed)
-        return float(none - predict(memory, q, freed).peak_bytes), float(none_low - high), float(none_high - low)
+    def drop(freed: List[int], head: int = 0) -> Drop:
+        low, high = predict_range(memory, q, freed, head)
+        value = predict(memory, q, freed, head=head).peak_bytes
+        return float(none - value), float(none_low - high), float(none_high - low)
 
     return drop
 
 
-def _drop_fields(drop: Optional[Callable[[List[int]], Drop]], freed: List[int]) -> dict:
+def _drop_fields(drop: Optional[Callable[..., Drop]], freed: List[int], head: int = 0) -> dict:
     if drop is None:
         return {}
-    value, least, most = drop(freed)
+    value, least, most = drop(freed, head)
     return {"peak_drop_bytes": value, "peak_drop_min_bytes": least, "peak_drop_max_bytes": most}
 
 
@@ -155,6 +161,50 @@ def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
         f"the plans' change shows (a planned tensor is let go of after its last use in the forward; a replayed "
         f"layer brings its tensors back one at a time). The readings count the allocator, so its bytes that are not "
         f"tensor data (tensors' metadata, autograd's nodes) move them by a few KiB more"
+    )
+
+
+def head_rows(profile: ModelProfile, drop: Optional[Callable[..., Drop]]) -> List[FoundPlan]:
+    """One row per way of chunking the head and loss measured after step one (`levers.loss`): SAVING, what the
+    head's own peak holds less than the model's own head (or, where the step ran chunks, than the chunks it ran);
+    PEAK DROP, how much lower step one's peak would be with it alone; TIME, what it adds to a step."""
+    head = profile.head
+    if head is None:
+        return []
+    ran = head.option(head.ran)
+    base = head.option("") or ran
+    zero = [0] * len(profile.layers)
+    rows = []
+    for option in head.options:
+        if not option.plan:
+            continue
+        on = option.plan == head.ran
+        saving = base.held_bytes - option.held_bytes
+        rows.append(
+            FoundPlan(
+                config=option.plan,
+                enabled=on,
+                frequency=1,
+                saving_bytes=float(saving),
+                applied_count=int(on),
+                applied_saving_bytes=float(saving if on else 0),
+                recompute_seconds=max(0.0, option.seconds - base.seconds),
+                **_drop_fields(drop, zero, ran.held_bytes - option.held_bytes),
+            )
+        )
+    return rows
+
+
+def _how_the_head_was_measured(profile: ModelProfile) -> str:
+    head = profile.head
+    base = head.option("") or head.option(head.ran)
+    against = "the model's own head" if base.plan == "" else f"{head.ran}, which the step ran"
+    return (
+        f"the head and loss (`Loss+` rows): each way run alone after step one on its shapes ({head.tokens:,} tokens, "
+        f"hidden {head.hidden}, vocabulary {head.vocab:,}; random values: memory and time depend on the shapes) and "
+        f"read after every op, once after a warm-up; the head alone held {base.held_bytes / MIB:,.1f} MiB at most "
+        f"as {against}; SAVING is what a row's head holds less, PEAK DROP how much lower step one's peak would be "
+        f"with it alone, TIME what it adds to a step (each chunk's logits made again in backward)"
     )
 
 

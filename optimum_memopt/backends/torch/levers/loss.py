@@ -25,6 +25,7 @@ import inspect
 import logging
 import math
 import os
+import statistics
 import types
 from dataclasses import dataclass
 from typing import Callable, List, Optional
@@ -45,6 +46,7 @@ PLAIN_HEAD = frozenset(
 # ... the same, with the logits soft-capped before the loss (`config.final_logit_softcapping`).
 SOFT_CAPPED = frozenset({"gemma2", "gemma3_text"})
 KNOWN = PLAIN_HEAD | SOFT_CAPPED
+REPEATS = 3  # each way of running the head is timed this many times (interleaved), its median taken
 
 
 @dataclass(frozen=True)
@@ -175,8 +177,27 @@ class ChunkedLoss:
                 del self.lm.forward
             self.installed = False
 
-    def note(self) -> str:
-        """What the plan table's notes say of the lever: how the last training step's head ran."""
+    def use(self, selector: Optional[str]) -> None:
+        """Run the head from the next head and loss on (the solver's choice, made between steps or as a step's first
+        layer starts): chunked as `selector` says ("", "chunks8", "tokens1024"), or None: the model's own head."""
+        self.chunking = None if selector is None else Chunking.from_selector(selector)
+        if self.chunking is not None:
+            self.install()
+
+    def after_step_one(self, profile, resets: bool) -> None:
+        """Between step one and step two (a step reported ended): measure each way the head can run (`measure`)
+        into the profile, for the table and the solver."""
+        result = measure(self, profile, resets)
+        if isinstance(result, str):
+            profile.head_problem = result
+        else:
+            profile.head = result
+
+    def note(self) -> Optional[str]:
+        """What the plan table's notes say of the lever: how the last training step's head ran (None where the head
+        runs as the model's own: the `Loss+` rows say what chunks would do)."""
+        if self.chunking is None and not self.trl:
+            return None
         if self.trl:
             return (
                 "`Loss+`: the head is TRL's fused LM head, chunked by TRL already: not chunked again, and its memory "
@@ -187,8 +208,7 @@ class ChunkedLoss:
         last = self.last
         return (
             f"`Loss+` ({self.chunking.describe()}): the head and loss ran in {last['chunks']} chunk(s) of up to "
-            f"{last['rows']} of the step's {last['tokens']} tokens, each chunk's logits made again in backward; the "
-            f"rows above are the layers' (the head's memory is not measured as a row yet)"
+            f"{last['rows']} of the step's {last['tokens']} tokens, each chunk's logits made again in backward"
         )
 
     def _once(self, key: str, text: str) -> None:
@@ -207,8 +227,7 @@ class ChunkedLoss:
             )
             kwargs = {**bound.arguments, **extra}
         labels = kwargs.get("labels")
-        off = self.chunking is None or not self.installed
-        if off or labels is None or not (lm.training and torch.is_grad_enabled()):
+        if not self.installed or labels is None or not (lm.training and torch.is_grad_enabled()):
             return plain(**kwargs)
         keep = kwargs.get("logits_to_keep", 0)
         if not (isinstance(keep, int) and keep == 0):
@@ -228,6 +247,10 @@ class ChunkedLoss:
         finally:
             hook.remove()
         hidden = captured[-1].last_hidden_state if hasattr(captured[-1], "last_hidden_state") else captured[-1][0]
+        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
+        if self.chunking is None:  # read after the backbone: `auto` may choose as the step's first layer starts
+            loss, logits = self._whole(hidden, labels, kwargs, signature)
+            return type(out)(loss=loss, logits=logits, **fields)
         loss = self.loss(hidden, labels, kwargs)
         self._once(
             "logits",
@@ -235,8 +258,26 @@ class ChunkedLoss:
             f"and its loss run in {self.chunking.describe()}, and the whole logits never exist; a `compute_loss` or "
             f"callback that reads them in training gets None (evaluation and `predict` keep the whole logits)",
         )
-        fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         return type(out)(loss=loss, logits=None, **fields)
+
+    def _whole(self, hidden, labels, kwargs, signature):
+        """The model's own head and loss, as its forward runs them (the form tests/test_torch_loss.py holds each
+        known family's forward to): the head on every position, soft-capped where the family does, the model's
+        loss function given the forward's extra keywords; with the Trainer's label smoothing, its `LabelSmoother`
+        on the logits."""
+        head = self.lm.get_output_embeddings()
+        logits = head(hidden)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        named = {p.name for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD}
+        extra = {k: v for k, v in kwargs.items() if k not in named}
+        if self.smoothing is not None:
+            from transformers.trainer_pt_utils import LabelSmoother
+
+            smoother = LabelSmoother(epsilon=self.smoothing)
+            count = {"num_items_in_batch": extra.get("num_items_in_batch")} if _smoother_counts_items() else {}
+            return smoother({"logits": logits}, labels, shift_labels=True, **count), logits
+        return self.lm.loss_function(logits=logits, labels=labels, vocab_size=self.vocab, **extra), logits
 
     def loss(self, hidden: torch.Tensor, labels: torch.Tensor, kwargs: dict) -> torch.Tensor:
         """Transformers' causal-LM loss (or the Trainer's smoothed one) from the final hidden states, chunk by
@@ -256,6 +297,8 @@ class ChunkedLoss:
         self.calls += 1
         self.last = {"tokens": flat.shape[0], "rows": rows, "chunks": len(parts)}
         count = kwargs.get("num_items_in_batch")
+        if self.smoothing is not None and not _smoother_counts_items():
+            count = None  # the installed LabelSmoother divides by the active tokens, whatever the Trainer passes
         if count is None:
             count = (target != ignore).sum()
         elif torch.is_tensor(count):
@@ -265,6 +308,14 @@ class ChunkedLoss:
         nll = functools.reduce(torch.add, [p[0] for p in parts]) / count
         smooth = functools.reduce(torch.add, [p[1] for p in parts]) / (count * self.vocab)
         return (1 - self.smoothing) * nll + self.smoothing * smooth
+
+
+@functools.lru_cache(maxsize=None)
+def _smoother_counts_items() -> bool:
+    """Whether the installed transformers' `LabelSmoother` divides by the Trainer's `num_items_in_batch` (5.15 on)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    return "num_items_in_batch" in inspect.signature(LabelSmoother.__call__).parameters
 
 
 def _chunk_sums(head: nn.Module, hidden, target, ignore: int, softcap: Optional[float], smoothing: Optional[float]):
@@ -280,3 +331,100 @@ def _chunk_sums(head: nn.Module, hidden, target, ignore: int, softcap: Optional[
     nll = minus.gather(dim=-1, index=target.clamp(min=0).unsqueeze(-1)).masked_fill(padding, 0.0)
     smooth = minus.sum(dim=-1, keepdim=True, dtype=torch.float32).masked_fill(padding, 0.0)
     return nll.sum(), smooth.sum()
+
+
+# -- what each chunking would do, measured ---------------------------------------------------------------------
+
+
+def plan_of(chunking: Optional[Chunking]) -> str:
+    """`Loss+:1:-1@chunks8` for a chunking, "" for the model's own head."""
+    if chunking is None:
+        return ""
+    if chunking.tokens is not None:
+        return f"Loss+:1:-1@tokens{chunking.tokens}"
+    return f"Loss+:1:-1@chunks{chunking.chunks}" if chunking.chunks is not None else "Loss+:1:-1"
+
+
+def candidate_chunks(tokens: int, hidden: int, vocab: int) -> List[int]:
+    """Chunk counts worth offering: doubling from 2 up to where a chunk's logits hold no more than the final hidden
+    states (vocabulary / hidden chunks); none where the logits are no bigger than the hidden states."""
+    most = min(tokens, math.ceil(vocab / hidden))
+    out, c = [], 2
+    while c <= most:
+        out.append(c)
+        c *= 2
+    if out and out[-1] < most:
+        out.append(most)
+    return out
+
+
+def sharded(head: nn.Module) -> Optional[str]:
+    """How the head's weight is sharded across processes (ZeRO-3, FSDP), or None: a head measured alone would gather
+    it, or hand its gradient to the sharding's hooks, on one process's say."""
+    for p in head.parameters():
+        if hasattr(p, "ds_id"):
+            return "DeepSpeed ZeRO-3"
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            return "FSDP"
+    return None
+
+
+def measure(lever: "ChunkedLoss", profile, resets: bool = True):
+    """The head and loss run each way worth offering, alone, on the first step's shapes (random hidden states and
+    labels: the memory and time depend on the shapes only), read aside (`measure.aside`): the model's own head where
+    the step ran it (never where the step ran chunks: a whole head may not fit where chunks were asked for), then
+    each chunk count of `candidate_chunks`, and the chunking the step ran. Returns a `HeadMeasure`, or the reason
+    there is none (str)."""
+    from ..measure.aside import held_aside
+    from ..measure.profile import HeadMeasure, HeadOption
+
+    if lever.trl:
+        return "the head is TRL's fused LM head, which chunks already"
+    shape = profile.shape
+    if len(shape) < 2:
+        return "step one's layers took no hidden states to count the tokens by"
+    head = lever.lm.get_output_embeddings()
+    how = sharded(head)
+    if how is not None:
+        return f"the head's weight is sharded ({how}): measured alone it would be gathered on one process's say"
+    weight = head.weight
+    tokens, hidden, vocab = math.prod(shape[:-1]), weight.shape[1], lever.vocab
+    device = weight.device.type
+    ran = lever.chunking if lever.installed else None
+    ways: List[Optional[Chunking]] = [] if ran is not None else [None]
+    ways += [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
+    if ran is not None and ran not in ways:
+        ways.append(ran)
+    params = [p for p in head.parameters() if p.requires_grad]
+    hidden_states = torch.randn(tokens, hidden, dtype=weight.dtype, device=weight.device, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), device=weight.device)
+    autocast = getattr(torch, profile.autocast) if profile.autocast else None
+
+    def run(chunking: Optional[Chunking]) -> None:
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            if chunking is None:
+                logits = head(hidden_states)
+                if lever.softcap is not None:
+                    logits = torch.tanh(logits / lever.softcap) * lever.softcap
+                loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+                del logits
+            else:
+                rows = chunking.rows(tokens, hidden, vocab)
+                parts = [
+                    checkpoint(_chunk_sums, head, h, y, -100, lever.softcap, None, use_reentrant=False)
+                    for h, y in zip(hidden_states.split(rows), labels.split(rows))
+                ]
+                loss = functools.reduce(torch.add, parts)
+                del parts
+        grads = torch.autograd.grad(loss, [hidden_states, *params])
+        del grads
+
+    held_aside(lambda: run(ways[-1]), device, resets)  # a first run: the kernels' one-time set-up is not timed
+    held, times = {}, {}
+    for _ in range(REPEATS):  # interleaved: what drifts (a warming allocator, another process) spreads over all
+        for k, way in enumerate(ways):
+            most, seconds = held_aside(lambda: run(way), device, resets)
+            held.setdefault(k, most)
+            times.setdefault(k, []).append(seconds)
+    options = [HeadOption(plan_of(w), held[k], statistics.median(times[k])) for k, w in enumerate(ways)]
+    return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options)

@@ -66,11 +66,44 @@ class StepMemory:
         return max(self.segments, key=lambda s: s.peak_bytes)
 
 
+HEAD_SEGMENT = "after the layers: head and loss, forward and backward"  # the step's segment the head runs in
+
+
+@dataclass(frozen=True)
+class HeadOption:
+    """One way to run a causal LM's head and loss, measured aside (`levers.loss`): its plan (`Loss+:1:-1@chunks8`;
+    "" for the model's own head), the most it held above the level it started at, and its seconds."""
+
+    plan: str
+    held_bytes: int
+    seconds: float
+
+
+@dataclass
+class HeadMeasure:
+    """The head and loss measured after step one, each way it can run, on the step's shapes. `ran` is the plan the
+    step ran (its option is among `options`, which are ordered as measured); a way not measured is said in `why_not`
+    (by plan)."""
+
+    tokens: int
+    hidden: int
+    vocab: int
+    ran: str
+    options: List[HeadOption]
+    why_not: Dict[str, str] = field(default_factory=dict)
+
+    def option(self, plan: str) -> Optional[HeadOption]:
+        return next((o for o in self.options if o.plan == plan), None)
+
+
 @dataclass
 class ModelProfile:
     layers: List[LayerProfile]
     memory: Optional[StepMemory] = None  # step one's memory by segment (`watch`), once the step ended
     memory_problem: Optional[str] = None  # why step one's memory could not be followed layer by layer
+    head: Optional[HeadMeasure] = None  # the head and loss measured each way (`levers.loss`), where they were
+    head_problem: Optional[str] = None  # why they were not
+    autocast: Optional[str] = None  # the dtype autocast ran step one's layers in ("bfloat16"), None: off
 
     @property
     def shape(self) -> Tuple[int, ...]:

@@ -26,7 +26,7 @@ from torch import nn
 from ....memory import MIB, MemoryMeter, observe_all, read_at_ops
 from .. import _torch_api
 from ..nested import tensors_in
-from .profile import Segment, StepMemory
+from .profile import HEAD_SEGMENT, Segment, StepMemory
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class StepWatch:
 
     def forward_done(self) -> None:
         if self._stage == "forward-last":
-            self._mark("after the layers: head and loss, forward and backward", self.layers)
+            self._mark(HEAD_SEGMENT, self.layers)
             self._stage = "head"
 
     def layer_backward(self, index: int) -> None:
