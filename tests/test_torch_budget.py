@@ -560,3 +560,65 @@ def test_auto_with_a_share_of_the_activations(tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"Keeping at most 50% of the {result.activation_bytes / MIB:,.1f} MiB the layers keep for backward" in out
     assert "(the budget is a share of the activations: `--activation_memory_budget 0.5`)" in out
+
+
+def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_figures():
+    """Each check's step measures more than predicted by what the model holds only from step two on (here added to
+    the meter's readings: 40%, 80%, then 120% of the way from the floor to eager's peak): the first miss re-plans for
+    the budget lowered by the miss, said with that budget; the second falls back to the least peak recompute
+    reaches; the floor's miss stops training with the figures, on the step after it, never training on over the
+    budget."""
+    from optimum_memopt.memory import MemoryReading
+
+    x = torch.randn(1 << 15, 8)  # 1 MiB an activation: the step well above the allocator's noise
+    _, warm = pair(gated_mlp, n=L)
+    step(warm, x)  # what a process's first training allocates once is not in the figures below
+    del warm
+    _, model = pair(gated_mlp, n=L)
+    probe = engine(model, whole())
+    probe.planner = BudgetPlanner(1 << 40, say=lambda text: None)
+    for seed in range(2):
+        step(model, x, seed=seed)
+        probe.step_done()
+    eager, floor = probe.planner.fits[0].predicted.peak_bytes, probe.planner.fits[0].floor.peak_bytes
+    span = eager - floor
+    assert span > 0
+
+    _, model = pair(gated_mlp, n=L)
+    state = engine(model, whole())
+    said = []
+    budget = floor + int(0.7 * span)
+    planner = state.planner = BudgetPlanner(budget, say=said.append)
+    extra = iter([0.4 * span, 0.8 * span, 1.2 * span])
+    checks = []
+
+    def reading(read):
+        def more():
+            got = read()
+            if planner.stage == "verify" and len(checks) < len(planner.fits):  # the step being checked
+                checks.append(next(extra))
+            add = checks[-1] / MIB if planner.stage == "verify" and checks else 0.0
+            return MemoryReading(got.device, got.current_mb, got.peak_mb + add, got.resident_mb, got.resident_peak_mb)
+
+        return more
+
+    with pytest.raises(RuntimeError) as stopped:
+        for seed in range(6):
+            step(model, x, seed=seed)
+            state.step_done()
+            if planner.meter is not None and not hasattr(planner.meter, "_wrapped"):
+                planner.meter.read, planner.meter._wrapped = reading(planner.meter.read), True
+    fits = planner.fits
+    assert len(fits) == 3 and len(planner.verified) == 3
+    lowered = budget - (planner.verified[0]["measured_peak_mb"] - planner.verified[0]["predicted_peak_mb"]) * MIB
+    assert fits[1].budget_bytes == pytest.approx(lowered, abs=2)
+    assert (
+        f"Under {fits[1].budget_bytes / MIB:,.1f} MiB (the budget of {budget / MIB:,.1f} MiB lowered by the" in said[2]
+    )
+    assert fits[2].predicted.peak_bytes == fits[2].floor.peak_bytes < fits[1].predicted.peak_bytes
+    assert "(the least peak recompute reaches: the choice for a lowered budget missed again, by" in said[4]
+    text = str(stopped.value)
+    assert text.startswith(f"`--memory_opt_config auto` cannot keep `--memory_budget_mb {budget / MIB:g}`: with the ")
+    assert f"most recompute it has (`--memory_opt_config {fits[2].config()}`" in text
+    assert "it stops here rather than train on over it. Raise the budget to at least" in text
+    assert all(f"over the budget of {budget / MIB:,.1f} MiB" in s for s in (said[1], said[3], said[5]))

@@ -59,6 +59,7 @@ class BudgetPlanner:
         self.extra = 0  # what later steps hold that step one did not, read at step two's start
         self.per_layer: list = []  # each layer's candidates, from step one
         self.heads: list = []  # the ways the head and loss can run, measured after step one (`budget.HeadChoice`)
+        self._why_lower = ""  # why a re-plan solves for less than the budget (said with its choice)
         self.measured_freed: list = []  # bytes step one's policy (whole layers) freed per layer
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
@@ -173,7 +174,7 @@ class BudgetPlanner:
         return fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
 
     def _describe(self, result: Fit, state) -> str:
-        again = " (again, for a budget lowered by the miss)" if len(self.fits) > 1 else ""
+        again = " (again)" if len(self.fits) > 1 else ""
         config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
         shape = "x".join(map(str, state.profile.shape)) or "?"
         ranks = self.ranks.size
@@ -202,6 +203,8 @@ class BudgetPlanner:
                 f"Keeping at most {result.share:.0%} of the {result.activation_bytes / MIB:,.1f} MiB the layers keep "
                 f"for backward with nothing recomputed,"
             )
+        if result.budget_bytes != self.budget_bytes and self._why_lower:
+            return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
         return f"Under {self.budget_mb:,.1f} MiB"
 
     def _verify(self, state) -> None:
@@ -233,9 +236,34 @@ class BudgetPlanner:
             f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted "
             f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
-        if self.budget_bytes is not None and peak > self.budget_bytes and len(self.fits) == 1:
-            self._choose(state, self.budget_bytes - (peak - predicted))  # every rank: each saw the same peaks
-            return
+        if self.budget_bytes is not None and peak > self.budget_bytes:  # every rank: each saw the same peaks
+            over = (peak - predicted) / MIB
+            if len(self.fits) == 1:
+                self._why_lower = (
+                    f"the budget of {self.budget_mb:,.1f} MiB lowered by the {over:,.1f} MiB the check measured over "
+                    f"its prediction"
+                )
+                self._choose(state, self.budget_bytes - (peak - predicted))
+                return
+            floor = result.floor
+            if result.predicted.peak_bytes > floor.peak_bytes:
+                self._why_lower = (
+                    f"the least peak recompute reaches: the choice for a lowered budget missed again, by "
+                    f"{over:,.1f} MiB"
+                )
+                self._choose(state, floor.peak_bytes)
+                return
+            self._write()
+            self.stage = "done"
+            self.meter.close()
+            raise RuntimeError(
+                f"`--memory_opt_config auto` cannot keep {self.asked}: with the most recompute it has (`--memory_opt_"
+                f"config {result.config()}`, predicted {predicted / MIB:,.1f} MiB), the step measured "
+                f"{peak / MIB:,.1f} MiB{where}, {over:,.1f} MiB over its prediction and "
+                f"{(peak - self.budget_bytes) / MIB:,.1f} MiB over the budget; it stops here rather than train on "
+                f"over it. Raise the budget to at least {peak / MIB:,.1f} MiB or lower `--per_device_train_batch_size`"
+                + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
+            )
         self._write()
         self.stage = "done"
         self.meter.close()
