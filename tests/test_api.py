@@ -81,13 +81,16 @@ def test_plans_train_as_the_plain_loop_and_report_the_trainers_table(tmp_path):
 
 
 def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
-    """Each backward ends a step: step one measures, step two runs the choice, step three's start checks it."""
+    """Each backward ends a step: step one measures, step two runs the choice, step three's start checks it. Step one
+    runs the head's loss in chunks too (the least memory); a loop that does not report its steps has no place to
+    measure the head's other ways, so the head stays as step one ran it (said in the choice), and the losses are the
+    plain loop's to 1e-6 (the chunks sum the loss in another order)."""
     loop(decoder(), steps=1)  # the process's first training keeps what the libraries allocate once
     said = []
     roomy = optimum_memopt.optimize_memory(decoder(), "auto", budget_mb=10**6, say=said.append)
     loop(roomy.model, steps=3)
     eager = roomy.auto["measured_peak_mb"]
-    assert roomy.config == "" and roomy.auto["choices"] == 1 and len(said) == 2
+    assert roomy.config == "Loss+:1:-1" and roomy.auto["choices"] == 1 and len(said) == 2
 
     torch.manual_seed(0)
     plain = loop(decoder(), steps=4)
@@ -96,9 +99,10 @@ def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
     budget = round(eager * 0.8, 1)
     memopt = optimum_memopt.optimize_memory(model, "auto", budget_mb=budget, output_dir=str(tmp_path))
     assert memopt.config is None  # nothing chosen before step two
-    assert loop(model, steps=4) == plain
+    losses = loop(model, steps=4)
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, plain)), (losses, plain)
     choice = memopt.auto
-    assert memopt.config == choice["config"] and choice["config"] not in ("", None)
+    assert memopt.config == choice["config"] and choice["config"] not in ("Loss+:1:-1", None)
     assert choice["predicted_peak_mb"] <= budget and choice["measured_peak_mb"] <= budget, choice
     with open(tmp_path / "solver.json") as f:
         data = json.load(f)

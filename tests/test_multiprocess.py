@@ -187,13 +187,16 @@ FSDP2_WORKER = os.path.join(HERE, "multiprocess", "worker_fsdp2.py")
 @pytest.mark.torch_backend
 def test_fsdp2_fully_shard_recomputes_with_gathered_parameters(tmp_path):
     """FSDP2 (`fully_shard` on each layer, `reshard_after_forward=True`) on 2 CPU processes: a chained plan, a
-    mixed per-layer plan and level 1 train as the same sharded run without the backend (losses and the trained
-    parameters), and every recomputation saw unsharded parameters (worker_fsdp2.py's checks)."""
+    mixed per-layer plan with the head's loss chunked (`Loss+`) and level 1 train as the same sharded run without
+    the backend (losses and the trained parameters), and every recomputation saw unsharded parameters
+    (worker_fsdp2.py's checks)."""
     runs = {}
     for name, mode in [
         ("none", "none"),
         ("chain", "plan:MatMul+silu+Mul+:1:-1"),  # mm recipes hold views of the projections' gathered weights
-        ("mixed", "plan:Layer+:1:-1@0,Mul+:1:-1@1"),  # RMSNorm's mul holds its gathered weight itself
+        # RMSNorm's mul holds its gathered weight itself; the head's weight, sharded with the root, is read by the
+        # loss's chunk and again by its recompute in backward (one chunk: bitwise the model's own loss)
+        ("mixed", "plan:Layer+:1:-1@0,Mul+:1:-1@1,Loss+:1:-1@chunks1"),
         ("level1", "level1"),
     ]:
         out = tmp_path / name
@@ -222,10 +225,13 @@ ZERO3_WORKER = os.path.join(HERE, "multiprocess", "worker_zero3.py")
 def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path):
     """DeepSpeed ZeRO-3 through the Trainer on 2 CPU processes, parameters released after each submodule's forward:
     a chained plan whose recipes hold a released parameter (RMSNorm's weight, read before the norm's own backward
-    gathers it again) and level 1 give the losses and trained parameters of ZeRO-3 without the backend; the plan's
+    gathers it again) with the head's loss run through `Loss+` (its weight gathered for the chunk and again for its
+    recompute; not measured alone, which would gather on one process's say), and level 1 give the losses and
+    trained parameters of ZeRO-3 without the backend; the plan's
     run resumed from its step-3 checkpoint ends as the uninterrupted run; one plan table, from rank 0."""
     runs, stdout = {}, {}
-    for name, mode in [("none", "none"), ("plan", "plan:MatMul+silu+Mul+:1:-1"), ("level1", "level1")]:
+    plan = "plan:MatMul+silu+Mul+:1:-1,Loss+:1:-1@chunks1"  # the head's weight gathered for its chunk and recompute
+    for name, mode in [("none", "none"), ("plan", plan), ("level1", "level1")]:
         out = tmp_path / name
         out.mkdir()
         res = launch(mode, out, worker=ZERO3_WORKER, timeout=400)
@@ -237,10 +243,12 @@ def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path
             assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, name
             assert got["checksum"] == pytest.approx(want["checksum"], rel=1e-9), name
     assert stdout["plan"].count("Memory optimizer (torch) ON") == 1 and "STATE  CONFIG" in stdout["plan"]
+    assert "`Loss+` (1 chunks): the head and loss ran in 1 chunk(s)" in stdout["plan"]
+    assert "not measured each way they can run: the head's weight is sharded (DeepSpeed ZeRO-3)" in stdout["plan"]
     assert stdout["none"].count("Memory optimizer (torch) ON") == 0
     out = tmp_path / "resumed"
     out.mkdir()
-    res = launch("plan:MatMul+silu+Mul+:1:-1", out, worker=ZERO3_WORKER, timeout=400,
+    res = launch(plan, out, worker=ZERO3_WORKER, timeout=400,
                  extra=[str(tmp_path / "plan" / "checkpoint-3")])  # fmt: skip
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for got, want in zip(reports(out, 2), runs["plan"]):

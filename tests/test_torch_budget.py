@@ -193,7 +193,7 @@ def test_the_head_is_chosen_with_the_layers_in_one_solve(profile, share):
     assert fit(profile, mem, floor - 1, whole(), heads=heads).choice is None
 
 
-def test_the_heads_ways_are_weighed_against_the_one_the_step_ran():
+def test_the_heads_ways_are_weighed_by_bytes_against_the_one_the_step_ran_and_by_time_against_the_fastest():
     from optimum_memopt.backends.torch.measure.profile import HeadMeasure, HeadOption, ModelProfile
 
     measured = HeadMeasure(1024, 64, 4096, "Loss+:1:-1@chunks4", [
@@ -202,9 +202,9 @@ def test_the_heads_ways_are_weighed_against_the_one_the_step_ran():
     ])  # fmt: skip
     got = head_choices(ModelProfile([], head=measured))
     assert got == [
-        HeadChoice("Loss+:1:-1@chunks2", -10, 0.0),  # holds more than the step ran; no faster than it, not slower
-        HeadChoice("Loss+:1:-1@chunks8", 8, pytest.approx(0.001)),
-        HeadChoice("Loss+:1:-1@chunks4", 0, 0.0),
+        HeadChoice("Loss+:1:-1@chunks2", -10, 0.0),  # holds more than the step ran; the fastest
+        HeadChoice("Loss+:1:-1@chunks8", 8, pytest.approx(0.003)),
+        HeadChoice("Loss+:1:-1@chunks4", 0, pytest.approx(0.002)),
     ]
     assert head_choices(ModelProfile([])) == [HeadChoice("")]
 

@@ -93,7 +93,10 @@ def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str
         lever = ChunkedLoss(causal_lm(model), None)
         lever.smoothing = settings.label_smoothing or None
         if settings.budget is not None and settings.budget.share is None:
-            lever.install()  # the model's own head, until `auto` may choose chunks as a step's first layer starts
+            # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
+            # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
+            # starts (the model's own head included: measured after step one)
+            lever.use("")
         return lever, None
     plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
     lever = ChunkedLoss(causal_lm(model), Chunking.from_selector(selector))
@@ -273,8 +276,10 @@ class TorchBackend(Backend):
                 "`handle.step_done()` after each optimizer step)"
             )
         if state.planner is not None and state.planner.stage in ("start", "measure"):
+            lever = state.levers.get("loss")
+            head = " and the head's loss in chunks" if lever is not None and lever.chunking is not None else ""
             report.notes.append(
                 f"--memory_opt_config auto ({state.planner.asked}): this first step ran with every "
-                f"layer recomputed whole, to measure; the solver's choice runs from the next step (said then)"
+                f"layer recomputed whole{head}, to measure; the solver's choice runs from the next step (said then)"
             )
         return report

@@ -163,17 +163,16 @@ class HeadChoice:
 AS_MEASURED = HeadChoice("")  # the head as the measured step ran it (where no other way was measured)
 
 
-def head_choices(profile: ModelProfile) -> List[HeadChoice]:
-    """The ways the head and loss can run (`levers.loss`'s measure after step one), against the one the step ran;
-    the way the step ran alone where none was measured."""
+def head_choices(profile: ModelProfile, ran: str = "") -> List[HeadChoice]:
+    """The ways the head and loss can run (`levers.loss`'s measure after step one): the bytes each holds less than
+    the way the step ran, and the seconds it takes more than the fastest way (a constant apart from what the step
+    ran: the least total time is the same); where none was measured, the way the step ran (`ran`, its plan) alone."""
     head = profile.head
     if head is None:
-        return [AS_MEASURED]
+        return [HeadChoice(ran)]
     ran = head.option(head.ran)
-    return [
-        HeadChoice(o.plan, ran.held_bytes - o.held_bytes, 0.0 if o is ran else max(0.0, o.seconds - ran.seconds))
-        for o in head.options
-    ]
+    fastest = min(o.seconds for o in head.options)
+    return [HeadChoice(o.plan, ran.held_bytes - o.held_bytes, o.seconds - fastest) for o in head.options]
 
 
 @dataclass

@@ -60,6 +60,7 @@ class BudgetPlanner:
         self.per_layer: list = []  # each layer's candidates, from step one
         self.heads: list = []  # the ways the head and loss can run, measured after step one (`budget.HeadChoice`)
         self._why_lower = ""  # why a re-plan solves for less than the budget (said with its choice)
+        self._head_chunked = ""  # how step one ran the head, where not as the model's own (said with the choice)
         self.measured_freed: list = []  # bytes step one's policy (whole layers) freed per layer
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
@@ -165,7 +166,10 @@ class BudgetPlanner:
             )
         self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
         self.per_layer = candidates(state.profile)
-        self.heads = head_choices(state.profile)
+        lever = state.levers.get("loss")
+        self.heads = head_choices(state.profile, lever.plan() if lever is not None else "")
+        head = state.profile.head
+        self._head_chunked = f", the head's loss {head.ran}" if head is not None and head.ran else ""
 
     def _fit(self, state, budget_bytes: Optional[int]) -> Fit:
         if self.share is not None:
@@ -179,7 +183,8 @@ class BudgetPlanner:
         shape = "x".join(map(str, state.profile.shape)) or "?"
         ranks = self.ranks.size
         return (
-            f"memory_opt_config auto{again}: step one (every layer recomputed whole, first input {shape}) peaked at "
+            f"memory_opt_config auto{again}: step one (every layer recomputed whole{self._head_chunked}, first input "
+            f"{shape}) peaked at "
             f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
             f"({self.memory.peak.name}); later steps hold {self.extra / MIB:+,.1f} MiB more "
             f"(made in step one and kept: the optimizer's state, any engine's buffers"

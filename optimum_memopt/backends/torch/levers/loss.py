@@ -177,6 +177,10 @@ class ChunkedLoss:
                 del self.lm.forward
             self.installed = False
 
+    def plan(self) -> str:
+        """How the head runs now, as a plan (`Loss+:1:-1@chunks8`; "": the model's own head)."""
+        return plan_of(self.chunking) if self.installed else ""
+
     def use(self, selector: Optional[str]) -> None:
         """Run the head from the next head and loss on (the solver's choice, made between steps or as a step's first
         layer starts): chunked as `selector` says ("", "chunks8", "tokens1024"), or None: the model's own head."""
@@ -371,10 +375,10 @@ def sharded(head: nn.Module) -> Optional[str]:
 
 def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     """The head and loss run each way worth offering, alone, on the first step's shapes (random hidden states and
-    labels: the memory and time depend on the shapes only), read aside (`measure.aside`): the model's own head where
-    the step ran it (never where the step ran chunks: a whole head may not fit where chunks were asked for), then
-    each chunk count of `candidate_chunks`, and the chunking the step ran. Returns a `HeadMeasure`, or the reason
-    there is none (str)."""
+    labels: the memory and time depend on the shapes only), read aside (`measure.aside`): the model's own head
+    where the step ran it, then each chunk count of `candidate_chunks`, and the chunking the step ran; where the
+    step ran chunks, the whole head last, on the CPU only (on a GPU the whole logits may not fit where chunks ran,
+    and an out-of-memory error there is not one to risk). Returns a `HeadMeasure`, or the reason there is none."""
     from ..measure.aside import held_aside
     from ..measure.profile import HeadMeasure, HeadOption
 
@@ -395,6 +399,8 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     ways += [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
     if ran is not None and ran not in ways:
         ways.append(ran)
+    if ran is not None and device == "cpu":
+        ways.append(None)  # the whole head last (on CUDA it is not tried where the step ran chunks: it may not fit)
     params = [p for p in head.parameters() if p.requires_grad]
     hidden_states = torch.randn(tokens, hidden, dtype=weight.dtype, device=weight.device, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,), device=weight.device)
