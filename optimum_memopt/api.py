@@ -86,6 +86,19 @@ class MemoptHandle:
         backward by plan and the op times (`profile.layers`), and the step's memory by segment (`profile.memory`)."""
         return self._state.profile
 
+    @property
+    def planner(self):
+        """`auto`'s planner in this process (torch backend): `fits` (each choice: `config()`, `predicted`, `floor`,
+        `head`), `verified` (each check's measured and predicted peaks), `per_layer` and `heads` (the candidates);
+        None without `auto`."""
+        return self._state.planner
+
+    @property
+    def levers(self) -> dict:
+        """The levers beyond the layers on this model (torch backend), by name: `"loss"`, the head and loss
+        (`chunking`, `installed`, `calls`, `last`: how the last training forward ran it)."""
+        return dict(self._state.levers)
+
     def solver_figures(self) -> Optional[dict]:
         """`auto`'s figures, as `solver.json` holds them (step one by segment, every choice with its prediction, every
         check), or None where `auto` did not run or has not measured step one yet."""

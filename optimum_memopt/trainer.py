@@ -120,15 +120,9 @@ class MemoptTrainerMixin(OrtTrainerParts):
         self.memopt_backend: Optional[Backend] = None
         if a.memory_opt_on:
             backend = get_backend(a.memory_opt.backend)
-            problem = backend.problem()
-            if problem:
-                needs = (
-                    "ONNX Runtime Training" if backend.name == "ort" else "torch >= 2.5 (`--memory_opt_backend torch`)"
-                )
-                raise RuntimeError(
-                    f"`--memory_opt_backend {backend.name}` (the default here) needs {needs}: {problem}. Or pass "
-                    f"`--memory_opt_backend none` to train in plain PyTorch"
-                )
+            refusal = backend.refusal(by_default=getattr(a, "_memopt_backend_by_default", False))
+            if refusal:
+                raise RuntimeError(refusal)
             backend.check(a)
             self.memopt_backend = backend
         self._memopt_plain_model = self.model

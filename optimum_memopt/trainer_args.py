@@ -263,6 +263,7 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             from .backends import default_backend
 
             self.memory_opt_backend = default_backend()
+            self._memopt_backend_by_default = True  # for messages: "(the default here)"
             if self.memory_opt_backend == "torch":
                 notes.append(
                     f"memory optimizer: the torch backend (onnxruntime-training is not installed; `{BACKEND_FLAG} "

@@ -567,7 +567,7 @@ def test_a_mixed_per_layer_plan_trains_as_plain_pytorch(tmp_path):
     flags = ("--memory_opt_backend", "torch", "--memory_opt_config", "Layer+:1:-1@0,MatMul+silu+Mul+:1:-1@1")
     trainer = train(tmp_path, "llama", *flags, name="mixed")
     assert max(abs(a - b) for a, b in zip(trainer.losses, eager)) <= LOSS_ATOL
-    state = trainer.backend_model._memopt_recompute
+    state = trainer.memopt_handle
     assert [p.mode for p in state.policy.layers] == ["layer", "ops"]
     assert state.profile.layers[0].applied == {} and {"MatMul", "silu", "Mul"} <= set(state.profile.layers[1].applied)
     report = report_of(tmp_path, "mixed")

@@ -355,3 +355,23 @@ def test_renamed_modules_stay_importable_under_their_old_names_and_say_so(old, n
     module = {}
     exec(f"from optimum_memopt.{old} import {names[0]} as found", module)
     assert module["found"] is getattr(renamed, names[0])
+
+
+@pytest.mark.parametrize(
+    "name,needs", [("ort", "ONNX Runtime Training"), ("torch", "torch >= 2.5 (the modern stack)")]
+)
+def test_each_backend_owns_its_refusal(name, needs, monkeypatch):
+    """What a backend needs, and the way out, are the backend's words; the trainer only raises them."""
+    from optimum_memopt.backends import get_backend
+
+    backend = get_backend(name)
+    monkeypatch.setattr(backend, "problem", lambda: "the reason")
+    assert backend.refusal() == (
+        f"`--memory_opt_backend {name}` needs {needs}: the reason. Or pass `--memory_opt_backend none` to train in "
+        f"plain PyTorch"
+    )
+    assert backend.refusal(by_default=True).startswith(f"`--memory_opt_backend {name}` (the default here) needs")
+    monkeypatch.setattr(backend, "problem", lambda: None)
+    assert backend.refusal() is None
+    trainer = open(os.path.join(PKG, "trainer.py")).read()
+    assert needs not in trainer and "ONNX Runtime Training" not in trainer

@@ -433,7 +433,7 @@ def train_decoder(tmp_path, name, steps=4, **memory):
 
 def train_auto(tmp_path, budget_mb, name):
     trainer = train_decoder(tmp_path, name, memory_opt_config="auto", memory_budget_mb=budget_mb)
-    planner = trainer.backend_model._memopt_recompute.planner
+    planner = trainer.memopt_handle.planner
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, planner, losses
 
@@ -554,7 +554,7 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path, con
 
 def test_auto_with_a_share_of_the_activations(tmp_path, capsys):
     trainer = train_decoder(tmp_path, "share", steps=3, memory_opt_config="auto", activation_memory_budget=0.5)
-    planner = trainer.backend_model._memopt_recompute.planner
+    planner = trainer.memopt_handle.planner
     result = planner.fits[-1]
     assert result.share == 0.5 and result.freed >= result.activation_bytes / 2 and len(planner.fits) == 1
     out = capsys.readouterr().out

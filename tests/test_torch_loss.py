@@ -322,7 +322,7 @@ def test_through_the_trainer_the_losses_are_plain_ones_with_accumulation_and_smo
             tmp_path, "one", "--memory_opt_backend", "torch", "--memory_opt_config", "Loss+:1:-1@chunks1", *common
         )
         assert one.losses == plain.losses
-    lever = run.backend_model._memopt_recompute.levers["loss"]
+    lever = run.memopt_handle.levers["loss"]
     assert lever.calls == 12 and lever.last == {"tokens": 4 * SEQ, "rows": SEQ, "chunks": 4}
     assert (lever.smoothing is not None) == (smoothing != "0")
     with open(tmp_path / "loss" / "memory_plans.json") as f:
@@ -419,7 +419,7 @@ def test_auto_chooses_the_heads_chunks_with_the_layers_when_the_budget_needs_the
 
     wide_run(tmp_path, "warm-up")
     roomy = wide_run(tmp_path, "roomy", steps=4, memory_opt_config="auto", memory_budget_mb=10**6)
-    planner = roomy.backend_model._memopt_recompute.planner
+    planner = roomy.memopt_handle.planner
     assert roomy.memopt_handle.profile.head.ran == "Loss+:1:-1"  # step one: the least memory, the head chunked too
     most = [max(c.freed_bytes for c in options) for options in planner.per_layer]
     own = next(h for h in planner.heads if h.plan == "")
@@ -429,11 +429,11 @@ def test_auto_chooses_the_heads_chunks_with_the_layers_when_the_budget_needs_the
     budget = round(floor + 0.75 * (layers_only - floor), 1)
     capsys.readouterr()
     tight = wide_run(tmp_path, "tight", steps=4, memory_opt_config="auto", memory_budget_mb=budget)
-    planner = tight.backend_model._memopt_recompute.planner
+    planner = tight.memopt_handle.planner
     final = planner.fits[-1]
     assert final.head.plan.startswith("Loss+:1:-1@chunks") and final.config().endswith(final.head.plan)
     assert planner.verified[-1]["measured_peak_mb"] <= budget
-    lever = tight.backend_model._memopt_recompute.levers["loss"]
+    lever = tight.memopt_handle.levers["loss"]
     assert lever.installed and lever.calls == 4 and plan_of(lever.chunking) == final.head.plan
     out = capsys.readouterr().out
     assert f"Under {budget:,.1f} MiB the solver chose `--memory_opt_config {planner.fits[0].config()}`" in out

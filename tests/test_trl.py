@@ -145,7 +145,7 @@ def test_trls_fused_head_is_not_chunked_twice(tmp_path, text, caplog):
     with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
         ours = sft(tmp_path / "ours", text, "llama", True, memory_opt_config="Layer+:1:-1,Loss+:1:-1")
     assert ours.losses == plain.losses
-    lever = ours.backend_model._memopt_recompute.levers["loss"]
+    lever = ours.memopt_handle.levers["loss"]
     assert lever.trl and not lever.installed and lever.calls == 0
     assert "chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own forward; it is not chunked " \
            "twice" in caplog.text  # fmt: skip

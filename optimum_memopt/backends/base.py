@@ -91,8 +91,22 @@ class Backend:
     env_plans: Optional[str] = None  # environment variables read when `--memory_opt_config` / `_level` are absent
     env_level: Optional[str] = None
 
+    needs = "its libraries"  # what the backend needs to run, as its refusal names it
+
     def problem(self) -> Optional[str]:
         raise NotImplementedError
+
+    def refusal(self, by_default: bool = False) -> Optional[str]:
+        """Why a run cannot train through this backend here, whole (the flag, what it needs, the fix, the way out),
+        or None where it can; `by_default`: the backend was not asked for by name."""
+        problem = self.problem()
+        if problem is None:
+            return None
+        how = " (the default here)" if by_default else ""
+        return (
+            f"`--memory_opt_backend {self.name}`{how} needs {self.needs}: {problem}. Or pass `--memory_opt_backend "
+            f"none` to train in plain PyTorch"
+        )
 
     def check_args(self, args) -> List[str]:
         return []

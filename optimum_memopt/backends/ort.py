@@ -255,6 +255,7 @@ def _without_cpu_arena(manager) -> None:
 class OrtBackend(Backend):
     name = "ort"
     title = "ONNX Runtime"
+    needs = "ONNX Runtime Training"
     flags = ort_flags.FLAGS
     optimizers = (ORT_FUSED,)
     env_plans, env_level = ENV_CONFIG, ENV_LEVEL

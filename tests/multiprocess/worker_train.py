@@ -43,7 +43,7 @@ def auto(budget_mb: str, out: str, rank: int, zero: str = "") -> None:
     )  # fmt: skip
     trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=Tokens(n=32))
     trainer.train()
-    state = trainer.backend_model._memopt_recompute
+    state = trainer.memopt_handle
     planner = state.planner
     params = torch.cat([p.detach().float().flatten() for p in trainer.plain_model.parameters()])
     report = {

@@ -114,6 +114,7 @@ def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str
 class TorchBackend(Backend):
     name = "torch"
     title = "the torch backend"
+    needs = "torch >= 2.5 (the modern stack)"
     plans_in_process = True
 
     def __init__(self):
