@@ -96,7 +96,7 @@ def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str
             # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
             # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
             # starts (the model's own head included: measured after step one)
-            lever.use("")
+            lever.run_as("")
         return lever, None
     plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
     lever = ChunkedLoss(causal_lm(model), Chunking.from_selector(selector))

@@ -136,7 +136,7 @@ class BudgetPlanner:
         state.set_policy(policy)
         lever = state.levers.get("loss")
         if lever is not None:
-            lever.use(policy.loss)  # the head's way, chosen with the layers' (its time and memory measured aside)
+            lever.run_as(policy.loss)  # the head's way, chosen with the layers' (its time and memory measured aside)
         self.say(self._describe(result, state))
         if self.watch.resets:
             self.meter.reset_peak()

@@ -181,7 +181,7 @@ class ChunkedLoss:
         """How the head runs now, as a plan (`Loss+:1:-1@chunks8`; "": the model's own head)."""
         return plan_of(self.chunking) if self.installed else ""
 
-    def use(self, selector: Optional[str]) -> None:
+    def run_as(self, selector: Optional[str]) -> None:
         """Run the head from the next head and loss on (the solver's choice, made between steps or as a step's first
         layer starts): chunked as `selector` says ("", "chunks8", "tokens1024"), or None: the model's own head."""
         self.chunking = None if selector is None else Chunking.from_selector(selector)
