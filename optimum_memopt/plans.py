@@ -404,6 +404,8 @@ class FoundPlan:
     # the least and the most that drop can be (the same as peak_drop_bytes where the readings tell it exactly)
     peak_drop_min_bytes: Optional[float] = None
     peak_drop_max_bytes: Optional[float] = None
+    # a way of running the head and its loss (`Loss+`, torch backend), not a plan of the layers
+    head: bool = False
 
     @property
     def entries(self) -> List[PlanEntry]:

@@ -189,6 +189,7 @@ def head_rows(profile: ModelProfile, drop: Optional[Callable[..., Drop]]) -> Lis
                 applied_count=int(on),
                 applied_saving_bytes=float(saving if on else 0),
                 recompute_seconds=max(0.0, option.seconds - base.seconds),
+                head=True,
                 **_drop_fields(drop, zero, ran.held_bytes - option.held_bytes),
             )
         )
