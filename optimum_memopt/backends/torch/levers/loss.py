@@ -93,12 +93,6 @@ def causal_lm(model: nn.Module) -> Optional[nn.Module]:
     return None
 
 
-def _plain_loss_functions() -> List[Callable]:
-    from transformers.loss.loss_utils import ForCausalLMLoss
-
-    return [ForCausalLMLoss]
-
-
 def fused_by_trl(lm: nn.Module) -> bool:
     """Whether TRL's fused LM head (`add_fused_lm_head`, which `SFTTrainer` installs) already replaced the forward."""
     forward = vars(lm).get("forward")
@@ -128,8 +122,10 @@ def loss_problem(model: nn.Module) -> Optional[str]:
             f"({getattr(replaced, '__qualname__', type(replaced).__name__)}): `Loss+` runs the model's own forward "
             f"and cannot know what the replacement does"
         )
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
     loss_fn = lm.loss_function
-    if loss_fn not in _plain_loss_functions():
+    if loss_fn is not ForCausalLMLoss:
         return (
             f"{type(lm).__name__}'s loss is {getattr(loss_fn, '__qualname__', loss_fn)!r}, not transformers' "
             f"causal-LM loss (`ForCausalLMLoss`): `Loss+` computes that loss and no other"
@@ -269,10 +265,7 @@ class ChunkedLoss:
         known family's forward to): the head on every position, soft-capped where the family does, the model's
         loss function given the forward's extra keywords; with the Trainer's label smoothing, its `LabelSmoother`
         on the logits."""
-        head = self.lm.get_output_embeddings()
-        logits = head(hidden)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
+        logits = _logits(self.lm.get_output_embeddings(), hidden, self.softcap)
         named = {p.name for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD}
         extra = {k: v for k, v in kwargs.items() if k not in named}
         if self.smoothing is not None:
@@ -293,11 +286,7 @@ class ChunkedLoss:
         flat = hidden.reshape(-1, hidden.shape[-1])
         target = shifted.reshape(-1).to(flat.device)
         rows = self.chunking.rows(flat.shape[0], flat.shape[1], self.vocab)
-        head = self.lm.get_output_embeddings()
-        parts = [
-            checkpoint(_chunk_sums, head, h, y, ignore, self.softcap, self.smoothing, use_reentrant=False)
-            for h, y in zip(flat.split(rows), target.split(rows))
-        ]
+        parts = _chunked(self.lm.get_output_embeddings(), flat, target, rows, ignore, self.softcap, self.smoothing)
         self.calls += 1
         self.last = {"tokens": flat.shape[0], "rows": rows, "chunks": len(parts)}
         count = kwargs.get("num_items_in_batch")
@@ -322,12 +311,24 @@ def _smoother_counts_items() -> bool:
     return "num_items_in_batch" in inspect.signature(LabelSmoother.__call__).parameters
 
 
-def _chunk_sums(head: nn.Module, hidden, target, ignore: int, softcap: Optional[float], smoothing: Optional[float]):
-    """One chunk: its logits from the head, soft-capped where the family does, and the sum of its tokens' loss (with
-    smoothing: the two sums of `LabelSmoother`, the labels' and the whole vocabulary's)."""
+def _logits(head: nn.Module, hidden, softcap: Optional[float]):
+    """The head's logits, soft-capped where the family does (before the loss's fp32 upcast, as its forward does)."""
     logits = head(hidden)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _chunked(head: nn.Module, hidden, target, rows: int, ignore: int, softcap, smoothing) -> list:
+    """Each chunk of `rows` tokens' loss sums (`_chunk_sums`), its logits let go after and made again in backward."""
+    return [
+        checkpoint(_chunk_sums, head, h, y, ignore, softcap, smoothing, use_reentrant=False)
+        for h, y in zip(hidden.split(rows), target.split(rows))
+    ]
+
+
+def _chunk_sums(head: nn.Module, hidden, target, ignore: int, softcap: Optional[float], smoothing: Optional[float]):
+    """One chunk: the sum of its tokens' loss (with smoothing: the two sums of `LabelSmoother`, the labels' and the
+    whole vocabulary's)."""
+    logits = _logits(head, hidden, softcap)
     if smoothing is None:
         return F.cross_entropy(logits.float(), target, ignore_index=ignore, reduction="sum")
     minus = -F.log_softmax(logits, dim=-1)
@@ -409,17 +410,12 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     def run(chunking: Optional[Chunking]) -> None:
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             if chunking is None:
-                logits = head(hidden_states)
-                if lever.softcap is not None:
-                    logits = torch.tanh(logits / lever.softcap) * lever.softcap
+                logits = _logits(head, hidden_states, lever.softcap)
                 loss = F.cross_entropy(logits.float(), labels, reduction="sum")
                 del logits
             else:
                 rows = chunking.rows(tokens, hidden, vocab)
-                parts = [
-                    checkpoint(_chunk_sums, head, h, y, -100, lever.softcap, None, use_reentrant=False)
-                    for h, y in zip(hidden_states.split(rows), labels.split(rows))
-                ]
+                parts = _chunked(head, hidden_states, labels, rows, -100, lever.softcap, None)
                 loss = functools.reduce(torch.add, parts)
                 del parts
         grads = torch.autograd.grad(loss, [hidden_states, *params])
