@@ -418,7 +418,7 @@ def test_auto_chooses_the_heads_chunks_with_the_layers_when_the_budget_needs_the
     from optimum_memopt.backends.torch.decide.budget import predict
 
     wide_run(tmp_path, "warm-up")
-    roomy = wide_run(tmp_path, "roomy", steps=4, memory_opt_config="auto", memory_budget_mb=10**6)
+    roomy = wide_run(tmp_path, "roomy", steps=5, memory_opt_config="auto", memory_budget_mb=10**6)
     planner = roomy.memopt_handle.planner
     assert roomy.memopt_handle.profile.head.ran == "Loss+:1:-1"  # step one: the least memory, the head chunked too
     most = [max(c.freed_bytes for c in options) for options in planner.per_layer]
@@ -428,18 +428,20 @@ def test_auto_chooses_the_heads_chunks_with_the_layers_when_the_budget_needs_the
     assert floor < layers_only
     budget = round(floor + 0.75 * (layers_only - floor), 1)
     capsys.readouterr()
-    tight = wide_run(tmp_path, "tight", steps=4, memory_opt_config="auto", memory_budget_mb=budget)
+    # five steps: step one measures, and a choice that misses (a few KiB of the allocator's own bytes are no
+    # tensor's) is re-planned, then falls back to the floor, each checked at the next step's start
+    tight = wide_run(tmp_path, "tight", steps=5, memory_opt_config="auto", memory_budget_mb=budget)
     planner = tight.memopt_handle.planner
     final = planner.fits[-1]
     assert final.head.plan.startswith("Loss+:1:-1@chunks") and final.config().endswith(final.head.plan)
     assert planner.verified[-1]["measured_peak_mb"] <= budget
     lever = tight.memopt_handle.levers["loss"]
-    assert lever.installed and lever.calls == 4 and plan_of(lever.chunking) == final.head.plan
+    assert lever.installed and lever.calls == 5 and plan_of(lever.chunking) == final.head.plan
     out = capsys.readouterr().out
     assert f"Under {budget:,.1f} MiB the solver chose `--memory_opt_config {planner.fits[0].config()}`" in out
     roomy_losses = [h["loss"] for h in roomy.state.log_history if "loss" in h]
     tight_losses = [h["loss"] for h in tight.state.log_history if "loss" in h]
-    assert len(tight_losses) == 4
+    assert len(tight_losses) == 5
     for a, b in zip(roomy_losses, tight_losses):
         assert abs(a - b) <= 1e-6 * abs(a), (roomy_losses, tight_losses)
     with open(tmp_path / "tight" / "memory_auto" / "solver.json") as f:
