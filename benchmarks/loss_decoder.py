@@ -10,7 +10,9 @@ solver choosing the layers' plans and the head's chunking from the run's own ste
 Each run is a fresh process (the advisor's `run_child`: peak = allocator bytes in use above their level before
 training on the CPU, CUDA's max allocated on a GPU; step time = median of the steps after two warm-up steps).
 The largest batch is searched in steps of `--batch_step`: the peak is near a line in the batch, so two measured
-batches predict the largest that fits, which is then checked, with the next one up. Speeds: `--rounds`
+batches predict the largest that fits, which is then checked, with the next one up; where the line undershoots
+(`auto`'s peak is near the budget at every batch) the batch grows by doubling strides, then the last stride is
+halved down to one step. Speeds: `--rounds`
 interleaved rounds at each batch, medians. `auto`'s predicted peak is read from its `memory_auto/solver.json`.
 
     python benchmarks/loss_decoder.py                  # about an hour on 2 CPU cores
@@ -87,10 +89,12 @@ def largest(a, budget, script, label, flags, seen):
         per = (two - one) / step
         guess = int((budget - two) / per) // step * step + second if per > 0 else second * 4
         guess = max(second + step, min(guess, a.max_batch))
-        while guess <= a.max_batch:
+        stride = step
+        while guess <= a.max_batch:  # the line undershot (a peak flat in the batch, as `auto`'s): strides double
             if at(guess):
                 low = guess
-                guess += step
+                guess += stride
+                stride *= 2
             else:
                 high = guess
                 break
@@ -109,9 +113,9 @@ def main(argv=None):
     p.add_argument("--batch_step", type=int, default=4)
     p.add_argument("--max_batch", type=int, default=96)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--hand_chunks", type=int, default=8)
-    p.add_argument("--compile_budgets", type=float, nargs="*", default=[0.1])
+    p.add_argument("--compile_budgets", type=float, nargs="*", default=[0.0, 0.1, 0.5])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "loss_decoder.json"))
     a = p.parse_args(argv)
@@ -179,11 +183,14 @@ def main(argv=None):
         cells = " | ".join(f"{row[f'samples_per_s_{b}']:.2f}" if f"samples_per_s_{b}" in row else "-" for b in batches)
         print(f"| {row['configuration']} | {row['largest_batch']} | {cells} |")
     for m in auto_out:
-        if m.auto and m.auto.get("measured_peak_mb"):
-            predicted, checked = m.auto["predicted_peak_mb"], m.auto["measured_peak_mb"]
+        for k, c in enumerate((m.auto or {}).get("checks", [])):
+            predicted, checked = c["predicted_peak_mb"], c["measured_peak_mb"]
             print(
-                f"auto at batch {m.batch_size}: `{m.auto['config']}`, predicted {predicted:.1f} MiB, its check "
-                f"measured {checked:.1f} ({(predicted / checked - 1) * 100:+.1f}%), the run's peak {m.peak_mb:.1f}"
+                f"auto at batch {m.batch_size}, choice {k + 1}"
+                + (f" (with {c['slack_mb']:.1f} MiB of slack)" if c["slack_mb"] else "")
+                + f": `{c['config']}`, predicted {predicted:.1f} MiB, its check measured {checked:.1f} "
+                f"({(predicted / checked - 1) * 100:+.1f}%)"
+                + (f"; the run's peak {m.peak_mb:.1f}" if k + 1 == len(m.auto["checks"]) else "")
             )
     print(f"written: {a.json}")
 

@@ -20,7 +20,7 @@ start (what is held there that was not at step one's) and adds the gradients' by
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ....memory import MIB
@@ -189,6 +189,7 @@ class Fit:
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
     head: HeadChoice = AS_MEASURED  # how the head and loss run with the choice
+    slack_bytes: int = 0  # solved for `budget_bytes` plus this, every figure lowered by it (`less_by`)
 
     @property
     def recompute_seconds(self) -> float:
@@ -222,7 +223,25 @@ class Fit:
             "floor_in": self.floor.where,
             "measured_step_one_mb": self.measured.peak_mb,
             "why_not": self.why_not or None,
+            "slack_from_check_mb": self.slack_bytes / MIB,
         }
+
+    def less_by(self, slack: int) -> "Fit":
+        """This answer, solved for a budget raised by `slack` (what a check measured under its prediction), with
+        every predicted figure lowered by it: the figures of the budget it was raised from."""
+
+        def lower(p: Prediction) -> Prediction:
+            return Prediction(p.peak_bytes - slack, p.where)
+
+        return replace(
+            self,
+            budget_bytes=self.budget_bytes - slack,
+            measured=lower(self.measured),
+            floor=lower(self.floor),
+            predicted=lower(self.predicted) if self.predicted is not None else None,
+            segments=[(name, value - slack) for name, value in self.segments],
+            slack_bytes=self.slack_bytes + slack,
+        )
 
     def config(self) -> str:
         """The choice in the plan grammar (`--memory_opt_config`), for a run without `auto`."""

@@ -7,7 +7,13 @@
    chooses per layer the configuration of least recompute time whose predicted peak fits, and the engine runs it
    from this forward on. The choice, its predicted peak and cost are said (`say`) and written to `solver.json`.
 3. Step two's peak is measured; at step three's start it is compared with the prediction. Over the budget, the
-   solver chooses once more for a budget lowered by the miss; the new choice is verified and reported, not changed.
+   solver chooses once more for a budget lowered by the miss; a second miss falls back to the least peak recompute
+   reaches, and a miss there stops training with the figures. Under its prediction by more than `SLACK_FROM` of the
+   budget, the solver chooses once more with what the check measured under the prediction as slack (for the budget
+   less `SLACK_KEPT` of it), where that lets it recompute less: the model counts twice what step one made once and
+   kept (on the CPU, the math library's buffers made at the first matmul of each shape are held from then on, and
+   the allocator's readings cannot tell them from what later steps carry over); that choice is checked in turn, and
+   if it misses the budget the run goes back to the first choice, measured to fit.
 
 Nothing fits (the floor of recompute, or a peak outside the layers, over the budget): RuntimeError with the figures.
 
@@ -30,6 +36,10 @@ from .budget import Fit, above, as_kept, fit, fit_share, freed_bytes, head_choic
 from .solver import candidates
 
 logger = logging.getLogger(__name__)
+
+
+SLACK_FROM = 0.01  # a check this share of the budget under its prediction is worth a second solve
+SLACK_KEPT = 0.005  # of the budget, kept as margin by a second solve with a check's slack
 
 
 class BudgetPlanner:
@@ -109,13 +119,13 @@ class BudgetPlanner:
         elif self.stage == "verify":
             self._verify(state)
 
-    def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
+    def _choose(self, state, budget_bytes: Optional[int] = None, slack: int = 0) -> None:
         if self.solved is None:
             self._gather(state)
         result = None
         if self.ranks.rank == 0:
             try:
-                result = self._fit(state, budget_bytes)
+                result = self._fit(state, budget_bytes, slack)
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.ranks.from_rank0(result)
@@ -123,6 +133,14 @@ class BudgetPlanner:
             if self.ranks.rank == 0:
                 raise result
             raise RuntimeError(f"`--memory_opt_config auto`: rank 0 could not choose: {result}")
+        if slack and (result.choice is None or result.recompute_seconds >= self.fits[-1].recompute_seconds):
+            self.say(
+                f"memory_opt_config auto: with the {slack / MIB:,.1f} MiB the check measured under its prediction "
+                f"as slack, the solver finds nothing that recomputes less: `{self.fits[-1].config() or 'nothing'}` "
+                f"stays"
+            )
+            self._finish()
+            return
         self.fits.append(result)
         self._write()
         if result.choice is None:
@@ -171,11 +189,14 @@ class BudgetPlanner:
         head = state.profile.head
         self._head_chunked = f", the head's loss {head.ran}" if head is not None and head.ran else ""
 
-    def _fit(self, state, budget_bytes: Optional[int]) -> Fit:
+    def _fit(self, state, budget_bytes: Optional[int], slack: int = 0) -> Fit:
         if self.share is not None:
             return fit_share(state.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
-        return fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
+        if slack:  # solved with the check's slack, the figures lowered by it, a share of the budget kept
+            budget += slack - int(SLACK_KEPT * budget)
+        result = fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
+        return result.less_by(slack) if slack else result
 
     def _describe(self, result: Fit, state) -> str:
         again = " (again)" if len(self.fits) > 1 else ""
@@ -187,7 +208,7 @@ class BudgetPlanner:
             f"{shape}) peaked at "
             f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
             f"({self.memory.peak.name}); later steps hold {self.extra / MIB:+,.1f} MiB more "
-            f"(made in step one and kept: the optimizer's state, any engine's buffers"
+            f"(made in step one and kept: the optimizer's state, buffers the math libraries and engines made once"
             f"{'; gradients across micro-batches' if self.grad_bytes else ''}). "
             f"{self._under(result)}{f' on each of the {ranks} processes' if ranks > 1 else ''} the solver chose "
             f"{config}{' for all of them' if ranks > 1 else ''}: predicted peak "
@@ -210,6 +231,12 @@ class BudgetPlanner:
             )
         if result.budget_bytes != self.budget_bytes and self._why_lower:
             return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
+        if result.slack_bytes:
+            return (
+                f"Under {result.budget_bytes / MIB:,.1f} MiB (the budget less {SLACK_KEPT:.1%} of it), with the "
+                f"{result.slack_bytes / MIB:,.1f} MiB the check measured under its prediction as slack (the "
+                f"prediction counts again what step one made once and kept; every figure below has it taken off),"
+            )
         return f"Under {self.budget_mb:,.1f} MiB"
 
     def _verify(self, state) -> None:
@@ -241,7 +268,11 @@ class BudgetPlanner:
             f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted "
             f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
-        if self.budget_bytes is not None and peak > self.budget_bytes:  # every rank: each saw the same peaks
+        over_budget = self.budget_bytes is not None and peak > self.budget_bytes  # every rank saw the same peaks
+        if over_budget and result.slack_bytes:
+            self._back_to_first(state, peak)
+            return
+        if over_budget:
             over = (peak - predicted) / MIB
             if len(self.fits) == 1:
                 self._why_lower = (
@@ -269,6 +300,31 @@ class BudgetPlanner:
                 f"over it. Raise the budget to at least {peak / MIB:,.1f} MiB or lower `--per_device_train_batch_size`"
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
             )
+        slack = predicted - peak
+        if len(self.fits) == 1 and result.recompute_seconds and slack > SLACK_FROM * (self.budget_bytes or 0):
+            self._choose(state, slack=slack)
+            return
+        self._finish()
+
+    def _back_to_first(self, state, peak: int) -> None:
+        """The choice made with a check's slack measured over the budget: the first choice, measured to fit, runs
+        from here on (not checked again)."""
+        first, checked = self.fits[0], self.verified[0]
+        policy = first.policy()
+        state.set_policy(policy)
+        lever = state.levers.get("loss")
+        if lever is not None:
+            lever.run_as(policy.loss)
+        self.fits.append(first)
+        self.verified.append(dict(checked, back_to_first=True))
+        self.say(
+            f"memory_opt_config auto: the choice made with the check's slack measured {peak / MIB:,.1f} MiB, over "
+            f"the budget of {self.budget_mb:,.1f} MiB: back to `--memory_opt_config {first.config() or 'nothing'}`"
+            f", measured at {checked['measured_peak_mb']:,.1f} MiB"
+        )
+        self._finish()
+
+    def _finish(self) -> None:
         self._write()
         self.stage = "done"
         self.meter.close()
@@ -286,6 +342,16 @@ class BudgetPlanner:
             if len(self.verified) == len(self.fits)
             else None,
             "choices": len(self.fits),
+            "checks": [  # every choice with its check, in order (a slack's second solve, a re-plan)
+                {
+                    "config": f.config(),
+                    "predicted_peak_mb": f.predicted.peak_mb,
+                    "measured_peak_mb": v["measured_peak_mb"],
+                    "slack_mb": f.slack_bytes / MIB,
+                }
+                for f, v in zip(self.fits, self.verified)
+                if f.predicted is not None
+            ],
         }
 
     def solver_data(self) -> dict:
