@@ -78,7 +78,7 @@ class Chunking:
         if self.tokens is not None:
             return f"chunks of {self.tokens} tokens"
         if self.chunks is not None:
-            return f"{self.chunks} chunks"
+            return f"{self.chunks} chunk{'s' if self.chunks != 1 else ''}"
         return "chunks whose logits hold no more than the final hidden states"
 
 
