@@ -120,7 +120,8 @@ def test_failing_rank_stops_the_launch(tmp_path):
 
 
 def said_on_both_ranks(report, budget, out):
-    """Each check read both ranks' peaks, judged the higher against the budget and said so; a miss re-planned once.
+    """Each check read both ranks' peaks, judged the higher against the budget and said so; a miss re-planned once,
+    a check more than 1% under its prediction solved again with that slack (or said nothing recomputes less).
     (Whether the choice meets the budget is the peak model's accuracy, tested in one process on a larger step in
     tests/test_torch_budget.py: on this tiny decoder at 4 rows per rank it misses by up to 10% either way.)"""
     for check in report["verified"]:
@@ -128,8 +129,17 @@ def said_on_both_ranks(report, budget, out):
         assert len(check["measured_peak_mb_by_rank"]) == 2 and check["measured_peak_mb"] == peak
         verdict = "within" if peak <= budget else "over"
         assert f"peaked at {peak:,.1f} MiB on rank" in out and f"{verdict} the budget of {budget:,.1f} MiB" in out
-    first = max(report["verified"][0]["measured_peak_mb_by_rank"])
-    assert len(report["configs"]) == (2 if first > budget else 1) == len(report["verified"])
+    first = report["verified"][0]
+    slack = first["predicted_peak_mb"] - first["measured_peak_mb"]
+    if first["measured_peak_mb"] > budget:  # re-planned for the budget lowered by the miss
+        assert len(report["configs"]) == 2 == len(report["verified"])
+    elif slack > 0.011 * budget and "as slack, the solver finds nothing that recomputes less" in out:
+        assert len(report["configs"]) == 1 == len(report["verified"])
+    elif slack > 0.011 * budget:  # solved again with the check's slack (and back to the first if that missed)
+        assert len(report["configs"]) in (2, 3) and len(report["configs"]) == len(report["verified"])
+        assert "MiB the check measured under its prediction as slack" in out
+    elif slack < 0.009 * budget:
+        assert len(report["configs"]) == 1 == len(report["verified"])
 
 
 @pytest.mark.skipif(BACKEND != "torch", reason="auto chooses in the training process on the torch backend")
@@ -243,7 +253,7 @@ def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path
             assert max(abs(a - b) for a, b in zip(got["losses"], want["losses"])) <= 1e-5, name
             assert got["checksum"] == pytest.approx(want["checksum"], rel=1e-9), name
     assert stdout["plan"].count("Memory optimizer (torch) ON") == 1 and "STATE  CONFIG" in stdout["plan"]
-    assert "`Loss+` (1 chunks): the head and loss ran in 1 chunk(s)" in stdout["plan"]
+    assert "`Loss+` (1 chunk): the head and loss ran in 1 chunk(s)" in stdout["plan"]
     assert "not measured each way they can run: the head's weight is sharded (DeepSpeed ZeRO-3)" in stdout["plan"]
     assert stdout["none"].count("Memory optimizer (torch) ON") == 0
     out = tmp_path / "resumed"

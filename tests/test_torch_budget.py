@@ -27,7 +27,7 @@ from optimum_memopt.backends.torch.decide.budget import (
     predict,
     selector,
 )
-from optimum_memopt.backends.torch.decide.planner import BudgetPlanner
+from optimum_memopt.backends.torch.decide.planner import MARGIN, BudgetPlanner
 from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
 from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
 from optimum_memopt.backends.torch.measure.graph import saved_bytes
@@ -463,8 +463,10 @@ def _auto_meets_the_budget(tmp: str) -> None:
     # record each save by its storage: 1-17% under-predictions came from addresses checkpoint freed and reused)
     text = said.getvalue()
     assert planner.verified[-1]["measured_peak_mb"] <= budget, planner.verified
-    for check in planner.verified:
-        assert check["measured_peak_mb"] <= check["predicted_peak_mb"] * 1.01 + 0.1, planner.verified
+    went_back = "checked again at the next step's start" in text  # a choice made with a check's slack missed
+    for k, check in enumerate(planner.verified):
+        if not (went_back and planner.fits[k].slack_bytes):
+            assert check["measured_peak_mb"] <= check["predicted_peak_mb"] * 1.01 + 0.1, planner.verified
     for check in planner.verified:
         verdict = "within" if check["measured_peak_mb"] <= budget else "over"
         assert f"peaked at {check['measured_peak_mb']:,.1f} MiB (predicted {check['predicted_peak_mb']:,.1f}" in text
@@ -473,9 +475,11 @@ def _auto_meets_the_budget(tmp: str) -> None:
     slack = planner.verified[0]["predicted_peak_mb"] - planner.verified[0]["measured_peak_mb"]
     if first_over:  # re-planned once for the budget lowered by the miss
         assert len(planner.fits) == len(planner.verified) == 2 and not planner.fits[1].slack_bytes
-    elif slack > 0.01 * budget:  # a second solve with the check's slack, kept or (over the budget) given up
-        assert len(planner.fits) == len(planner.verified) in (2, 3) and planner.fits[1].slack_bytes
-    else:
+    elif "as slack, the solver finds nothing that recomputes less" in text:
+        assert slack > 0.009 * budget and len(planner.fits) == len(planner.verified) == 1
+    elif slack > 0.011 * budget:  # a second solve with the check's slack, kept or (over the budget) given up
+        assert len(planner.fits) == len(planner.verified) == (3 if went_back else 2) and planner.fits[1].slack_bytes
+    elif slack < 0.009 * budget:
         assert len(planner.fits) == len(planner.verified) == 1
     assert losses == plain_losses
     policy = trainer.memopt_handle.policy
@@ -571,7 +575,7 @@ def test_auto_with_a_share_of_the_activations(tmp_path, capsys):
 def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_figures():
     """Each check's step measures more than predicted by what the model holds only from step two on (here added to
     the meter's readings: 40%, 80%, then 120% of the way from the floor to eager's peak): the first miss re-plans for
-    the budget lowered by the miss, said with that budget; the second falls back to the least peak recompute
+    the budget lowered by the miss and a margin of 0.5% of it, said with that budget; the second falls back to the least peak recompute
     reaches; the floor's miss stops training with the figures, on the step after it, never training on over the
     budget."""
     from optimum_memopt.memory import MemoryReading
@@ -616,8 +620,8 @@ def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_f
                 planner.meter.read, planner.meter._wrapped = reading(planner.meter.read), True
     fits = planner.fits
     assert len(fits) == 3 and len(planner.verified) == 3
-    lowered = budget - (planner.verified[0]["measured_peak_mb"] - planner.verified[0]["predicted_peak_mb"]) * MIB
-    assert fits[1].budget_bytes == pytest.approx(lowered, abs=2)
+    missed = (planner.verified[0]["measured_peak_mb"] - planner.verified[0]["predicted_peak_mb"]) * MIB
+    assert fits[1].budget_bytes == pytest.approx(budget - missed - int(MARGIN * budget), abs=2)
     assert (
         f"Under {fits[1].budget_bytes / MIB:,.1f} MiB (the budget of {budget / MIB:,.1f} MiB lowered by the" in said[2]
     )
@@ -637,12 +641,11 @@ def test_a_check_under_its_prediction_lends_its_slack_to_a_second_solve(case, mo
     from the floor to eager's peak off the meter's readings in every checked step: the solver chooses once more with
     what the check measured under its prediction as slack (for the budget less the share it keeps as margin), a
     choice that recomputes less and is predicted with the slack taken off; if that choice measures over the budget
-    (here 20% of the span added to its check instead), the first choice, measured to fit, runs on; where nothing
+    (here 1 MiB over the budget instead), the first choice runs again, checked again; where nothing
     recomputes less (here a slack of 0.1% of the budget, less than the margin kept, the threshold lowered to let it
     through), the first choice stays, said. The checks' peaks are set from the predictions: the planner's answer to
     them is the subject, not the model's error on this small model."""
     from optimum_memopt.backends.torch.decide import planner as planner_module
-    from optimum_memopt.backends.torch.decide.planner import SLACK_KEPT
     from optimum_memopt.memory import MemoryReading
 
     x = torch.randn(1 << 15, 8)
@@ -697,11 +700,12 @@ def test_a_check_under_its_prediction_lends_its_slack_to_a_second_solve(case, mo
     assert under == pytest.approx(kept_once, abs=2) and first.recompute_seconds > 0
     if case == "nothing less":
         assert len(planner.fits) == 1
-        assert said[-1].endswith(f"the solver finds nothing that recomputes less: `{first.config()}` stays")
+        stays = f"the solver finds nothing that recomputes less; `--memory_opt_config {first.config()}` stays"
+        assert said[-1].endswith(stays)
         return
     second = planner.fits[1]
     assert second.slack_bytes == pytest.approx(under, abs=2)
-    assert second.budget_bytes == budget - int(SLACK_KEPT * budget)
+    assert second.budget_bytes == budget - int(MARGIN * budget)
     assert second.recompute_seconds < first.recompute_seconds
     assert second.predicted.peak_bytes <= second.budget_bytes
     assert (
@@ -713,8 +717,7 @@ def test_a_check_under_its_prediction_lends_its_slack_to_a_second_solve(case, mo
         assert planner.verified[1]["measured_peak_mb"] * MIB <= budget
         assert state.policy == second.policy()
     else:
-        assert len(planner.fits) == 3 and planner.fits[2] is first and planner.verified[2]["back_to_first"]
-        assert state.policy == first.policy()
-        assert (
-            f"over the budget of {budget / MIB:,.1f} MiB: back to `--memory_opt_config {first.config()}`" in said[-1]
-        )
+        assert len(planner.fits) == len(planner.verified) == 3 and planner.fits[2] is first
+        assert state.policy == first.policy() and planner.verified[2]["measured_peak_mb"] * MIB <= budget
+        went_back = f"over the budget of {budget / MIB:,.1f} MiB: back to `--memory_opt_config {first.config()}`"
+        assert went_back in said[-2] and said[-2].endswith("checked again at the next step's start")

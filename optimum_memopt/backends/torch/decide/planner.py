@@ -7,13 +7,13 @@
    chooses per layer the configuration of least recompute time whose predicted peak fits, and the engine runs it
    from this forward on. The choice, its predicted peak and cost are said (`say`) and written to `solver.json`.
 3. Step two's peak is measured; at step three's start it is compared with the prediction. Over the budget, the
-   solver chooses once more for a budget lowered by the miss; a second miss falls back to the least peak recompute
-   reaches, and a miss there stops training with the figures. Under its prediction by more than `SLACK_FROM` of the
-   budget, the solver chooses once more with what the check measured under the prediction as slack (for the budget
-   less `SLACK_KEPT` of it), where that lets it recompute less: the model counts twice what step one made once and
-   kept (on the CPU, the math library's buffers made at the first matmul of each shape are held from then on, and
-   the allocator's readings cannot tell them from what later steps carry over); that choice is checked in turn, and
-   if it misses the budget the run goes back to the first choice, measured to fit.
+   solver chooses once more for a budget lowered by the miss and `MARGIN` of it; a second miss falls back to the
+   least peak recompute reaches, and a miss there stops training with the figures. Under its prediction by more
+   than `SLACK_FROM` of the budget, the solver chooses once more with what the check measured under the prediction
+   as slack (for the budget less `MARGIN` of it), where that lets it recompute less: the model counts twice what
+   step one made once and kept (on the CPU, the math library's buffers made at the first matmul of each shape are
+   held from then on, and the allocator's readings cannot tell them from what later steps carry over); that choice
+   is checked in turn, and if it misses the budget the run goes back to the first choice, measured to fit.
 
 Nothing fits (the floor of recompute, or a peak outside the layers, over the budget): RuntimeError with the figures.
 
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 
 SLACK_FROM = 0.01  # a check this share of the budget under its prediction is worth a second solve
-SLACK_KEPT = 0.005  # of the budget, kept as margin by a second solve with a check's slack
+MARGIN = 0.005  # of the budget, kept by a second solve (after a check over its prediction, or with its slack)
 
 
 class BudgetPlanner:
@@ -80,6 +80,8 @@ class BudgetPlanner:
         # the advisor's probe and `--memory_budget_mb` count them); CUDA's counter holds tensors only, from 0.
         self._cpu_base = allocator_bytes_in_use() or 0
         self.base = 0
+        self.device: Optional[str] = None  # the layers' device, from step one
+        self._went_back = False  # the first choice runs again after the one made with a check's slack missed
 
     @property
     def budget_mb(self) -> Optional[float]:
@@ -102,6 +104,7 @@ class BudgetPlanner:
         self.ranks = Ranks()
         self.meter = MemoryMeter(device)
         self.base = self._cpu_base if device == "cpu" else 0
+        self.device = device
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
         self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets)
         self.stage = "measure"
@@ -129,6 +132,10 @@ class BudgetPlanner:
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.ranks.from_rank0(result)
+        if slack and isinstance(result, Exception):  # the first choice, measured to fit, stays
+            self.say(f"memory_opt_config auto: solving with the check's slack failed ({result}); {self._stays()}")
+            self._finish()
+            return
         if isinstance(result, Exception):
             if self.ranks.rank == 0:
                 raise result
@@ -136,8 +143,7 @@ class BudgetPlanner:
         if slack and (result.choice is None or result.recompute_seconds >= self.fits[-1].recompute_seconds):
             self.say(
                 f"memory_opt_config auto: with the {slack / MIB:,.1f} MiB the check measured under its prediction "
-                f"as slack, the solver finds nothing that recomputes less: `{self.fits[-1].config() or 'nothing'}` "
-                f"stays"
+                f"as slack, the solver finds nothing that recomputes less; {self._stays()}"
             )
             self._finish()
             return
@@ -194,7 +200,7 @@ class BudgetPlanner:
             return fit_share(state.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
         if slack:  # solved with the check's slack, the figures lowered by it, a share of the budget kept
-            budget += slack - int(SLACK_KEPT * budget)
+            budget += slack - int(MARGIN * budget)
         result = fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
         return result.less_by(slack) if slack else result
 
@@ -233,7 +239,7 @@ class BudgetPlanner:
             return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
         if result.slack_bytes:
             return (
-                f"Under {result.budget_bytes / MIB:,.1f} MiB (the budget less {SLACK_KEPT:.1%} of it), with the "
+                f"Under {result.budget_bytes / MIB:,.1f} MiB (the budget less {MARGIN:.1%} of it), with the "
                 f"{result.slack_bytes / MIB:,.1f} MiB the check measured under its prediction as slack (the "
                 f"prediction counts again what step one made once and kept; every figure below has it taken off),"
             )
@@ -274,19 +280,19 @@ class BudgetPlanner:
             return
         if over_budget:
             over = (peak - predicted) / MIB
+            floor = result.floor
             if len(self.fits) == 1:
+                lowered = self.budget_bytes - (peak - predicted) - int(MARGIN * self.budget_bytes)
                 self._why_lower = (
                     f"the budget of {self.budget_mb:,.1f} MiB lowered by the {over:,.1f} MiB the check measured over "
-                    f"its prediction"
+                    f"its prediction and {MARGIN:.1%} of it as margin"
+                    + (", no lower than the least peak recompute reaches" if lowered < floor.peak_bytes else "")
                 )
-                self._choose(state, self.budget_bytes - (peak - predicted))
+                self._choose(state, max(lowered, floor.peak_bytes))
                 return
-            floor = result.floor
             if result.predicted.peak_bytes > floor.peak_bytes:
-                self._why_lower = (
-                    f"the least peak recompute reaches: the choice for a lowered budget missed again, by "
-                    f"{over:,.1f} MiB"
-                )
+                again = "the first choice, run again," if self._went_back else "the choice for a lowered budget"
+                self._why_lower = f"the least peak recompute reaches: {again} missed again, by {over:,.1f} MiB"
                 self._choose(state, floor.peak_bytes)
                 return
             self._write()
@@ -300,15 +306,22 @@ class BudgetPlanner:
                 f"over it. Raise the budget to at least {peak / MIB:,.1f} MiB or lower `--per_device_train_batch_size`"
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
             )
+        # A budget in MiB (a share of the activations is no peak to fill), on the CPU (on a GPU a step over the
+        # budget can be an out-of-memory error, and where the difference comes from there was not measured)
         slack = predicted - peak
-        if len(self.fits) == 1 and result.recompute_seconds and slack > SLACK_FROM * (self.budget_bytes or 0):
-            self._choose(state, slack=slack)
-            return
+        if self.budget_bytes is not None and self.device == "cpu" and len(self.fits) == 1 and result.recompute_seconds:
+            if slack > SLACK_FROM * self.budget_bytes:
+                self._choose(state, slack=slack)
+                return
         self._finish()
 
+    def _stays(self) -> str:
+        config = self.fits[-1].config()
+        return f"{f'`--memory_opt_config {config}`' if config else 'recomputing nothing'} stays"
+
     def _back_to_first(self, state, peak: int) -> None:
-        """The choice made with a check's slack measured over the budget: the first choice, measured to fit, runs
-        from here on (not checked again)."""
+        """The choice made with a check's slack measured over the budget: the first choice runs again, and is
+        checked again (what the second one made once stays held), a miss going on as any second miss does."""
         first, checked = self.fits[0], self.verified[0]
         policy = first.policy()
         state.set_policy(policy)
@@ -316,13 +329,16 @@ class BudgetPlanner:
         if lever is not None:
             lever.run_as(policy.loss)
         self.fits.append(first)
-        self.verified.append(dict(checked, back_to_first=True))
+        self._went_back = True
+        config = f"`--memory_opt_config {first.config()}`" if first.config() else "recomputing nothing"
         self.say(
             f"memory_opt_config auto: the choice made with the check's slack measured {peak / MIB:,.1f} MiB, over "
-            f"the budget of {self.budget_mb:,.1f} MiB: back to `--memory_opt_config {first.config() or 'nothing'}`"
-            f", measured at {checked['measured_peak_mb']:,.1f} MiB"
+            f"the budget of {self.budget_mb:,.1f} MiB: back to {config} (measured at "
+            f"{checked['measured_peak_mb']:,.1f} MiB), checked again at the next step's start"
         )
-        self._finish()
+        if self.watch.resets:
+            self.meter.reset_peak()
+        self._start = self._current()
 
     def _finish(self) -> None:
         self._write()
