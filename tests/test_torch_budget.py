@@ -237,7 +237,9 @@ def test_what_no_recompute_can_fix_is_said(profile):
     )
     mem = memory_of([10] * L, 10**7, [10] * L, 10)
     out = fit(profile, mem, 10**7 - 1, whole())
-    assert out.choice is None and out.why_not.startswith("recomputing the most every layer can still peaks at")
+    assert out.choice is None and out.why_not.startswith(
+        "with each layer recomputing the most it can, the step still peaks at"
+    )
     assert out.floor.peak_bytes == 10**7 and out.floor.where.startswith("after the layers")
     assert q  # the whole layers freed something to move
 

@@ -270,8 +270,8 @@ def fit(
         needs, why_not = _needs(memory, q, budget_bytes, extra_bytes, head.bytes_less, len(per_layer))
         if why_not is None and _floor(memory, q, per_layer, extra_bytes, head).peak_bytes > budget_bytes:
             why_not = (
-                f"recomputing the most every layer can still peaks at {result.floor.peak_mb:,.1f} MiB "
-                f"({result.floor.where}), over the budget"
+                f"with each layer recomputing the most it can, the step still peaks at "
+                f"{result.floor.peak_mb:,.1f} MiB ({result.floor.where}), over the budget"
             )
         choice = choose(per_layer, 0, prefix_needs=needs) if why_not is None else None
         if why_not is None and choice is None:  # the bytes are there, but not in the solver's units
