@@ -175,16 +175,27 @@ def test_a_lora_on_the_head_is_trained_as_without_chunks():
         torch.testing.assert_close(grads[n], plain_grads[n], rtol=0, atol=1e-5)
 
 
-def test_bf16_autocast_keeps_the_fp32_upcast():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_autocast_keeps_the_fp32_upcast(dtype):
+    """Under bf16 or fp16 autocast (the CPU's: the GPU's is tests/test_gpu_torch.py's) each chunk's logits are made
+    in half precision and upcast before the loss, as the model's own head does: the losses are fp32 and the plain
+    run's; one chunk is the plain run bitwise, gradients included."""
+
     def run(chunking):
         model = decoder("llama")
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return train(model, 3, chunking)[0]
+        with torch.autocast("cpu", dtype=dtype):
+            return train(model, 3, chunking)
 
-    plain, chunked = run(None), run(Chunking(chunks=4))
+    with torch.autocast("cpu", dtype=dtype):  # the head runs in half precision here: the upcast is the loss's
+        assert decoder("llama")(input_ids=batch(0)[0]).logits.dtype == dtype
+    plain, plain_grads, _ = run(None)
+    chunked, _, _ = run(Chunking(chunks=4))
+    one, one_grads, _ = run(Chunking(chunks=1))
     assert all(a.dtype == b.dtype == torch.float32 for a, b in zip(plain, chunked))
     for a, b in zip(plain, chunked):
         assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (a.item(), b.item())
+    assert all(torch.equal(a, b) for a, b in zip(plain, one))
+    assert all(torch.equal(plain_grads[n], one_grads[n]) for n in plain_grads)
 
 
 def test_no_whole_logits_in_training_and_the_forward_untouched_elsewhere():
