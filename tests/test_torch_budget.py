@@ -574,17 +574,11 @@ def test_auto_with_a_share_of_the_activations(tmp_path, capsys):
     assert "(the budget is a share of the activations: `--activation_memory_budget 0.5`)" in out
 
 
-def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_figures():
-    """Each check's step measures more than predicted by what the model holds only from step two on (here added to
-    the meter's readings: 40%, 80%, then 120% of the way from the floor to eager's peak): the first miss re-plans for
-    the budget lowered by the miss and a margin of 0.5% of it, said with that budget; the second falls back to the least peak recompute
-    reaches; the floor's miss stops training with the figures, on the step after it, never training on over the
-    budget."""
-    from optimum_memopt.memory import MemoryReading
-
-    x = torch.randn(1 << 15, 8)  # 1 MiB an activation: the step well above the allocator's noise
+def eager_and_floor(x):
+    """The peaks predicted with nothing recomputed and with the most recompute for three gated-MLP layers on `x`,
+    after a warm-up training (what a process's first training allocates once is not in them)."""
     _, warm = pair(gated_mlp, n=L)
-    step(warm, x)  # what a process's first training allocates once is not in the figures below
+    step(warm, x)
     del warm
     _, model = pair(gated_mlp, n=L)
     probe = engine(model, whole())
@@ -593,14 +587,32 @@ def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_f
         step(model, x, seed=seed)
         probe.step_done()
     eager, floor = probe.planner.fits[0].predicted.peak_bytes, probe.planner.fits[0].floor.peak_bytes
-    span = eager - floor
-    assert span > 0
+    assert eager > floor
+    return eager, floor
 
+
+def planned_between(x, share):
+    """A fresh model under the budget planner, the budget `share` of the way from the floor to eager's peak: the
+    model, its engine, the planner, the budget, that span, and what the planner said (a list)."""
+    eager, floor = eager_and_floor(x)
     _, model = pair(gated_mlp, n=L)
     state = engine(model, whole())
     said = []
-    budget = floor + int(0.7 * span)
-    planner = state.planner = BudgetPlanner(budget, say=said.append)
+    budget = floor + int(share * (eager - floor))
+    state.planner = BudgetPlanner(budget, say=said.append)
+    return model, state, state.planner, budget, eager - floor, said
+
+
+def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_figures():
+    """Each check's step measures more than predicted by what the model holds only from step two on (here added to
+    the meter's readings: 40%, 80%, then 120% of the way from the floor to eager's peak): the first miss re-plans for
+    the budget lowered by the miss and a margin of 0.5% of it, said with that budget; the second falls back to the
+    least peak recompute reaches; the floor's miss stops training with the figures, on the step after it, never
+    training on over the budget."""
+    from optimum_memopt.memory import MemoryReading
+
+    x = torch.randn(1 << 15, 8)  # 1 MiB an activation: the step well above the allocator's noise
+    model, state, planner, budget, span, said = planned_between(x, 0.7)
     extra = iter([0.4 * span, 0.8 * span, 1.2 * span])
     checks = []
 
@@ -650,25 +662,8 @@ def test_a_check_under_its_prediction_lends_its_slack_to_a_second_solve(case, mo
     from optimum_memopt.backends.torch.decide import planner as planner_module
     from optimum_memopt.memory import MemoryReading
 
-    x = torch.randn(1 << 15, 8)
-    _, warm = pair(gated_mlp, n=L)
-    step(warm, x)
-    del warm
-    _, model = pair(gated_mlp, n=L)
-    probe = engine(model, whole())
-    probe.planner = BudgetPlanner(1 << 40, say=lambda text: None)
-    for seed in range(2):
-        step(model, x, seed=seed)
-        probe.step_done()
-    eager, floor = probe.planner.fits[0].predicted.peak_bytes, probe.planner.fits[0].floor.peak_bytes
-    span = eager - floor
-    assert span > 0
-
-    _, model = pair(gated_mlp, n=L)
-    state = engine(model, whole())
-    said = []
-    budget = floor + int(0.6 * span)
-    planner = state.planner = BudgetPlanner(budget, say=said.append)
+    x = torch.randn(1 << 15, 8)  # 1 MiB an activation: the step well above the allocator's noise
+    model, state, planner, budget, span, said = planned_between(x, 0.6)
     kept_once = 0.3 * span  # what each checked step holds less than the model predicts for it
     if case == "nothing less":
         monkeypatch.setattr(planner_module, "SLACK_FROM", 0.0005)
