@@ -1,7 +1,9 @@
 """Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
 
 MODE: ddp | zero1 | zero2 | fsdp (`--fsdp full_shard`, which trains as DDP on the CPU) | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
-auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend) | auto-zero2:MIB (the same under ZeRO-2). BACKEND (optional): ort | torch.
+auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend) | auto-zero2:MIB (the same under ZeRO-2) | decoder:PLANS
+(the tiny decoder under DDP with `--memory_opt_config PLANS`, or without the plugin's backend for `none`). BACKEND
+(optional): ort | torch.
 Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
 """
 
@@ -63,6 +65,31 @@ def auto(budget_mb: str, out: str, rank: int, zero: str = "") -> None:
         json.dump(report, f)
 
 
+def decoder(plans: str, out: str, rank: int) -> None:
+    """The tiny decoder under DDP with the plans given by hand (`none`: no backend), 4 steps of 4 rows a rank."""
+    memory = ["--memory_opt_backend", "none"] if plans == "none" else ["--memory_opt_backend", "torch"]
+    memory += [] if plans == "none" else ["--memory_opt_config", plans]
+    args = make_args(
+        out, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--ddp_backend", "gloo",
+        "--optim", "adamw_torch", *memory,
+    )  # fmt: skip
+    trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=Tokens(n=32))
+    trainer.train()
+    handle = trainer.memopt_handle
+    lever = handle.levers.get("loss") if handle is not None else None
+    params = torch.cat([p.detach().float().flatten() for p in trainer.plain_model.parameters()])
+    report = {
+        "rank": rank,
+        "wrapped": type(trainer.model_wrapped).__name__,
+        "losses": trainer.losses,
+        "param_sum": float(params.sum()),
+        "param_abs_sum": float(params.abs().sum()),
+        "head": dict(lever.last, calls=lever.calls) if lever is not None else None,
+    }
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     backend = sys.argv[3] if len(sys.argv) > 3 else "ort"
@@ -73,6 +100,8 @@ def main():
     if mode.startswith("auto"):  # auto:MIB (DDP) or auto-zero2:MIB
         how, budget = mode.split(":", 1)
         return auto(budget, out, rank, how[len("auto-") :])
+    if mode.startswith("decoder:"):
+        return decoder(mode[len("decoder:") :], out, rank)
     handler = CountingHandler()
     logging.getLogger("optimum_memopt").addHandler(handler)
     per_device = "8" if mode == "single" else "4"
