@@ -81,7 +81,6 @@ class BudgetPlanner:
         self._cpu_base = allocator_bytes_in_use() or 0
         self.base = 0
         self.device: Optional[str] = None  # the layers' device, from step one
-        self._went_back = False  # the first choice runs again after the one made with a check's slack missed
 
     @property
     def budget_mb(self) -> Optional[float]:
@@ -156,16 +155,26 @@ class BudgetPlanner:
                 f"({result.floor.where}); raise the budget or lower `--per_device_train_batch_size`"
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
             )
-        policy = result.policy()
-        state.set_policy(policy)
-        lever = state.levers.get("loss")
-        if lever is not None:
-            lever.run_as(policy.loss)  # the head's way, chosen with the layers' (its time and memory measured aside)
+        self._run(state, result)
         self.say(self._describe(result, state))
         if self.watch.resets:
             self.meter.reset_peak()
         self._start = self._current()
         self.stage = "verify"
+
+    @staticmethod
+    def _run(state, result: Fit) -> None:
+        """The engine runs `result`'s choice from this forward on."""
+        policy = result.policy()
+        state.set_policy(policy)
+        lever = state.levers.get("loss")
+        if lever is not None:
+            lever.run_as(policy.loss)  # the head's way, chosen with the layers' (its time and memory measured aside)
+
+    @staticmethod
+    def _flag(result: Fit) -> str:
+        config = result.config()
+        return f"`--memory_opt_config {config}`" if config else "recomputing nothing"
 
     def _gather(self, state) -> None:
         """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""
@@ -291,7 +300,8 @@ class BudgetPlanner:
                 self._choose(state, max(lowered, floor.peak_bytes))
                 return
             if result.predicted.peak_bytes > floor.peak_bytes:
-                again = "the first choice, run again," if self._went_back else "the choice for a lowered budget"
+                went_back = any(f.slack_bytes for f in self.fits)  # a choice made with a check's slack missed
+                again = "the first choice, run again," if went_back else "the choice for a lowered budget"
                 self._why_lower = f"the least peak recompute reaches: {again} missed again, by {over:,.1f} MiB"
                 self._choose(state, floor.peak_bytes)
                 return
@@ -316,24 +326,17 @@ class BudgetPlanner:
         self._finish()
 
     def _stays(self) -> str:
-        config = self.fits[-1].config()
-        return f"{f'`--memory_opt_config {config}`' if config else 'recomputing nothing'} stays"
+        return f"{self._flag(self.fits[-1])} stays"
 
     def _back_to_first(self, state, peak: int) -> None:
         """The choice made with a check's slack measured over the budget: the first choice runs again, and is
         checked again (what the second one made once stays held), a miss going on as any second miss does."""
         first, checked = self.fits[0], self.verified[0]
-        policy = first.policy()
-        state.set_policy(policy)
-        lever = state.levers.get("loss")
-        if lever is not None:
-            lever.run_as(policy.loss)
+        self._run(state, first)
         self.fits.append(first)
-        self._went_back = True
-        config = f"`--memory_opt_config {first.config()}`" if first.config() else "recomputing nothing"
         self.say(
             f"memory_opt_config auto: the choice made with the check's slack measured {peak / MIB:,.1f} MiB, over "
-            f"the budget of {self.budget_mb:,.1f} MiB: back to {config} (measured at "
+            f"the budget of {self.budget_mb:,.1f} MiB: back to {self._flag(first)} (measured at "
             f"{checked['measured_peak_mb']:,.1f} MiB), checked again at the next step's start"
         )
         if self.watch.resets:
