@@ -2,6 +2,7 @@
 the least-recompute choice under a budget (`budget.fit`, against every combination), its plan-grammar form, and
 `--memory_opt_config auto` choosing in the training process (`planner`) on a decoder through the Trainer."""
 
+import gc
 import itertools
 import json
 import os
@@ -580,6 +581,7 @@ def eager_and_floor(x):
     _, warm = pair(gated_mlp, n=L)
     step(warm, x)
     del warm
+    gc.collect()  # earlier tests' garbage freed now, not between a run's step one and two (its `extra`)
     _, model = pair(gated_mlp, n=L)
     probe = engine(model, whole())
     probe.planner = BudgetPlanner(1 << 40, say=lambda text: None)
@@ -595,6 +597,7 @@ def planned_between(x, share):
     """A fresh model under the budget planner, the budget `share` of the way from the floor to eager's peak: the
     model, its engine, the planner, the budget, that span, and what the planner said (a list)."""
     eager, floor = eager_and_floor(x)
+    gc.collect()
     _, model = pair(gated_mlp, n=L)
     state = engine(model, whole())
     said = []
