@@ -186,9 +186,8 @@ def main(argv=None):
         for k, c in enumerate((m.auto or {}).get("checks", [])):
             predicted, checked = c["predicted_peak_mb"], c["measured_peak_mb"]
             print(
-                f"auto at batch {m.batch_size}, choice {k + 1}"
-                + (f" (with {c['slack_mb']:.1f} MiB of slack)" if c["slack_mb"] else "")
-                + f": `{c['config']}`, predicted {predicted:.1f} MiB, its check measured {checked:.1f} "
+                f"auto at batch {m.batch_size}, choice {k + 1}: `{c['config']}`, predicted {predicted:.1f} MiB, "
+                f"its check measured {checked:.1f} "
                 f"({(predicted / checked - 1) * 100:+.1f}%)"
                 + (f"; the run's peak {m.peak_mb:.1f}" if k + 1 == len(m.auto["checks"]) else "")
             )

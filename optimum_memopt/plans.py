@@ -467,13 +467,18 @@ class PlanReport:
         def applied(p: FoundPlan) -> float:
             return p.applied_saving_bytes if p.applied_saving_bytes is not None else p.saving_bytes or 0.0
 
-        plans = [p for p in self.plans if not p.combination]
+        plans = [p for p in self.plans if not p.combination and not p.head]  # kept bytes; the head's are a peak's
         if enabled_only:
             return sum(applied(p) for p in plans if p.enabled) / (1024.0 * 1024.0)
         # all found: the plans together, or a combination that chains them and frees more
         alone = sum(p.saving_bytes or 0.0 for p in plans)
         chained = max((p.saving_bytes or 0.0 for p in self.plans if p.combination), default=0.0)
         return max(alone, chained) / (1024.0 * 1024.0)
+
+    def head_saving_mb(self) -> float:
+        """What the head and loss, as this run runs them, hold less at their most than the model's own head (the
+        `Loss+` row that is on; 0 where none is): a transient peak's bytes, not added to `saving_mb`'s."""
+        return sum(p.saving_bytes or 0.0 for p in self.plans if p.head and p.enabled) / (1024.0 * 1024.0)
 
     def to_dict(self) -> dict:
         return asdict(self)

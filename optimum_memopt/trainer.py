@@ -199,6 +199,7 @@ class MemoptTrainerMixin(OrtTrainerParts):
                 raise RuntimeError(problem)
         if self.args.memory_opt_on:
             self.resolve_memory_plan()
+        self._memopt_wrap_seen = False  # each `train()` checks that the model it trains holds the backend
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _load_rng_state(self, checkpoint):

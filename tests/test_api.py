@@ -61,9 +61,10 @@ def test_plans_train_as_the_plain_loop_and_report_the_trainers_table(tmp_path):
     assert len(chained) == 1 and chained[0].enabled and f"ON     {chained[0].config}" in table
     # the single plans' rows (the sets offered together depend on the ops' timings as well)
     mine = {p.config: (p.frequency, p.saving_bytes, p.enabled) for p in report.plans if not p.combination}
-    # the head's rows are measured between steps, which a loop that does not report them has no place for: said
+    # the head's rows are measured only where `Loss+` or `auto` was asked (measuring runs the head between steps,
+    # above what the step holds then): said
     assert not [p for p in report.plans if p.config.startswith("Loss+")]
-    assert any("the loop does not say where its steps end" in n for n in report.notes)
+    assert any("they are measured where `Loss+` or `--memory_opt_config auto`" in n for n in report.notes)
 
     args = MemoptTrainingArguments(
         output_dir=str(tmp_path), use_cpu=True, max_steps=1, per_device_train_batch_size=8, report_to="none",
@@ -104,6 +105,7 @@ def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
     choice = memopt.auto
     assert memopt.config == choice["config"] and choice["config"] not in ("Loss+:1:-1", None)
     assert choice["predicted_peak_mb"] <= budget and choice["measured_peak_mb"] <= budget, choice
+    assert all(check["measured_peak_mb"] <= budget for check in choice["checks"]), choice  # every step after one
     with open(tmp_path / "solver.json") as f:
         data = json.load(f)
     assert data["fits"][-1]["config"] == choice["config"]
@@ -136,6 +138,52 @@ def test_remove_gives_the_plain_model_back():
     assert (len(model._forward_pre_hooks), len(model._forward_hooks)) == hooks
     assert all("forward" not in vars(layer) for layer in model.model.layers)  # the class's forward again
     assert loop(model) == plain
+
+
+def samplers() -> int:
+    import threading
+
+    return sum(t.name == "memopt-peak-sampler" and t.is_alive() for t in threading.enumerate())
+
+
+def test_remove_after_auto_takes_off_the_loss_lever_and_the_meters():
+    """`auto` installs the loss lever on the head (step one runs it in chunks) and meters with sampler threads: all
+    of it goes with `remove`, and the model trains as it did before the plugin."""
+    torch.manual_seed(0)
+    plain = loop(decoder())
+    torch.manual_seed(0)
+    model = decoder()
+    before = samplers()
+    memopt = optimum_memopt.optimize_memory(model, "auto", budget_mb=100000, reports_steps=False)
+    loop(memopt.model, steps=3)
+    assert memopt.levers["loss"].calls == 3 and "forward" in vars(model)
+    # the head's ways are measured between steps, which a loop that does not report them has no place for: said
+    assert any("the loop does not say where its steps end" in n for n in memopt.report().notes)
+    memopt.remove()
+    assert {"forward", "_memopt_loss_lever", "_memopt_loss_forward", "_memopt_recompute"}.isdisjoint(vars(model))
+    assert samplers() == before
+    torch.manual_seed(0)
+    model.load_state_dict(decoder().state_dict())
+    assert loop(model) == plain
+
+
+def test_a_second_wrap_takes_the_first_ones_levers_off():
+    """A second `optimize_memory` on a model the first one left on (no `remove`): the first wrap's loss lever runs no
+    more (before, it kept chunking with the first choice, and the second wrap refused `Loss+` or could not measure
+    the head), its meters are closed, and the second wrap's `Loss+` runs every step."""
+    torch.manual_seed(0)
+    model = decoder()
+    before = samplers()
+    first = optimum_memopt.optimize_memory(model, "auto", budget_mb=100000, reports_steps=False)
+    loop(first.model, steps=3)
+    old = first.levers["loss"]
+    second = optimum_memopt.optimize_memory(model, "Layer+:1:-1@0,Loss+:1:-1@chunks4")
+    loop(second.model, steps=2)
+    assert not old.installed and old.calls == 3
+    lever = second.levers["loss"]
+    assert lever.calls == 2 and lever.last["chunks"] == 4
+    second.remove()
+    assert "forward" not in vars(model) and samplers() == before
 
 
 @pytest.mark.parametrize(

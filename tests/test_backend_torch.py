@@ -652,6 +652,16 @@ def test_one_module_at_several_positions_under_one_plan_is_recomputed_at_every_u
     )
 
 
+def test_one_module_at_several_positions_keeps_the_loss_lever(tmp_path):
+    """Before, the policy rebuilt for a shared block left `Loss+` out without a word: the head ran whole."""
+    plain, _ = shared_block_run(tmp_path, "plain", "--memory_opt_backend", "none")
+    flags = ("--memory_opt_config", "Layer+:1:-1@0+1,Loss+:1:-1@chunks1")
+    trainer, calls = shared_block_run(tmp_path, "shared", "--memory_opt_backend", "torch", *flags)
+    assert calls == 16 and trainer.losses == plain.losses
+    lever = trainer.memopt_handle.levers["loss"]
+    assert trainer.memopt_handle.policy.loss == "chunks1" and lever.installed and lever.calls == 4
+
+
 def test_a_model_compiled_by_the_user_is_refused_naming_torch_compile(tmp_path):
     """`torch.compile(model)` given to the Trainer with a plan: before, the first step stopped blaming the
     transformers release (the compiled wrapper hands the backend's attributes to the inner model)."""

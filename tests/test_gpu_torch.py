@@ -1,6 +1,8 @@
 """The torch backend on CUDA: dropout's random state replayed on the GPU, autocast (bf16 / fp16), the CUDA memory
-phases, and DeepSpeed ZeRO-2 with fp16 and DeepSpeed's FusedAdam. Skipped where no CUDA device is present; the CPU
-side of the same code runs in test_backend_torch.py."""
+phases, the loss lever (`Loss+`) in fp32 and bf16, `auto` under a budget with its picture, and DeepSpeed ZeRO-2 with
+fp16 and DeepSpeed's FusedAdam. Skipped where no CUDA device is present; the CPU side of the same code runs in
+test_backend_torch.py, test_torch_loss.py and test_torch_budget.py (`scripts/gpu_check.sh` runs these and
+test_random_streams.py on the GPU)."""
 
 import csv
 import json
@@ -8,7 +10,7 @@ import os
 
 import pytest
 import torch
-from helpers import ClsData, LossRecordingTrainer, make_args
+from helpers import ClsData, LossRecordingTrainer, Tokens, make_args, tiny_decoder
 from test_backend_torch import build_model
 
 pytestmark = [pytest.mark.torch_backend, pytest.mark.gpu]
@@ -75,6 +77,70 @@ def test_cuda_memory_phases_are_read_from_the_allocator(tmp_path):
         by_step.setdefault(int(r["step"]), {})[r["phase"]] = float(r["in_use_mb"])
     # activations are held from the end of forward until backward frees them
     assert all(p["post_forward"] > p["pre_forward"] for p in by_step.values() if len(p) == 4)
+
+
+def _decoder_run(out, *flags, steps=6, batch=8):
+    """The tests' Llama-style decoder (3 layers, hidden 128, vocabulary 512, 256 tokens a row) on CUDA."""
+    args = make_args(
+        out, "--max_steps", str(steps), "--logging_steps", "1", "--per_device_train_batch_size", str(batch), *flags
+    )
+    trainer = LossRecordingTrainer(model=tiny_decoder(), args=args, train_dataset=Tokens(n=steps * batch))
+    trainer.train()
+    return trainer
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cuda_loss_lever_trains_as_the_models_own_head(tmp_path, precision):
+    """`Loss+` on CUDA: one chunk gives the plain run's losses (bitwise in fp32), four chunks the same to the chunked
+    sum's roundings; the head's ways are measured after step one on the GPU, the model's own head among them (never
+    with more memory than step one's peak left free), and the table shows their rows."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    half = ["--bf16"] if precision == "bf16" else []
+    plain = _decoder_run(tmp_path / "plain", "--memory_opt_backend", "none", *half).losses
+    one = _decoder_run(tmp_path / "one", "--memory_opt_backend", "torch", "--memory_opt_config",
+                       "Layer+:1:-1@0,Loss+:1:-1@chunks1", *half)  # fmt: skip
+    four = _decoder_run(tmp_path / "four", "--memory_opt_backend", "torch", "--memory_opt_config",
+                        "Layer+:1:-1@0,Loss+:1:-1@chunks4", *half)  # fmt: skip
+    if precision == "fp32":
+        assert one.losses == plain, (one.losses, plain)
+    else:  # bf16: the first step exact, later ones within bf16's roundings of the chunked gradients
+        assert one.losses[0] == plain[0] and max(abs(a - b) for a, b in zip(one.losses, plain)) <= 1e-2
+    tolerance = 1e-5 if precision == "fp32" else 1e-2
+    assert max(abs(a - b) for a, b in zip(four.losses, plain)) <= tolerance, (four.losses, plain)
+    lever = four.memopt_handle.levers["loss"]
+    assert lever.calls == 6 and lever.last["chunks"] == 4
+    head = four.memopt_handle.profile.head
+    assert head is not None and head.ran == "Loss+:1:-1@chunks4", four.memopt_handle.profile.head_problem
+    assert head.option("") is not None or "" in head.why_not  # the whole head run, or said why not
+    rows = [p for p in _report(tmp_path / "four")["plans"] if p.get("head")]
+    assert rows and any(p["enabled"] and p["config"] == "Loss+:1:-1@chunks4" for p in rows)
+
+
+@needs_cuda
+def test_cuda_auto_meets_its_budget_and_draws_its_picture(tmp_path):
+    """`auto` on CUDA (tensor bytes in the caching allocator, its peak counter reset at each mark): with room to
+    spare it recomputes nothing; under a budget halfway from the least recompute reaches to eager's peak it chooses
+    recompute, every check measures within the budget, the losses are the roomy run's to the chunked loss's
+    roundings, and the picture and `solver.json` are written."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    roomy = _decoder_run(tmp_path / "roomy", "--memory_opt_backend", "torch", "--memory_opt_config", "auto",
+                         "--memory_budget_mb", "100000")  # fmt: skip
+    planner = roomy.memopt_handle.planner
+    assert planner.device == "cuda" and planner.fits[0].choice is not None
+    eager, floor = planner.verified[0]["measured_peak_mb"], planner.fits[0].floor.peak_mb
+    assert floor < eager, (floor, eager)
+    budget = round((eager + floor) / 2, 1)
+    tight = _decoder_run(tmp_path / "tight", "--memory_opt_backend", "torch", "--memory_opt_config", "auto",
+                         "--memory_budget_mb", str(budget))  # fmt: skip
+    planner = tight.memopt_handle.planner
+    assert planner.stage == "done" and planner.fits[-1].config(), planner.verified
+    for check in planner.verified:
+        assert check["measured_peak_mb"] <= budget, (budget, planner.verified)
+    assert max(abs(a - b) for a, b in zip(tight.losses, roomy.losses)) <= 1e-5, (tight.losses, roomy.losses)
+    assert (tmp_path / "tight" / "memory_auto" / "step_memory.png").stat().st_size > 0
+    solver = json.loads((tmp_path / "tight" / "memory_auto" / "solver.json").read_text())
+    assert solver["memory"]["device"] == "cuda" and solver["budget_mb"] == pytest.approx(budget)
 
 
 @needs_cuda

@@ -41,6 +41,7 @@ def test_the_picture_draws_solver_json_and_goes_to_tensorboard(tmp_path):
     png = out / "memory_auto" / "step_memory.png"
     assert png.is_file() and trainer.memopt_handle.config
     data = json.loads((out / "memory_auto" / "solver.json").read_text())
+    assert all(check["measured_peak_mb"] <= budget for check in data["verified"]), data["verified"]
 
     # the picture's data are solver.json's: drawn again from the file, every artist holds its figures
     figure = draw_step_memory(data, str(tmp_path / "again.png"))
@@ -76,3 +77,29 @@ def test_a_picture_that_cannot_be_written_never_stops_training(tmp_path, caplog)
     assert len(said) == 1 and "training goes on without this report" in said[0]
     callback = next(c for c in trainer.callback_handler.callbacks if isinstance(c, StepMemoryCallback))
     assert callback.path == str(out / "memory_auto" / "step_memory.png")  # tried once, not at every step
+
+
+def test_a_second_train_gets_its_table_its_picture_and_its_wrap_check(tmp_path, monkeypatch):
+    """`train()` twice on one Trainer (a second round of training, as hyperparameter trials and resumed scripts do):
+    before, the second got no plan table, no picture and no check that the model it trains holds the backend."""
+    from optimum_memopt.callbacks.plan_stats import PlanStatsCallback
+
+    trainer = train(tmp_path / "twice", 10**6, steps=3)
+    png = tmp_path / "twice" / "memory_auto" / "step_memory.png"
+    tables = tmp_path / "twice" / "memory_plans.json"
+    first = (png.stat().st_mtime_ns, tables.stat().st_mtime_ns)
+    stats = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PlanStatsCallback))
+    report = stats.report
+    checked = []
+    real = type(trainer)._memopt_check_wrapped
+
+    def spy(self, model):
+        if not self._memopt_wrap_seen:
+            checked.append(type(model).__name__)
+        return real(self, model)
+
+    monkeypatch.setattr(type(trainer), "_memopt_check_wrapped", spy)
+    trainer.train()
+    assert stats.report is not None and stats.report is not report  # the table, made again
+    assert png.stat().st_mtime_ns > first[0] and tables.stat().st_mtime_ns > first[1]  # the picture, the table
+    assert checked == ["LlamaForCausalLM"]  # the wrap check ran once, on the second train()'s first step

@@ -461,29 +461,17 @@ def _auto_meets_the_budget(tmp: str) -> None:
     final = planner.fits[-1]
     assert final.choice is not None and final.predicted.peak_mb <= budget
     assert any(c.freed_bytes for c in final.choice) and not all(c.whole for c in final.choice)
-    # each check said what it measured, judged against the budget, and a miss re-planned once; the choice it ends
-    # on meets the budget, and each check measured its prediction (step one is read after every op, and its graphs
-    # record each save by its storage: 1-17% under-predictions came from addresses checkpoint freed and reused)
+    # each check said what it measured and judged it against the budget; every one of them measured within its
+    # prediction (step one is read after every op, and its graphs record each save by its storage: 1-17%
+    # under-predictions came from addresses checkpoint freed and reused) and within the budget: the run's whole peak
+    # after step one never went over it; a check under its prediction lends nothing to a second solve
     text = said.getvalue()
-    assert planner.verified[-1]["measured_peak_mb"] <= budget, planner.verified
-    went_back = "checked again at the next step's start" in text  # a choice made with a check's slack missed
-    for k, check in enumerate(planner.verified):
-        if not (went_back and planner.fits[k].slack_bytes):
-            assert check["measured_peak_mb"] <= check["predicted_peak_mb"] * 1.01 + 0.1, planner.verified
     for check in planner.verified:
-        verdict = "within" if check["measured_peak_mb"] <= budget else "over"
+        assert check["measured_peak_mb"] <= check["predicted_peak_mb"] * 1.01 + 0.1, planner.verified
+        assert check["measured_peak_mb"] <= budget, planner.verified
         assert f"peaked at {check['measured_peak_mb']:,.1f} MiB (predicted {check['predicted_peak_mb']:,.1f}" in text
-        assert f"{verdict} the budget of {budget:,.1f} MiB" in text
-    first_over = planner.verified[0]["measured_peak_mb"] > budget
-    slack = planner.verified[0]["predicted_peak_mb"] - planner.verified[0]["measured_peak_mb"]
-    if first_over:  # re-planned once for the budget lowered by the miss
-        assert len(planner.fits) == len(planner.verified) == 2 and not planner.fits[1].slack_bytes
-    elif "as slack, the solver finds nothing that recomputes less" in text:
-        assert slack > 0.009 * budget and len(planner.fits) == len(planner.verified) == 1
-    elif slack > 0.011 * budget:  # a second solve with the check's slack, kept or (over the budget) given up
-        assert len(planner.fits) == len(planner.verified) == (3 if went_back else 2) and planner.fits[1].slack_bytes
-    elif slack < 0.009 * budget:
-        assert len(planner.fits) == len(planner.verified) == 1
+        assert f"within the budget of {budget:,.1f} MiB" in text
+    assert len(planner.fits) == len(planner.verified) == 1, planner.verified
     assert losses == plain_losses
     policy = trainer.memopt_handle.policy
     rebuilt = RecomputePolicy.from_plans(parse_inline(final.config()), 0, 3)
@@ -651,73 +639,35 @@ def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_f
     assert all(f"over the budget of {budget / MIB:,.1f} MiB" in s for s in (said[1], said[3], said[5]))
 
 
-@pytest.mark.parametrize("case", ["slack taken", "slack missed", "nothing less"])
-def test_a_check_under_its_prediction_lends_its_slack_to_a_second_solve(case, monkeypatch):
-    """What step one made once and kept (the math library's buffers on the CPU) is in its segments' peaks and again
-    in what later steps hold more: a check measures under its prediction. Emulated here by taking 30% of the span
-    from the floor to eager's peak off the meter's readings in every checked step: the solver chooses once more with
-    what the check measured under its prediction as slack (for the budget less the share it keeps as margin), a
-    choice that recomputes less and is predicted with the slack taken off; if that choice measures over the budget
-    (here 1 MiB over the budget instead), the first choice runs again, checked again; where nothing
-    recomputes less (here a slack of 0.1% of the budget, less than the margin kept, the threshold lowered to let it
-    through), the first choice stays, said. The checks' peaks are set from the predictions: the planner's answer to
-    them is the subject, not the model's error on this small model."""
-    from optimum_memopt.backends.torch.decide import planner as planner_module
+def test_a_check_under_its_prediction_keeps_the_choice():
+    """A check that measures well under its prediction (30% of the span from the floor to eager's peak taken off the
+    meter's readings in every checked step) keeps the choice: what it measured less comes from the step it ran, and a
+    choice that recomputes less could peak where the difference is not (a second solve that took it as slack chose,
+    1 time in 6, a choice that measured 3.6% over its prediction and over the budget). One choice, one check, said
+    within the budget."""
     from optimum_memopt.memory import MemoryReading
 
     x = torch.randn(1 << 15, 8)  # 1 MiB an activation: the step well above the allocator's noise
     model, state, planner, budget, span, said = planned_between(x, 0.6)
-    kept_once = 0.3 * span  # what each checked step holds less than the model predicts for it
-    if case == "nothing less":
-        monkeypatch.setattr(planner_module, "SLACK_FROM", 0.0005)
-        kept_once = 0.001 * budget
-
-    def checked(k, fit):
-        """Check k's peak: the model's prediction (a slack's taken off figures given back) less `kept_once`; the
-        choice made with the slack measured 1 MiB over the budget where it misses."""
-        if k == 1 and case == "slack missed":
-            return budget + MIB
-        return fit.predicted.peak_bytes + fit.slack_bytes - kept_once
+    kept_once = int(0.3 * span)
 
     def reading(read):
-        def more():
+        def less():
             got = read()
             if planner.stage != "verify":
                 return got
-            peak = planner.base + checked(len(planner.fits) - 1, planner.fits[-1])
+            peak = planner.base + planner.fits[-1].predicted.peak_bytes - kept_once
             return MemoryReading(got.device, got.current_mb, peak / MIB, got.resident_mb, got.resident_peak_mb)
 
-        return more
+        return less
 
     for seed in range(5):
         step(model, x, seed=seed)
         state.step_done()
         if planner.meter is not None and not hasattr(planner.meter, "_wrapped"):
             planner.meter.read, planner.meter._wrapped = reading(planner.meter.read), True
-    assert planner.stage == "done"
-    first, first_check = planner.fits[0], planner.verified[0]
-    under = (first_check["predicted_peak_mb"] - first_check["measured_peak_mb"]) * MIB
-    assert under == pytest.approx(kept_once, abs=2) and first.recompute_seconds > 0
-    if case == "nothing less":
-        assert len(planner.fits) == 1
-        stays = f"the solver finds nothing that recomputes less; `--memory_opt_config {first.config()}` stays"
-        assert said[-1].endswith(stays)
-        return
-    second = planner.fits[1]
-    assert second.slack_bytes == pytest.approx(under, abs=2)
-    assert second.budget_bytes == budget - int(MARGIN * budget)
-    assert second.recompute_seconds < first.recompute_seconds
-    assert second.predicted.peak_bytes <= second.budget_bytes
-    assert (
-        f"Under {second.budget_bytes / MIB:,.1f} MiB (the budget less 0.5% of it), with the "
-        f"{under / MIB:,.1f} MiB the check measured under its prediction as slack" in said[2]
-    )
-    if case == "slack taken":
-        assert len(planner.fits) == 2 and len(planner.verified) == 2
-        assert planner.verified[1]["measured_peak_mb"] * MIB <= budget
-        assert state.policy == second.policy()
-    else:
-        assert len(planner.fits) == len(planner.verified) == 3 and planner.fits[2] is first
-        assert state.policy == first.policy() and planner.verified[2]["measured_peak_mb"] * MIB <= budget
-        went_back = f"over the budget of {budget / MIB:,.1f} MiB: back to `--memory_opt_config {first.config()}`"
-        assert went_back in said[-2] and said[-2].endswith("checked again at the next step's start")
+    assert planner.stage == "done" and len(planner.fits) == len(planner.verified) == 1
+    first, check = planner.fits[0], planner.verified[0]
+    assert first.recompute_seconds > 0 and state.policy == first.policy()
+    assert (check["predicted_peak_mb"] - check["measured_peak_mb"]) * MIB == pytest.approx(kept_once, abs=2)
+    assert said[-1].endswith(f"within the budget of {budget / MIB:,.1f} MiB") and len(said) == 2

@@ -50,3 +50,32 @@ def test_a_layer_checkpointed_whole_is_profiled_too():
     # checkpoint frees what it saves, so the recording cannot tell which op outputs would be recomputable alone:
     # the layer's kept bytes and op time are what whole-layer recompute frees and costs
     assert rec.kept_bytes == 2 * 32 * 8 * 4 and set(rec.seconds) == {"MatMul", "Gelu"} and rec.op_seconds > 0
+
+
+def test_a_kept_tensor_whose_storage_cannot_be_read_is_said_not_counted_zero(monkeypatch):
+    """A tensor subclass without a readable storage (its size unknown to the tracker): before, it counted 0 bytes in
+    the profile and the table without a word; now each such save is recorded by type and the table's notes say that
+    its bytes are in no figure. (Emulated: the storage of GELU's input reads as none.)"""
+    from optimum_memopt.backends.torch.apply import hooks
+    from optimum_memopt.backends.torch.decide.report import plan_report
+
+    real = hooks.storage_key
+    unreadable = set()
+
+    def key(t):
+        return 0 if real(t) in unreadable else real(t)
+
+    def marked(block, x):
+        h = x @ block.w
+        unreadable.add(real(h))
+        return F.gelu(h) @ block.w.t()
+
+    monkeypatch.setattr(hooks, "storage_key", key)
+    _, model = pair(marked)
+    state = engine(model, ops())
+    step(model, torch.randn(32, 8))
+    rec = state.profile.layers[0]
+    assert rec.unread == {"Tensor": 1} and "MatMul" not in rec.recomputable  # said, and not counted as 0 bytes
+    notes = plan_report(state.policy, state.profile).notes
+    assert any(n.startswith("tensors autograd kept in step one whose storage could not be read") and "1 Tensor" in n
+               for n in notes), notes  # fmt: skip

@@ -8,17 +8,21 @@ On rank 0 only, from the backend's `PlanReport` (structured data, not log text):
 * adds these metrics to the next training log:
   - `memopt/plans_found`: recompute plans found;
   - `memopt/plans_on`: plans applied in this run;
-  - `memopt/planned_saving_mb`: the backend's predicted saving of the applied plans for the first batch (MiB), over
-    the layers they were applied to (a plan on 1 of 2 layers counts that layer: measured per layer on the torch
-    backend; on ORT, which reports one total per subgraph, that share of the total);
-  - `memopt/available_saving_mb`: the predicted saving of all plans found (MiB).
+  - `memopt/planned_saving_mb`: the backend's predicted saving of the applied layer plans for the first batch
+    (MiB: bytes the layers keep for backward), over the layers they were applied to (a plan on 1 of 2 layers
+    counts that layer: measured per layer on the torch backend; on ORT, which reports one total per subgraph, that
+    share of the total);
+  - `memopt/available_saving_mb`: the predicted saving of all plans found (MiB);
+  - `memopt/planned_head_saving_mb`: what the head and loss, run as the run runs them, hold less at their most than
+    the model's own head (MiB; where the head's ways were measured, after step one under `Loss+` or `auto`): a
+    transient peak's bytes, not bytes kept for backward, so never added to the two above.
 """
 
 import json
 import os
 from typing import Optional
 
-from ..plans import PlanReport
+from ..plans import LOSS, PlanReport
 from .base import MetricsCallback, atomic_write, current_model, logger, show
 
 
@@ -55,7 +59,10 @@ def format_plan_table(report: PlanReport) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     dims = ", ".join(f"{k}={v}" for k, v in report.dims.items()) or "none"
-    how = f"level {report.level}" if report.level else (", ".join(report.requested) or "no plans requested")
+    if report.level:  # the level's plans are every layer's; a plan beyond the layers (the head's) is named beside
+        how = ", ".join([f"level {report.level}"] + [r for r in report.requested if r.startswith(f"{LOSS}:")])
+    else:
+        how = ", ".join(report.requested) or "no plans requested"
     head = (
         f"Memory optimizer ({report.backend}) {'ON' if report.optimizer_enabled else 'OFF'}: {how}; "
         f"{len(report.plans)} recompute plan(s) found, {len(report.plans_on)} ON"
@@ -73,6 +80,10 @@ class PlanStatsCallback(MetricsCallback):
         self.trainer = trainer
         self.report: Optional[PlanReport] = None
         self._done = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self._done = False  # each `train()` gets its table (a second one on the same Trainer too)
+        self.report = None
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self._done or not state.is_world_process_zero:
@@ -103,6 +114,8 @@ class PlanStatsCallback(MetricsCallback):
                 "memopt/available_saving_mb": report.saving_mb(enabled_only=False),
             }
         )
+        if any(p.head for p in report.plans):  # the head's ways were measured (`Loss+` rows)
+            self._pending["memopt/planned_head_saving_mb"] = report.head_saving_mb()
 
 
 def _dump_json(data, path):

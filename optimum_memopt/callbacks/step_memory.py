@@ -90,6 +90,9 @@ class StepMemoryCallback(MetricsCallback):
         state = getattr(wrapped, "_memopt_recompute", None)
         return getattr(state, "planner", None)
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.path = None  # each `train()` gets its picture (a second one on the same Trainer too)
+
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self._draw(args, state, model, checked=True)
 

@@ -67,13 +67,15 @@ def _one_plan_per_module(model, layers, policy: RecomputePolicy, shared, setting
         f"{held}: it runs as one layer (the table's layer {firsts.index(shared[0][0])}), its plan applied at each "
         f"of its {len(shared[0])} uses a step; the table's figures for it are one use's"
     )
-    return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note])
+    return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note], policy.loss)
 
 
 def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str]):
     """The loss lever on the model's head, and why there is none: installed where `Loss+` was asked (`selector`: its
-    chunking), refused with the reason where it cannot run; elsewhere, on a causal LM it can run on, there to
-    measure the head and loss after step one (the table's `Loss+` rows) without touching the forward."""
+    chunking), refused with the reason where it cannot run; under `auto` with a budget in MiB, on a causal LM it can
+    run on, there to run step one's head in chunks and measure each way after it (the table's `Loss+` rows, the
+    solver's head options). Elsewhere nothing is measured: measuring runs the head between steps, above what the
+    step holds then, which only a run that asked for the lever or the solver should pay."""
     from .levers.loss import ChunkedLoss, Chunking, causal_lm, loss_problem
 
     problem = loss_problem(model)
@@ -90,13 +92,17 @@ def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str
             )
         return None, (f"`Loss+` cannot run on it: {problem}" if causal_lm(model) is not None else None)
     if selector is None:
+        if settings.budget is None or settings.budget.share is not None:
+            return None, (
+                "they are measured where `Loss+` or `--memory_opt_config auto` with `--memory_budget_mb` is asked "
+                "(add 'Loss+:1:-1' to the plans to run the head in chunks and see each way's row)"
+            )
         lever = ChunkedLoss(causal_lm(model), None)
         lever.smoothing = settings.label_smoothing or None
-        if settings.budget is not None and settings.budget.share is None:
-            # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
-            # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
-            # starts (the model's own head included: measured after step one)
-            lever.run_as("")
+        # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose logits
+        # hold no more than the hidden states; `auto` may choose another way as step two's first layer starts (each
+        # way measured after step one, where it fits what step one's peak left free)
+        lever.run_as("")
         return lever, None
     plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
     lever = ChunkedLoss(causal_lm(model), Chunking.from_selector(selector))
@@ -109,6 +115,19 @@ def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str
         )
     lever.install()
     return lever, None
+
+
+def _take_off(state) -> None:
+    """Everything a wrap installed, taken off: the layers' forwards and the step readings' hooks, every lever beyond
+    the layers (the loss lever's forward), the watch's and the planner's meters (their sampler threads)."""
+    state.uninstall()
+    for lever in state.levers.values():
+        lever.remove()
+    state.levers = {}
+    meters = {id(m): m for m in (getattr(state.watch, "meter", None), getattr(state.planner, "meter", None)) if m}
+    for meter in meters.values():
+        meter.close()
+    state.watch = None
 
 
 class TorchBackend(Backend):
@@ -217,22 +236,19 @@ class TorchBackend(Backend):
         dropped (a budget planner's meter closed)."""
         state = vars(wrapped).pop(STATE, None)
         if state is not None:
-            state.uninstall()
-            for lever in state.levers.values():
-                lever.remove()
-            state.watch = None
-            if state.planner is not None and state.planner.meter is not None:
-                state.planner.meter.close()
+            _take_off(state)
             self._mine.discard(state)
         return wrapped
 
     def apply_policy(self, model: nn.Module, policy: RecomputePolicy) -> nn.Module:
-        """Install `policy` on the model's layers (a model wrapped before, by another trainer, starts clean)."""
+        """Install `policy` on the model's layers (a model wrapped before, by this trainer or another, starts clean:
+        every lever and meter the earlier wrap installed is taken off first)."""
         from .apply.engine import RecomputeState
 
-        previous = vars(model).get(STATE)
+        previous = vars(model).pop(STATE, None)
         if isinstance(previous, RecomputeState):
-            previous.uninstall()
+            _take_off(previous)
+            self._mine.discard(previous)
         state = RecomputeState(distinct(find_layers(model)), policy, model)
         state.install()
         setattr(model, STATE, state)
@@ -268,7 +284,7 @@ class TorchBackend(Backend):
             note = lever.note()
             if note:
                 report.notes.append(note)
-        for problem in getattr(state, "lever_problems", {}).values():
+        for problem in state.lever_problems.values():
             report.notes.append(f"the head and loss were not measured each way they can run: {problem}")
         if "loss" in state.levers and state.profile.head is None and not state.steps_reported:
             report.notes.append(

@@ -42,6 +42,7 @@ class RecomputeState:
         self._model = model  # whose forward and backward are read op by op in the steps measured (`StepReadings`)
         self._readings: Optional[StepReadings] = None
         self.levers: dict = {}  # the levers beyond the layers running on this model, by name (`levers/`): held here
+        self.lever_problems: dict = {}  # why a lever could not run or measure, by name (said in the table's notes)
         self._levers_measured = False
 
     @property

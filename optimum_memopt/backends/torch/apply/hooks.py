@@ -106,6 +106,9 @@ def pack(run: LayerRun, x: torch.Tensor):
     # would take a storage made at a freed one's address for it (checkpoint drops what it saves at once, so a later
     # output of the same size can reuse the address) and leave it out of the layer's graph
     first = id(made) if made is not None else ptr
+    if run.record is not None and not ptr:  # no storage to read: its bytes are counted nowhere, and said so
+        name = type(x).__name__
+        run.record.unread[name] = run.record.unread.get(name, 0) + 1
     if run.record is not None and ptr and first not in run.saved_keys:
         run.saved_keys.add(first)
         run.saves.append(made if made is not None else (ptr, storage_bytes(x)))

@@ -21,7 +21,8 @@ from .recipe import Recipe, rng_state
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The identity of a tensor's storage: its address (0 for tensor subclasses without a storage)."""
+    """The identity of a tensor's storage: its address (0 for tensor subclasses without a storage, whose bytes are
+    then counted nowhere: a save of one is recorded in `LayerProfile.unread` and said in the table's notes)."""
     try:
         return t.untyped_storage().data_ptr()
     except Exception:

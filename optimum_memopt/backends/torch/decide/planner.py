@@ -8,12 +8,9 @@
    from this forward on. The choice, its predicted peak and cost are said (`say`) and written to `solver.json`.
 3. Step two's peak is measured; at step three's start it is compared with the prediction. Over the budget, the
    solver chooses once more for a budget lowered by the miss and `MARGIN` of it; a second miss falls back to the
-   least peak recompute reaches, and a miss there stops training with the figures. Under its prediction by more
-   than `SLACK_FROM` of the budget, the solver chooses once more with what the check measured under the prediction
-   as slack (for the budget less `MARGIN` of it), where that lets it recompute less: the model counts twice what
-   step one made once and kept (on the CPU, the math library's buffers made at the first matmul of each shape are
-   held from then on, and the allocator's readings cannot tell them from what later steps carry over); that choice
-   is checked in turn, and if it misses the budget the run goes back to the first choice, measured to fit.
+   least peak recompute reaches, and a miss there stops training with the figures. A check under its prediction
+   lends nothing to a second solve: what it measured less comes from the step the check ran, and a choice that
+   recomputes less can peak elsewhere, where the difference is not (docs/STACK.md, "A check's slack is its own").
 
 Nothing fits (the floor of recompute, or a peak outside the layers, over the budget): RuntimeError with the figures.
 
@@ -38,8 +35,7 @@ from .solver import candidates
 logger = logging.getLogger(__name__)
 
 
-SLACK_FROM = 0.01  # a check this share of the budget under its prediction is worth a second solve
-MARGIN = 0.005  # of the budget, kept by a second solve (after a check over its prediction, or with its slack)
+MARGIN = 0.005  # of the budget, kept by a re-plan after a check over its prediction
 
 
 class BudgetPlanner:
@@ -121,31 +117,20 @@ class BudgetPlanner:
         elif self.stage == "verify":
             self._verify(state)
 
-    def _choose(self, state, budget_bytes: Optional[int] = None, slack: int = 0) -> None:
+    def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
         if self.solved is None:
             self._gather(state)
         result = None
         if self.ranks.rank == 0:
             try:
-                result = self._fit(state, budget_bytes, slack)
+                result = self._fit(state, budget_bytes)
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.ranks.from_rank0(result)
-        if slack and isinstance(result, Exception):  # the first choice, measured to fit, stays
-            self.say(f"memory_opt_config auto: solving with the check's slack failed ({result}); {self._stays()}")
-            self._finish()
-            return
         if isinstance(result, Exception):
             if self.ranks.rank == 0:
                 raise result
             raise RuntimeError(f"`--memory_opt_config auto`: rank 0 could not choose: {result}")
-        if slack and (result.choice is None or result.recompute_seconds >= self.fits[-1].recompute_seconds):
-            self.say(
-                f"memory_opt_config auto: with the {slack / MIB:,.1f} MiB the check measured under its prediction "
-                f"as slack, the solver finds nothing that recomputes less; {self._stays()}"
-            )
-            self._finish()
-            return
         self.fits.append(result)
         self._write()
         if result.choice is None:
@@ -170,11 +155,6 @@ class BudgetPlanner:
         lever = state.levers.get("loss")
         if lever is not None:
             lever.run_as(policy.loss)  # the head's way, chosen with the layers' (its time and memory measured aside)
-
-    @staticmethod
-    def _flag(result: Fit) -> str:
-        config = result.config()
-        return f"`--memory_opt_config {config}`" if config else "recomputing nothing"
 
     def _gather(self, state) -> None:
         """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""
@@ -204,14 +184,11 @@ class BudgetPlanner:
         head = state.profile.head
         self._head_chunked = f", the head's loss {head.ran}" if head is not None and head.ran else ""
 
-    def _fit(self, state, budget_bytes: Optional[int], slack: int = 0) -> Fit:
+    def _fit(self, state, budget_bytes: Optional[int]) -> Fit:
         if self.share is not None:
             return fit_share(state.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
-        if slack:  # solved with the check's slack, the figures lowered by it, a share of the budget kept
-            budget += slack - int(MARGIN * budget)
-        result = fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
-        return result.less_by(slack) if slack else result
+        return fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
 
     def _describe(self, result: Fit, state) -> str:
         again = " (again)" if len(self.fits) > 1 else ""
@@ -246,12 +223,6 @@ class BudgetPlanner:
             )
         if result.budget_bytes != self.budget_bytes and self._why_lower:
             return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
-        if result.slack_bytes:
-            return (
-                f"Under {result.budget_bytes / MIB:,.1f} MiB (the budget less {MARGIN:.1%} of it), with the "
-                f"{result.slack_bytes / MIB:,.1f} MiB the check measured under its prediction as slack (the "
-                f"prediction counts again what step one made once and kept; every figure below has it taken off),"
-            )
         return f"Under {self.budget_mb:,.1f} MiB"
 
     def _verify(self, state) -> None:
@@ -284,9 +255,6 @@ class BudgetPlanner:
             f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
         over_budget = self.budget_bytes is not None and peak > self.budget_bytes  # every rank saw the same peaks
-        if over_budget and result.slack_bytes:
-            self._back_to_first(state, peak)
-            return
         if over_budget:
             over = (peak - predicted) / MIB
             floor = result.floor
@@ -300,9 +268,10 @@ class BudgetPlanner:
                 self._choose(state, max(lowered, floor.peak_bytes))
                 return
             if result.predicted.peak_bytes > floor.peak_bytes:
-                went_back = any(f.slack_bytes for f in self.fits)  # a choice made with a check's slack missed
-                again = "the first choice, run again," if went_back else "the choice for a lowered budget"
-                self._why_lower = f"the least peak recompute reaches: {again} missed again, by {over:,.1f} MiB"
+                self._why_lower = (
+                    f"the least peak recompute reaches: the choice for a lowered budget missed again, by "
+                    f"{over:,.1f} MiB"
+                )
                 self._choose(state, floor.peak_bytes)
                 return
             self._write()
@@ -316,32 +285,7 @@ class BudgetPlanner:
                 f"over it. Raise the budget to at least {peak / MIB:,.1f} MiB or lower `--per_device_train_batch_size`"
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
             )
-        # A budget in MiB (a share of the activations is no peak to fill), on the CPU (on a GPU a step over the
-        # budget can be an out-of-memory error, and where the difference comes from there was not measured)
-        slack = predicted - peak
-        if self.budget_bytes is not None and self.device == "cpu" and len(self.fits) == 1 and result.recompute_seconds:
-            if slack > SLACK_FROM * self.budget_bytes:
-                self._choose(state, slack=slack)
-                return
         self._finish()
-
-    def _stays(self) -> str:
-        return f"{self._flag(self.fits[-1])} stays"
-
-    def _back_to_first(self, state, peak: int) -> None:
-        """The choice made with a check's slack measured over the budget: the first choice runs again, and is
-        checked again (what the second one made once stays held), a miss going on as any second miss does."""
-        first, checked = self.fits[0], self.verified[0]
-        self._run(state, first)
-        self.fits.append(first)
-        self.say(
-            f"memory_opt_config auto: the choice made with the check's slack measured {peak / MIB:,.1f} MiB, over "
-            f"the budget of {self.budget_mb:,.1f} MiB: back to {self._flag(first)} (measured at "
-            f"{checked['measured_peak_mb']:,.1f} MiB), checked again at the next step's start"
-        )
-        if self.watch.resets:
-            self.meter.reset_peak()
-        self._start = self._current()
 
     def _finish(self) -> None:
         self._write()
@@ -361,12 +305,11 @@ class BudgetPlanner:
             if len(self.verified) == len(self.fits)
             else None,
             "choices": len(self.fits),
-            "checks": [  # every choice with its check, in order (a slack's second solve, a re-plan)
+            "checks": [  # every choice with its check, in order (a re-plan after a miss)
                 {
                     "config": f.config(),
                     "predicted_peak_mb": f.predicted.peak_mb,
                     "measured_peak_mb": v["measured_peak_mb"],
-                    "slack_mb": f.slack_bytes / MIB,
                 }
                 for f, v in zip(self.fits, self.verified)
                 if f.predicted is not None

@@ -5,6 +5,7 @@ from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
+from ....plans import LOSS as LOSS_PLAN
 from ....plans import FoundPlan, PlanReport, Unmatched, match_requests
 from ..measure.graph import effect, frontier
 from ..measure.profile import ModelProfile
@@ -55,6 +56,8 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
     plans += head_rows(profile, drop)
     canonical = [e for r in policy.requests for e in r.canonical]
     whole_plans = [str(r.entry) for r in policy.requests if r.entry.subgraph == LAYER_PLAN]
+    # the head's plan is the loss lever's, not a layer request: named beside them
+    head_plans = [] if policy.loss is None else [f"{LOSS_PLAN}:1:-1" + (f"@{policy.loss}" if policy.loss else "")]
     level = policy.level
     notes = list(policy.notes)
     if level == 1:
@@ -75,9 +78,19 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         notes.append(_how_the_head_was_measured(profile))
     elif profile.head_problem:
         notes.append(f"the head and loss were not measured each way they can run: {profile.head_problem}")
-    elif profile.memory_problem:
+    if profile.memory_problem:
         notes.append(
             f"step one's memory could not be followed layer by layer ({profile.memory_problem}): no PEAK DROP"
+        )
+    unread: Dict[str, int] = {}
+    for rec in profile.layers:
+        for name, count in rec.unread.items():
+            unread[name] = unread.get(name, 0) + count
+    if unread:
+        listed = ", ".join(f"{count} {name}" for name, count in sorted(unread.items()))
+        notes.append(
+            f"tensors autograd kept in step one whose storage could not be read (tensor subclasses without one): "
+            f"{listed}; their bytes are in no figure of this table or of `auto`'s solver, which are that much low"
         )
     if blocked:
         listed = ", ".join(f"{k} {blocked[k] / 2**20:.2f}" for k in sorted(blocked, key=lambda k: -blocked[k]))
@@ -91,10 +104,10 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         dims.update({"batch": int(shape[0]), "sequence": int(shape[1])})
     report = PlanReport(
         backend=BACKEND,
-        optimizer_enabled=policy.active,
+        optimizer_enabled=policy.active or policy.loss is not None,
         level=level,
-        requested=[str(r.entry) for r in policy.requests],
-        applied=[str(e) for e in canonical] + whole_plans if level == 0 else [p.config for p in plans],
+        requested=[str(r.entry) for r in policy.requests] + head_plans,
+        applied=[str(e) for e in canonical] + whole_plans + head_plans if level == 0 else [p.config for p in plans],
         plans=plans,
         dims=dims,
         notes=notes,
@@ -196,6 +209,9 @@ def head_rows(profile: ModelProfile, drop: Optional[Callable[..., Drop]]) -> Lis
     return rows
 
 
+OWN_HEAD = "the model's own head"
+
+
 def _how_the_head_was_measured(profile: ModelProfile) -> str:
     head = profile.head
     base = head.option("") or head.option(head.ran)
@@ -206,6 +222,7 @@ def _how_the_head_was_measured(profile: ModelProfile) -> str:
         f"read after every op, once after a warm-up; the head alone held {base.held_bytes / MIB:,.1f} MiB at most "
         f"as {against}; SAVING is what a row's head holds less, PEAK DROP how much lower step one's peak would be "
         f"with it alone, TIME what it adds to a step (each chunk's logits made again in backward)"
+        + "".join(f"; {plan or OWN_HEAD} was not run: {why}" for plan, why in head.why_not.items())
     )
 
 

@@ -47,6 +47,7 @@ PLAIN_HEAD = frozenset(
 SOFT_CAPPED = frozenset({"gemma2", "gemma3_text"})
 KNOWN = PLAIN_HEAD | SOFT_CAPPED
 REPEATS = 3  # each way of running the head is timed this many times (interleaved), its median taken
+BOUND_MARGIN = 0.25  # a way of running the head is run only where its bound, this much higher, fits (`measure`)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def loss_problem(model: nn.Module) -> Optional[str]:
     if fused_by_trl(lm):
         return None  # said by the lever: the head is chunked already
     replaced = vars(lm).get("forward")
-    if replaced is not None:
+    if replaced is not None and not _ours_inside(lm):
         return (
             f"{type(lm).__name__}'s forward was replaced on the instance "
             f"({getattr(replaced, '__qualname__', type(replaced).__name__)}): `Loss+` runs the model's own forward "
@@ -133,9 +134,44 @@ def loss_problem(model: nn.Module) -> Optional[str]:
     return None
 
 
+_LEVER = "_memopt_loss_lever"  # the attribute of the causal LM holding the lever its forward runs now, if any
+_FORWARD = "_memopt_loss_forward"  # ... and the forward the lever put on the instance (`_dispatching`)
+
+
+def _dispatching(cls: type):
+    """The forward the loss lever puts on an instance of `cls`, once: the lever the model holds now runs it
+    (`_LEVER`), or, with none (taken off), the class's own forward. One lever after another (a second Trainer on the
+    model) takes the same forward over, even where something wrapped it since (accelerate's mixed precision). It
+    carries the class forward's name and signature (`functools.wraps`): the Trainer reads the signature for the
+    columns to keep and for `num_items_in_batch`."""
+
+    @functools.wraps(cls.forward)
+    def forward(model_self, *args, **kwargs):
+        lever = vars(model_self).get(_LEVER)
+        if lever is None or not lever.installed:
+            return type(model_self).forward(model_self, *args, **kwargs)
+        return lever._forward(args, kwargs)
+
+    return forward
+
+
+def _ours_inside(lm: nn.Module) -> bool:
+    """Whether the forward on the instance is the lever's, or wraps it (`__wrapped__`, as accelerate's autocast and
+    output conversion and `functools.wraps` leave it)."""
+    ours = vars(lm).get(_FORWARD)
+    forward, seen = vars(lm).get("forward"), 0
+    while ours is not None and forward is not None and seen < 16:
+        func = getattr(forward, "__func__", forward)
+        if func is ours:
+            return True
+        forward, seen = getattr(func, "__wrapped__", None), seen + 1
+    return False
+
+
 class ChunkedLoss:
-    """The mechanism on one causal LM: `install` replaces its forward on the instance, `remove` gives it back;
-    `chunking` may change between steps (the solver's choice), None runs the model's forward as it is."""
+    """The mechanism on one causal LM: `install` makes it run the model's training forward (putting `_dispatching` on
+    the instance the first time), `remove` gives the model its own forward back; `chunking` may change between steps
+    (the solver's choice), None runs the model's forward as it is."""
 
     def __init__(self, lm: nn.Module, chunking: Optional[Chunking], say: Callable[[str], None] = logger.warning):
         self.lm = lm
@@ -147,7 +183,7 @@ class ChunkedLoss:
         self.calls = 0  # training forwards whose loss was chunked
         self._said = set()
         self.installed = False
-        self._mine = None  # the forward `install` put on the instance
+        self.signature = inspect.signature(type(lm).forward)
         text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
         self.softcap = getattr(text, "final_logit_softcapping", None) if text.model_type in SOFT_CAPPED else None
         self.vocab = text.vocab_size
@@ -155,23 +191,27 @@ class ChunkedLoss:
     def install(self) -> None:
         if self.installed or self.trl:
             return
-        lm, own = self.lm, type(self.lm).forward
-        signature = inspect.signature(own)
-
-        @functools.wraps(own)
-        def forward(model_self, *args, **kwargs):
-            return self._forward(signature, args, kwargs)
-
-        lm.forward = self._mine = types.MethodType(forward, lm)
+        lm = self.lm
+        vars(lm)[_LEVER] = self  # a lever installed before on this model (a stale one) runs no more
+        if not _ours_inside(lm):
+            vars(lm)[_FORWARD] = forward = _dispatching(type(lm))
+            lm.forward = types.MethodType(forward, lm)
         self.installed = True
 
     def remove(self) -> None:
         """Give the model its forward back. Where something wrapped ours since (accelerate's mixed precision wraps
-        the instance's forward in autocast), ours stays inside it and runs the model's forward untouched."""
-        if self.installed:
-            if vars(self.lm).get("forward") is self._mine:
-                del self.lm.forward
-            self.installed = False
+        the instance's forward in autocast), ours stays inside it and runs the model's forward untouched, until a
+        lever installed later takes it over."""
+        if not self.installed:
+            return
+        lm = self.lm
+        if vars(lm).get(_LEVER) is self:
+            del vars(lm)[_LEVER]
+            on_top = getattr(vars(lm).get("forward"), "__func__", None)
+            if on_top is not None and on_top is vars(lm).get(_FORWARD):  # nothing wrapped ours since
+                del lm.forward
+                del vars(lm)[_FORWARD]
+        self.installed = False
 
     def plan(self) -> str:
         """How the head runs now, as a plan (`Loss+:1:-1@chunks8`; "": the model's own head)."""
@@ -216,8 +256,8 @@ class ChunkedLoss:
             self._said.add(key)
             self.say(text)
 
-    def _forward(self, signature, args, kwargs):
-        lm = self.lm
+    def _forward(self, args, kwargs):
+        lm, signature = self.lm, self.signature
         plain = functools.partial(type(lm).forward, lm)
         if args:  # positional arguments (rare: the Trainer passes keywords) are named as the forward names them
             bound = signature.bind(lm, *args, **kwargs)
@@ -249,7 +289,7 @@ class ChunkedLoss:
         hidden = captured[-1].last_hidden_state if hasattr(captured[-1], "last_hidden_state") else captured[-1][0]
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         if self.chunking is None:  # read after the backbone: `auto` may choose as the step's first layer starts
-            loss, logits = self._whole(hidden, labels, kwargs, signature)
+            loss, logits = self._whole(hidden, labels, kwargs)
             return type(out)(loss=loss, logits=logits, **fields)
         loss = self.loss(hidden, labels, kwargs)
         self._once(
@@ -260,13 +300,13 @@ class ChunkedLoss:
         )
         return type(out)(loss=loss, logits=None, **fields)
 
-    def _whole(self, hidden, labels, kwargs, signature):
+    def _whole(self, hidden, labels, kwargs):
         """The model's own head and loss, as its forward runs them (the form tests/test_torch_loss.py holds each
         known family's forward to): the head on every position, soft-capped where the family does, the model's
         loss function given the forward's extra keywords; with the Trainer's label smoothing, its `LabelSmoother`
         on the logits."""
         logits = _logits(self.lm.get_output_embeddings(), hidden, self.softcap)
-        named = {p.name for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD}
+        named = {p.name for p in self.signature.parameters.values() if p.kind is not p.VAR_KEYWORD}
         extra = {k: v for k, v in kwargs.items() if k not in named}
         if self.smoothing is not None:
             from transformers.trainer_pt_utils import LabelSmoother
@@ -375,12 +415,13 @@ def sharded(head: nn.Module) -> Optional[str]:
 
 
 def measure(lever: "ChunkedLoss", profile, resets: bool = True):
-    """The head and loss run each way worth offering, alone, on the first step's shapes (random hidden states and
-    labels: the memory and time depend on the shapes only), read aside (`measure.aside`): the model's own head
-    where the step ran it, then each chunk count of `candidate_chunks`, and the chunking the step ran; where the
-    step ran chunks, the whole head last, on the CPU only (on a GPU the whole logits may not fit where chunks ran,
-    and an out-of-memory error there is not one to risk). Returns a `HeadMeasure`, or the reason there is none."""
-    from ..measure.aside import held_aside
+    """The head and loss run each way worth offering, alone, on the first step's shapes (hidden states and labels
+    drawn from a generator of its own: the memory and time depend on the shapes only), read aside (`measure.aside`):
+    the model's own head, each chunk count of `candidate_chunks`, and the chunking the step ran. Never with more
+    memory than step one's peak left free: the ways are run from the fewest rows a chunk up, and a way whose bound
+    (what the last way run held, and the most each further row can add) would take the process above step one's
+    peak is not run (said in `why_not`). Returns a `HeadMeasure`, or the reason there is none."""
+    from ..measure.aside import current_bytes, held_aside
     from ..measure.profile import HeadMeasure, HeadOption
 
     if lever.trl:
@@ -392,20 +433,40 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     how = sharded(head)
     if how is not None:
         return f"the head's weight is sharded ({how}): measured alone it would be gathered on one process's say"
+    if profile.memory is None:
+        return (
+            "step one's memory was not read, so how much a way of running the head may take without going above "
+            "step one's peak is not known"
+        )
     weight = head.weight
     tokens, hidden, vocab = math.prod(shape[:-1]), weight.shape[1], lever.vocab
     device = weight.device.type
     ran = lever.chunking if lever.installed else None
-    ways: List[Optional[Chunking]] = [] if ran is not None else [None]
-    ways += [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
-    if ran is not None and ran not in ways:
+    ways: List[Optional[Chunking]] = [None] + [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
+    if ran not in ways:
         ways.append(ran)
-    if ran is not None and device == "cpu":
-        ways.append(None)  # the whole head last (on CUDA it is not tried where the step ran chunks: it may not fit)
     params = [p for p in head.parameters() if p.requires_grad]
-    hidden_states = torch.randn(tokens, hidden, dtype=weight.dtype, device=weight.device, requires_grad=True)
-    labels = torch.randint(0, vocab, (tokens,), device=weight.device)
     autocast = getattr(torch, profile.autocast) if profile.autocast else None
+    itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else weight.element_size()
+    # what any way holds besides its rows: the head's gradients (summed, and a chunk's), the hidden states' gradient
+    # (by chunk, then whole), under autocast the weight's copy and its gradient; and what each row adds at most: a
+    # chunk's logits and their gradient (in the head's dtype), their fp32 copy and log-softmax (its gradient), soft-
+    # capped the cap's two intermediates, under autocast the chunk's hidden states cast and their gradient cast back.
+    # Checked against what each way held (tests/test_torch_loss.py); every bound is taken `BOUND_MARGIN` higher, for
+    # what the allocator rounds.
+    fixed = 2 * sum(p.numel() * p.element_size() for p in params) + 2 * tokens * hidden * weight.element_size()
+    upcast = 8 if itemsize != 4 else 4  # in fp32 the loss's upcast is the logits themselves
+    per_row = vocab * (2 * itemsize + upcast + (2 * itemsize if lever.softcap else 0))
+    if autocast is not None:
+        fixed += 2 * weight.numel() * itemsize
+        per_row += hidden * (itemsize + 4)
+    # drawn from a generator of the measurement's own: the process's streams (every dropout mask after step one)
+    # stay the ones the run without the plugin draws
+    own = torch.Generator(device=weight.device).manual_seed(0)
+    hidden_states = torch.randn(
+        tokens, hidden, generator=own, dtype=weight.dtype, device=weight.device, requires_grad=True
+    )
+    labels = torch.randint(0, vocab, (tokens,), generator=own, device=weight.device)
 
     def run(chunking: Optional[Chunking]) -> None:
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
@@ -421,12 +482,34 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
         grads = torch.autograd.grad(loss, [hidden_states, *params])
         del grads
 
-    held_aside(lambda: run(ways[-1]), device, resets)  # a first run: the kernels' one-time set-up is not timed
-    held, times = {}, {}
+    def rows_of(way: Optional[Chunking]) -> int:
+        return tokens if way is None else min(tokens, way.rows(tokens, hidden, vocab))
+
+    order = sorted(range(len(ways)), key=lambda k: rows_of(ways[k]))
+    held, times, why_not, bounds = {}, {}, {}, {}
+    last_rows, last_held = 0, fixed  # nothing run yet: what any way holds besides its rows
+    for k in order:  # the first time each way runs: the kernels' one-time set-up, not timed, its bound checked
+        bound = int((last_held + (rows_of(ways[k]) - last_rows) * per_row) * (1 + BOUND_MARGIN))
+        room = profile.memory.peak.peak_bytes - current_bytes(device)  # read again: a first run may keep buffers
+        if bound > room:
+            why_not[plan_of(ways[k])] = (
+                f"it could hold up to {bound / 2**20:,.1f} MiB, and step one's peak left {max(room, 0) / 2**20:,.1f} "
+                f"MiB free"
+            )
+            continue
+        most, _ = held_aside(lambda: run(ways[k]), device, resets)
+        held[k] = most
+        bounds[k] = bound
+        last_rows, last_held = rows_of(ways[k]), most
+    if ways.index(ran) not in held:
+        how = plan_of(ran) or "the model's own head"
+        return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
+    measured = [k for k in range(len(ways)) if k in held]
     for _ in range(REPEATS):  # interleaved: what drifts (a warming allocator, another process) spreads over all
-        for k, way in enumerate(ways):
-            most, seconds = held_aside(lambda: run(way), device, resets)
-            held.setdefault(k, most)
-            times.setdefault(k, []).append(seconds)
-    options = [HeadOption(plan_of(w), held[k], statistics.median(times[k])) for k, w in enumerate(ways)]
-    return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options)
+        for k in measured:
+            most, seconds = held_aside(lambda: run(ways[k]), device, resets)
+            if len(times.setdefault(k, [])) == 0:
+                held[k] = most  # warm: the first timed run's
+            times[k].append(seconds)
+    options = [HeadOption(plan_of(ways[k]), held[k], statistics.median(times[k]), bounds[k]) for k in measured]
+    return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not)

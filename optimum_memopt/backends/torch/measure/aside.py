@@ -6,7 +6,8 @@ step is watched; what they allocate must not show in the readings of the phases 
 sampler threads are paused (`memory.read_at_ops`), each op's end is read by a dispatch mode of its own (entered
 before the work, so the backward the work starts runs under it too), and on CUDA, where the backend may reset the
 peak counter, the peak so far is folded into every open meter first and the counter reset after, so the work's
-peak reaches none of them. Where the counter is someone else's (`resets` False: the Trainer's own memory metrics)
+peak reaches none of them. The process's random generators (CPU and device) are given back as the work found
+them. Where the counter is someone else's (`resets` False: the Trainer's own memory metrics)
 it is left alone, and the work's peak is in it: said by the caller. Temporaries inside one op are not seen.
 """
 
@@ -26,6 +27,11 @@ def _reader(device: str) -> Callable[[], int]:
     return lambda: allocator_bytes_in_use() or 0
 
 
+def current_bytes(device: str) -> int:
+    """What the device holds now, as `held_aside` reads it (CUDA: tensors; the CPU: the allocator's bytes in use)."""
+    return _reader(device)()
+
+
 class _MostAfterOps(_torch_api.TorchDispatchMode):
     def __init__(self, read: Callable[[], int]):
         super().__init__()
@@ -43,8 +49,12 @@ def _unseen(device: str, resets: bool) -> Iterator[None]:
     read_at_ops(True)
     if device == "cuda" and resets:
         fold_cuda_peak()
+    devices = [torch.cuda.current_device()] if device == "cuda" else []
     try:
-        yield
+        # the work's random ops (a dropout in a LoRA on the head) draw from the process's generators, which are
+        # given back as they were: every mask the run draws after is the one the run without the plugin draws
+        with torch.random.fork_rng(devices=devices, device_type="cuda"):
+            yield
     finally:
         if device == "cuda" and resets:
             torch.cuda.reset_peak_memory_stats()

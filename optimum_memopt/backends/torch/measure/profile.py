@@ -23,6 +23,9 @@ class LayerProfile:
     op_seconds: float = 0.0  # every op of the layer's forward, timed: the cost of recomputing the layer whole
     shape: Tuple[int, ...] = ()  # the layer's first input
     graph: Optional[LayerGraph] = None  # the forward's storages and saves: what any plan would free (`graph`)
+    # tensors autograd kept whose storage could not be read (tensor subclasses without one), by type: their bytes are
+    # in no figure, and said so (`report`)
+    unread: Dict[str, int] = field(default_factory=dict)
 
     def add(self, plan: str, nbytes: int, seconds: float, recomputable: bool, why: str = "") -> None:
         bucket = self.recomputable if recomputable else self.not_recomputable
@@ -77,6 +80,7 @@ class HeadOption:
     plan: str
     held_bytes: int
     seconds: float
+    bound_bytes: int = 0  # the most it was let hold before it ran (what step one's peak left free bounded it by)
 
 
 @dataclass
