@@ -44,6 +44,7 @@ class MemoptHandle:
         self.settings = settings
         self.asked = config  # what was asked, validated
         self._removed = False
+        self._wrapped = getattr(model, "_memopt_recompute", None)  # the torch backend's state this wrap installed
 
     @property
     def config(self) -> Optional[str]:
@@ -136,10 +137,13 @@ class MemoptHandle:
         self.backend.step_done(self.model)
 
     def remove(self) -> nn.Module:
-        """Take the backend off: the model trains plainly from its next forward. Returns the model."""
+        """Take the backend off: the model trains plainly from its next forward. Returns the model. A handle whose
+        wrap a later one replaced (a second `optimize_memory` or Trainer on the model took this one's off already)
+        leaves the later wrap on."""
         if not self._removed:
             self._removed = True
-            self.model = self.backend.unwrap(self.model)
+            if getattr(self.model, "_memopt_recompute", None) is self._wrapped:
+                self.model = self.backend.unwrap(self.model)
         return self.model
 
     def __enter__(self) -> "MemoptHandle":

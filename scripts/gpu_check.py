@@ -74,7 +74,8 @@ def run_tests(out: str, selection, timeout: float) -> dict:
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
         code, tail = done.returncode, (done.stdout + done.stderr)[-6000:]
     except subprocess.TimeoutExpired as e:
-        code, tail = "timeout", f"pytest ran past {timeout:.0f} s: {str(e.stdout or '')[-3000:]}"
+        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        code, tail = "timeout", f"pytest ran past {timeout:.0f} s: {out[-3000:]}"
     result = {"command": " ".join(command[1:]), "exit": code, "seconds": round(time.perf_counter() - began, 1)}
     cases = []
     if os.path.exists(xml):

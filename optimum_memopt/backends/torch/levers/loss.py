@@ -20,6 +20,7 @@ labels or without grad run the model's forward untouched. A model whose forward 
 by name (`loss_problem`), never left whole silently.
 """
 
+import contextlib
 import functools
 import inspect
 import logging
@@ -485,31 +486,33 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     def rows_of(way: Optional[Chunking]) -> int:
         return tokens if way is None else min(tokens, way.rows(tokens, hidden, vocab))
 
-    order = sorted(range(len(ways)), key=lambda k: rows_of(ways[k]))
-    held, times, why_not, bounds = {}, {}, {}, {}
-    last_rows, last_held = 0, fixed  # nothing run yet: what any way holds besides its rows
-    for k in order:  # the first time each way runs: the kernels' one-time set-up, not timed, its bound checked
-        bound = int((last_held + (rows_of(ways[k]) - last_rows) * per_row) * (1 + BOUND_MARGIN))
-        room = profile.memory.peak.peak_bytes - current_bytes(device)  # read again: a first run may keep buffers
-        if bound > room:
-            why_not[plan_of(ways[k])] = (
-                f"it could hold up to {bound / 2**20:,.1f} MiB, and step one's peak left {max(room, 0) / 2**20:,.1f} "
-                f"MiB free"
-            )
-            continue
-        most, _ = held_aside(lambda: run(ways[k]), device, resets)
-        held[k] = most
-        bounds[k] = bound
-        last_rows, last_held = rows_of(ways[k]), most
-    if ways.index(ran) not in held:
-        how = plan_of(ran) or "the model's own head"
-        return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
-    measured = [k for k in range(len(ways)) if k in held]
-    for _ in range(REPEATS):  # interleaved: what drifts (a warming allocator, another process) spreads over all
-        for k in measured:
-            most, seconds = held_aside(lambda: run(ways[k]), device, resets)
-            if len(times.setdefault(k, [])) == 0:
-                held[k] = most  # warm: the first timed run's
-            times[k].append(seconds)
-    options = [HeadOption(plan_of(ways[k]), held[k], statistics.median(times[k]), bounds[k]) for k in measured]
-    return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not)
+    # on the head's GPU as the current one: read there, and its generator given back (`held_aside`)
+    with torch.cuda.device(weight.device) if device == "cuda" else contextlib.nullcontext():
+        order = sorted(range(len(ways)), key=lambda k: rows_of(ways[k]))
+        held, times, why_not, bounds = {}, {}, {}, {}
+        last_rows, last_held = 0, fixed  # nothing run yet: what any way holds besides its rows
+        for k in order:  # the first time each way runs: the kernels' one-time set-up, not timed, its bound checked
+            bound = int((last_held + (rows_of(ways[k]) - last_rows) * per_row) * (1 + BOUND_MARGIN))
+            room = profile.memory.peak.peak_bytes - current_bytes(device)  # again: a first run may keep buffers
+            if bound > room:
+                why_not[plan_of(ways[k])] = (
+                    f"it could hold up to {bound / 2**20:,.1f} MiB, and step one's peak left "
+                    f"{max(room, 0) / 2**20:,.1f} MiB free"
+                )
+                continue
+            most, _ = held_aside(lambda: run(ways[k]), device, resets)
+            held[k] = most
+            bounds[k] = bound
+            last_rows, last_held = rows_of(ways[k]), most
+        if ways.index(ran) not in held:
+            how = plan_of(ran) or "the model's own head"
+            return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
+        measured = [k for k in range(len(ways)) if k in held]
+        for _ in range(REPEATS):  # interleaved: what drifts (a warming allocator, another process) spreads evenly
+            for k in measured:
+                most, seconds = held_aside(lambda: run(ways[k]), device, resets)
+                if len(times.setdefault(k, [])) == 0:
+                    held[k] = most  # warm: the first timed run's
+                times[k].append(seconds)
+        options = [HeadOption(plan_of(ways[k]), held[k], statistics.median(times[k]), bounds[k]) for k in measured]
+        return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not)
