@@ -17,6 +17,7 @@ __all__ = [
     "PlanReport",
     "optimize_memory",
     "parse_plans",
+    "plan",
     "with_memory_flags",
 ]
 
@@ -27,6 +28,7 @@ _LAZY = {
     "MemoryOptConfig": "config",
     "MemoptHandle": "api",
     "optimize_memory": "api",
+    "plan": "planning.plan",
     "PlanEntry": "plans",
     "PlanReport": "plans",
     "parse_plans": "plans",

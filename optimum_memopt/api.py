@@ -217,7 +217,9 @@ def optimize_memory(
             say=(say or (lambda text: show(_as_keywords(text)))) if rank0 else (lambda text: None),
             report_dir=output_dir if rank0 else None,
         )
-    settings = WrapSettings(entries=config.enabled_entries, level=config.level, budget=budget)
+    # `auto`'s step one runs every layer recomputed whole, as the Trainer's does: the least memory any choice needs
+    level = 1 if config.auto else config.level
+    settings = WrapSettings(entries=config.enabled_entries, level=level, budget=budget)
     try:
         return attach(backend, model, settings, config, steps_reported=bool(reports_steps))
     except ValueError as e:

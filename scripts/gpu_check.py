@@ -14,7 +14,9 @@ GPU benchmarks at GPU size, and write one report file (Markdown, its raw figures
       benchmarks/level1_vs_checkpointing_h100.json (8 layers, hidden 1024, sequence 2048, bf16, batch 8);
    b. the loss in the solve: the same decoder with a vocabulary 32 times its hidden size, eager at `--base_batch`
       (its peak is the budget), then at twice and four times that batch: checkpointing, checkpointing with the loss
-      chunked by hand, and `auto` under the budget (its choice, predicted and measured peak).
+      chunked by hand, and `auto` under the budget (its choice, predicted and measured peak);
+   c. the dry run (`optimum_memopt.planning`) of benchmark a's decoder beside what the device measured, and on CUDA
+      the same steps on real tensors under the dry run's count beside CUDA's own peak counter.
 
 Without a GPU it stops at once, saying so (exit 2); `--cpu` runs the same steps on the CPU at a tiny size, which is
 how the suite checks this script (tests/test_gpu_kit.py).
@@ -149,6 +151,9 @@ def benchmarks(a, device: str) -> dict:
     ]
     print("benchmark a: whole-layer recompute", flush=True)
     out = {"whole_layers": {"decoder": " ".join(base[1:] + half), "rows": interleaved(a.rounds, whole)}}
+    print("benchmark c: the dry run of benchmark a's decoder beside the device", flush=True)
+    measured = {r["config"]: r.get("peak_mib") for r in out["whole_layers"]["rows"]}
+    out["dry_run"] = dry_run_check(device, a.batch, measured)
 
     hidden = int(SIZES[device][SIZES[device].index("--hidden") + 1])
     vocab_script = base + ["--vocab", str(32 * hidden)]
@@ -181,6 +186,51 @@ def benchmarks(a, device: str) -> dict:
                 row["fits"] = row["peak_mib"] <= budget
     out["loss_in_the_solve"] = result
     return out
+
+
+def dry_run_check(device: str, batch: int, measured: dict) -> dict:
+    """Benchmark a's decoder dry-run on fake tensors (on the CPU, counted as CUDA counts) beside what the device
+    measured; and, on CUDA, the same steps on real tensors under the same count beside CUDA's own peak counter: what
+    the count cannot see (the libraries' workspaces, an op's scratch) is their difference."""
+    import torch
+    from transformers import LlamaConfig
+
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    size = dict(
+        zip(SIZES["gpu" if device == "cuda" else "cpu"][::2], SIZES["gpu" if device == "cuda" else "cpu"][1::2])
+    )
+    hidden, heads = int(size["--hidden"]), int(size["--heads"])
+    config = LlamaConfig(
+        vocab_size=1000,
+        hidden_size=hidden,
+        intermediate_size=int(size["--intermediate"]),
+        num_hidden_layers=int(size["--layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=int(size["--seq"]),
+    )
+    spec = StepSpec(config, batch=batch, seq=int(size["--seq"]), autocast="bfloat16" if device == "cuda" else None)
+    rows = []
+    for label, kw in (
+        ("eager", dict(backend=False)),
+        ("transformers checkpointing", dict(checkpointing=True)),
+        ("ours: level 1", dict(level=1)),
+    ):
+        row = {"config": label, "measured_mib": measured.get(label)}
+        fake = dry_run(spec, **kw)
+        row["dry_run_mib"] = fake.peak_bytes / 2**20
+        row["dry_run_seconds"] = fake.seconds
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            real = dry_run(spec, fake=False, device="cuda", **kw)
+            row["real_count_mib"] = real.peak_bytes / 2**20
+            row["cuda_peak_mib"] = (torch.cuda.max_memory_allocated() - start) / 2**20
+        rows.append(row)
+        print(f"  {label}: {row}", flush=True)
+    return {"decoder": f"{size} batch {batch}", "rows": rows}
 
 
 def markdown(report: dict) -> str:
@@ -250,6 +300,28 @@ def markdown(report: dict) -> str:
                     f"{row['samples_per_s']:,.1f} | {'; '.join(note)} |"
                 )
             lines.append("")
+    dry = (bench or {}).get("dry_run")
+    if dry is not None:
+        lines += [
+            "### The dry run beside the device",
+            "",
+            "Benchmark a's decoder. Dry run: fake tensors on the CPU, storages counted as CUDA counts them (the whole "
+            "run's peak, weights included). Real count: the same steps on CUDA under the same count; CUDA's peak: "
+            "`max_memory_allocated` over them, the level before taken off. Measured: benchmark a's peak.",
+            "",
+            "| configuration | measured MiB | dry run MiB | dry vs measured | real count MiB | CUDA's peak MiB |",
+            "|---|---|---|---|---|---|",
+        ]
+        for row in dry["rows"]:
+            m = row.get("measured_mib")
+            diff = f"{100 * (row['dry_run_mib'] - m) / m:+.1f}%" if m else "-"
+            real = row.get("real_count_mib")
+            cuda = row.get("cuda_peak_mib")
+            lines.append(
+                f"| {row['config']} | {m or 0:,.1f} | {row['dry_run_mib']:,.1f} | {diff} | "
+                f"{'-' if real is None else f'{real:,.1f}'} | {'-' if cuda is None else f'{cuda:,.1f}'} |"
+            )
+        lines.append("")
     lines += ["## Raw figures", "", "```json", json.dumps(report, indent=1, default=str), "```", ""]
     return "\n".join(lines)
 

@@ -114,6 +114,15 @@ def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
     assert [b.get_height() for b in figure.axes[0].patches] == [s["peak_mb"] for s in data["memory"]["segments"]]
 
 
+def test_autos_step_one_recomputes_every_layer_whole_as_the_trainers_does():
+    """Through `optimize_memory` as through the Trainer: step one runs the least memory any choice needs (it ran the
+    layers as they were before: a loop that only fitted with recompute ran out of memory at step one)."""
+    memopt = optimum_memopt.optimize_memory(decoder(), "auto", budget_mb=10**6, say=lambda text: None)
+    assert [p.mode for p in memopt.policy.layers] == ["layer"] * len(memopt.layers)
+    loop(memopt.model, steps=1)
+    assert memopt.profile is not None and memopt.auto is None
+
+
 def test_under_gradient_accumulation_the_loop_says_where_steps_end():
     """With `reports_steps=True` and `step_done` after each optimizer step, two forwards make one step: the choice
     is made at the third forward (the second step's start), not the second."""

@@ -51,3 +51,7 @@ def test_on_the_cpu_the_kit_runs_its_steps_and_writes_one_report(tmp_path):
     auto = [r for r in loss["rows"] if r["config"] == "ours: auto"]
     assert all(r["rounds"][0]["auto"]["config"] is not None for r in auto if r["failed"] == 0)
     assert f"Budget: eager's peak at batch 2, {loss['budget_mib']:,.1f} MiB." in text
+    dry = {r["config"]: r for r in report["benchmarks"]["dry_run"]["rows"]}
+    assert list(dry) == list(whole) and all(r["dry_run_mib"] > 0 for r in dry.values())
+    assert all(r["measured_mib"] == whole[c]["peak_mib"] for c, r in dry.items())
+    assert "### The dry run beside the device" in text

@@ -44,7 +44,7 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 # three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
 JOBS = {
     "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers"},
-    "measure": {"watch", "profile", "graph", "aside"},
+    "measure": {"watch", "profile", "graph", "aside", "storages"},
     "decide": {"solver", "budget", "planner", "report"},
 }
 SHARED = {"names", "rule", "policy", "nested"}

@@ -150,3 +150,31 @@ def test_the_innermost_dispatch_mode_can_be_read():
         with inner:
             assert not _torch_api.dispatch_mode_on_top(outer) and _torch_api.dispatch_mode_on_top(inner)
         assert _torch_api.dispatch_mode_on_top(outer)
+
+
+def test_a_fake_storage_has_an_identity_its_views_share():
+    """A dry run tells storages apart as a real run does: by `storage_identity` (a fake storage has no address)."""
+    from optimum_memopt.backends.torch import _torch_api
+
+    with _torch_api.fake_mode():
+        a, b = torch.randn(4, 4), torch.randn(4, 4)
+        assert _torch_api.is_fake(a)
+        ids = {_torch_api.storage_identity(t.untyped_storage()) for t in (a, a.t(), a[1:], b)}
+        assert len(ids) == 2 and 0 not in ids
+    real = torch.randn(3)
+    assert not _torch_api.is_fake(real)
+    assert _torch_api.storage_identity(real.untyped_storage()) == _torch_api.storage_identity(
+        real[1:].untyped_storage()
+    )
+
+
+def test_backward_is_told_from_forward():
+    from optimum_memopt.backends.torch import _torch_api
+
+    seen = []
+    x = torch.randn(3, requires_grad=True)
+    y = (x * 2).sum()
+    x.register_hook(lambda g: seen.append(_torch_api.in_backward()))
+    assert not _torch_api.in_backward()
+    y.backward()
+    assert seen == [True]

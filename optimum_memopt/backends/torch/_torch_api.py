@@ -102,6 +102,14 @@ def storage_ref(t: torch.Tensor):
     return _TensorRef(t)
 
 
+def storage_identity(storage) -> int:
+    """One storage's identity among the live ones, the same for every tensor viewing it: its C++ object's address
+    (private `UntypedStorage._cdata`), which a fake tensor's storage has too (its data pointer is 0); without it, the
+    data pointer (0 for every fake storage)."""
+    key = getattr(storage, "_cdata", None)
+    return key if isinstance(key, int) else storage.data_ptr()
+
+
 def view_base(t: torch.Tensor) -> torch.Tensor:
     """The tensor a view was taken of (private `Tensor._base`), or the tensor itself; without it, the tensor."""
     base = getattr(t, "_base", None)
@@ -135,6 +143,31 @@ def foreign_recompute() -> Optional[str]:
     if task is not None and task() != -1:
         return "during a backward pass (a recompute: torch.utils.checkpoint with use_reentrant=True)"
     return None
+
+
+def in_backward() -> bool:
+    """Whether a backward pass runs now (on this thread: a recompute inside it). Private:
+    `torch._C._current_graph_task_id` (-1 outside backward); without it, False."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """Whether `t` is a fake tensor (a dry run's: no memory behind it). Private:
+    `torch._subclasses.fake_tensor.FakeTensor`; without it, False."""
+    try:
+        from torch._subclasses.fake_tensor import FakeTensor
+    except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
+        return False
+    return isinstance(t, FakeTensor)
+
+
+def fake_mode():
+    """A mode under which tensors have shapes, dtypes and storages' sizes and no memory (a dry run's). Private:
+    `torch._subclasses.fake_tensor.FakeTensorMode`; there is no public fallback (a dry run needs it)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=False)
 
 
 def compiled_by(model) -> Optional[str]:

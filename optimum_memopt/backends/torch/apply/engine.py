@@ -7,9 +7,10 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from ....memory import READABLE_DEVICES, MemoryMeter
+from ....memory import READABLE_DEVICES
 from .. import _torch_api
 from ..measure.profile import LayerProfile, ModelProfile
+from ..measure.storages import meter_for
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
 from ..nested import tensors_in
 from ..policy import LAYER, OPS, RecomputePolicy
@@ -109,7 +110,7 @@ class RecomputeState:
                 self._recording = [LayerProfile() for _ in self.layers]
                 device = _device(args, kwargs)
                 if self.watch is None and device in READABLE_DEVICES:
-                    self.watch = StepWatch(len(self.layers), MemoryMeter(device), self.reset_peaks or device == "cpu")
+                    self.watch = StepWatch(len(self.layers), meter_for(device), self.reset_peaks or device == "cpu")
         watch = self.watch
         if watch is not None:
             watch.layer_forward(index)

@@ -15,16 +15,18 @@ from torch import nn
 
 from .. import _torch_api
 from ..measure.profile import LayerProfile
+from ..measure.storages import counting
 from ..names import plan_name
 from ..nested import map_tensors, tensors_in
 from .recipe import Recipe, rng_state
 
 
 def storage_key(t: torch.Tensor) -> int:
-    """The identity of a tensor's storage: its address (0 for tensor subclasses without a storage, whose bytes are
-    then counted nowhere: a save of one is recorded in `LayerProfile.unread` and said in the table's notes)."""
+    """The identity of a tensor's storage among the live ones (`_torch_api.storage_identity`: a fake tensor's too, so a
+    dry run's plans free what a real run's do); 0 for tensor subclasses without a storage, whose bytes are then counted
+    nowhere: a save of one is recorded in `LayerProfile.unread` and said in the table's notes."""
     try:
-        return t.untyped_storage().data_ptr()
+        return _torch_api.storage_identity(t.untyped_storage())
     except Exception:
         return 0
 
@@ -179,6 +181,11 @@ class TrackingMode(_torch_api.TorchDispatchMode):
         if self.run.record is None:
             out = func(*args, **kwargs)
             self.run.on_op(func, args, kwargs, out, rng)
+            return out
+        count = counting()
+        if count is not None and count.clock is not None:  # a dry run: the op's time on the device it stands for
+            out = func(*args, **kwargs)
+            self.run.on_op(func, args, kwargs, out, rng, count.clock(func, args, kwargs, out))
             return out
         # profiling step one: each op timed (devices synchronized around it, so the time is the op's own)
         _synchronize(args, kwargs)

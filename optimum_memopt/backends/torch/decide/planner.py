@@ -27,6 +27,7 @@ from typing import Callable, List, Optional
 from ....callbacks.base import atomic_write
 from ....memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
 from ..measure.profile import StepMemory
+from ..measure.storages import meter_for
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
 from .budget import Fit, above, as_kept, fit, fit_share, freed_bytes, head_choices, merged
@@ -97,8 +98,8 @@ class BudgetPlanner:
                 f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
             )
         self.ranks = Ranks()
-        self.meter = MemoryMeter(device)
-        self.base = self._cpu_base if device == "cpu" else 0
+        self.meter = meter_for(device)
+        self.base = self._cpu_base if self.meter.allocator == "mallinfo2" else 0
         self.device = device
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
         self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets)

@@ -422,6 +422,7 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     memory than step one's peak left free: the ways are run from the fewest rows a chunk up, and a way whose bound
     (what the last way run held, and the most each further row can add) would take the process above step one's
     peak is not run (said in `why_not`). Returns a `HeadMeasure`, or the reason there is none."""
+    from .. import _torch_api
     from ..measure.aside import current_bytes, held_aside
     from ..measure.profile import HeadMeasure, HeadOption
 
@@ -486,6 +487,7 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     def rows_of(way: Optional[Chunking]) -> int:
         return tokens if way is None else min(tokens, way.rows(tokens, hidden, vocab))
 
+    fake = _torch_api.is_fake(weight)
     # on the head's GPU as the current one: read there, and its generator given back (`held_aside`)
     with torch.cuda.device(weight.device) if device == "cuda" else contextlib.nullcontext():
         order = sorted(range(len(ways)), key=lambda k: rows_of(ways[k]))
@@ -494,7 +496,7 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
         for k in order:  # the first time each way runs: the kernels' one-time set-up, not timed, its bound checked
             bound = int((last_held + (rows_of(ways[k]) - last_rows) * per_row) * (1 + BOUND_MARGIN))
             room = profile.memory.peak.peak_bytes - current_bytes(device)  # again: a first run may keep buffers
-            if bound > room:
+            if bound > room and not fake:  # a dry run's tensors hold no memory: every way is counted
                 why_not[plan_of(ways[k])] = (
                     f"it could hold up to {bound / 2**20:,.1f} MiB, and step one's peak left "
                     f"{max(room, 0) / 2**20:,.1f} MiB free"

@@ -7,7 +7,8 @@ sampler threads are paused (`memory.read_at_ops`), each op's end is read by a di
 before the work, so the backward the work starts runs under it too), and on CUDA, where the backend may reset the
 peak counter, the peak so far is folded into every open meter first and the counter reset after, so the work's
 peak reaches none of them. The process's random generators (CPU and device) are given back as the work found
-them. Where the counter is someone else's (`resets` False: the Trainer's own memory metrics)
+them; under a count of tensor storages (a dry run: `storages.StorageCount`), the count is read and its peak given
+back as the work found it. Where the counter is someone else's (`resets` False: the Trainer's own memory metrics)
 it is left alone, and the work's peak is in it: said by the caller. Temporaries inside one op are not seen.
 """
 
@@ -19,37 +20,56 @@ import torch
 
 from ....memory import allocator_bytes_in_use, fold_cuda_peak, read_at_ops
 from .. import _torch_api
+from .storages import counting
 
 
 def _reader(device: str) -> Callable[[], int]:
+    count = counting()
+    if count is not None:  # a count of tensor storages is on (a dry run): the device's own counter is not the step's
+        return lambda: count.current
     if device == "cuda":
         return torch.cuda.memory_allocated
     return lambda: allocator_bytes_in_use() or 0
 
 
 def current_bytes(device: str) -> int:
-    """What the device holds now, as `held_aside` reads it (CUDA: tensors; the CPU: the allocator's bytes in use)."""
+    """What the device holds now, as `held_aside` reads it (CUDA: tensors; the CPU: the allocator's bytes in use;
+    under a count of tensor storages, `storages.StorageCount`: its count)."""
     return _reader(device)()
 
 
+def _synchronize(device: str) -> None:
+    if device == "cuda" and counting() is None:
+        torch.cuda.synchronize()
+
+
 class _MostAfterOps(_torch_api.TorchDispatchMode):
-    def __init__(self, read: Callable[[], int]):
+    def __init__(self, read: Callable[[], int], clock=None):
         super().__init__()
         self.read = read
         self.most = 0
+        self.clock = clock  # a count's clock (a dry run): the ops' seconds on the device it stands for
+        self.clocked = 0.0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.most = max(self.most, self.read())
+        if self.clock is not None:
+            self.clocked += self.clock(func, args, kwargs or {}, out)
         return out
 
 
 @contextmanager
 def _unseen(device: str, resets: bool) -> Iterator[None]:
     read_at_ops(True)
+    count = counting()
+    peak_before = count.peak if count is not None else 0
+    if count is not None:
+        count.aside += 1
+    resets = resets and count is None  # under a count of storages the device's counter is not read
     if device == "cuda" and resets:
         fold_cuda_peak()
-    devices = [torch.cuda.current_device()] if device == "cuda" else []
+    devices = [torch.cuda.current_device()] if device == "cuda" and torch.cuda.is_available() else []
     try:
         # the work's random ops (a dropout in a LoRA on the head) draw from the process's generators, which are
         # given back as they were: every mask the run draws after is the one the run without the plugin draws
@@ -58,6 +78,9 @@ def _unseen(device: str, resets: bool) -> Iterator[None]:
     finally:
         if device == "cuda" and resets:
             torch.cuda.reset_peak_memory_stats()
+        if count is not None:
+            count.peak = max(peak_before, count.current)  # the work's peak reaches no reading around it
+            count.aside -= 1
         read_at_ops(False)
 
 
@@ -66,14 +89,13 @@ def held_aside(work: Callable[[], None], device: str, resets: bool = True) -> Tu
     and the seconds it took."""
     read = _reader(device)
     with _unseen(device, resets):
-        if device == "cuda":
-            torch.cuda.synchronize()
+        _synchronize(device)
         start = read()
-        mode = _MostAfterOps(read)
+        count = counting()
+        mode = _MostAfterOps(read, count.clock if count is not None else None)
         began = time.perf_counter()
         with mode:
             work()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - began
+        _synchronize(device)
+        seconds = mode.clocked if mode.clock is not None else time.perf_counter() - began
     return max(0, mode.most - start), seconds

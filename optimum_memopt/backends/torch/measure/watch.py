@@ -27,6 +27,7 @@ from ....memory import MIB, MemoryMeter, observe_all, read_at_ops
 from .. import _torch_api
 from ..nested import tensors_in
 from .profile import HEAD_SEGMENT, Segment, StepMemory
+from .storages import counting
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,9 @@ class StepWatch:
     def how(self) -> str:
         if not self.resets:
             return "readings at the marks only (the peak counter is not reset)"
+        own = getattr(self.meter, "how", None)  # a count of tensor storages says its own (`storages`)
+        if own is not None:
+            return own
         return "CUDA's peak counter" if self.meter.device == "cuda" else READ_AT_OPS
 
     @property
@@ -235,8 +239,8 @@ class StepReadings:
         if self._mode is not None:
             self._depth += 1
             return None
-        if not (module.training and torch.is_grad_enabled() and self.wanted()):
-            return None
+        if not (module.training and torch.is_grad_enabled() and self.wanted()) or counting() is not None:
+            return None  # not measured, or a count of tensor storages reads after every op already
         first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
         if first is None or first.device.type != "cpu":
             return None

@@ -1,0 +1,124 @@
+"""Memory counted from the tensors themselves: every live tensor storage, in the blocks CUDA's caching allocator
+hands out (512 bytes at least, in steps of 512), which is what `torch.cuda.memory_allocated` counts for them.
+
+`StorageCount` is a dispatch mode: after each op it adds the storages it has not seen yet among the op's outputs and
+inputs (a tensor made before the count began is counted at its first use), and a weak reference on each storage takes
+its bytes back the moment the storage is freed, whether the count is on or not. The peak is read after every op, as
+the CUDA counter's would be at an op's end; what one op holds inside itself (a kernel's workspace) and what the
+device's allocator adds on top (a block's rounding beyond 512 bytes, fragmentation, a library's workspaces, the CUDA
+context) are not seen: a dry run states them as a margin.
+
+On fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`) a storage has its size and no memory: the same count
+is then the dry run's meter (`planning.dry_run`), a step at real size on any machine. It has the face of a
+`memory.MemoryMeter` (`read`, `reset_peak`, `close`, `device`, `allocator`), so the step watch and the budget planner
+read it as they read a device.
+
+While a count is on (`counting()`), work read aside (`aside.held_aside`) reads it instead of the device's own counter,
+and where it carries a `clock` (a dry run's roofline), the ops' times step one's profile and the levers record are the
+clock's, not the wall's.
+"""
+
+import weakref
+from functools import partial
+from typing import Callable, Dict, Optional
+
+import torch
+
+from ....memory import MIB, MemoryMeter, MemoryReading
+from .. import _torch_api
+from ..nested import tensors_in
+
+BLOCK = 512  # CUDA's caching allocator rounds every block up to a multiple of this (its smallest block)
+
+HOW = "tensor storages counted after every op, in CUDA's 512-byte blocks"
+
+_ACTIVE: list = []  # the counts on now, innermost last
+
+
+def block_bytes(nbytes: int) -> int:
+    """The bytes a storage of `nbytes` takes in CUDA's caching allocator's count (0 for an empty one)."""
+    return 0 if nbytes <= 0 else -(-nbytes // BLOCK) * BLOCK
+
+
+def counting() -> Optional["StorageCount"]:
+    """The innermost count on now, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def meter_for(device: str):
+    """The meter a measured step reads: the count of storages on now (a dry run), else the device's own."""
+    count = counting()
+    return count if count is not None else MemoryMeter(device)
+
+
+class StorageCount(_torch_api.TorchDispatchMode):
+    """Live tensor storages' bytes, now and at their highest since `reset_peak` (see the module's docstring)."""
+
+    allocator = "storages"
+    how = HOW
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__()
+        self.device = device  # the device whose count this stands for (said with its readings)
+        self.current = 0
+        self.peak = 0
+        # where the count stands for a device the ops do not run on (a dry run), an op's seconds there, which the
+        # engine's profile and the levers' measurements take in place of the wall clock's: (func, args, kwargs, out)
+        self.clock: Optional[Callable] = None
+        self.aside = 0  # > 0 while work read aside runs (`aside.held_aside`): its peak is given back after it
+        self._live: Dict[int, int] = {}  # a storage's identity -> the bytes counted for it
+        self._refs: Dict[int, weakref.ref] = {}
+
+    def __enter__(self):
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tensors_in(out):
+            self.see(t)
+        for t in tensors_in(args) + tensors_in(kwargs or {}):
+            self.see(t)
+        if self.current > self.peak:
+            self.peak = self.current
+        return out
+
+    def see(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage if it is not counted yet (and its new size, where an op resized it)."""
+        try:
+            storage = t.untyped_storage()
+        except Exception:  # a tensor subclass without a storage of its own: its parts are counted as they are made
+            return
+        key = _torch_api.storage_identity(storage)
+        nbytes = block_bytes(storage.nbytes())
+        known = self._live.get(key)
+        if known is None:
+            self._refs[key] = weakref.ref(storage, partial(self._gone, key))
+        elif known == nbytes:
+            return
+        self._live[key] = nbytes
+        self.current += nbytes - (known or 0)
+
+    def _gone(self, key: int, _ref) -> None:
+        self.current -= self._live.pop(key, 0)
+        self._refs.pop(key, None)
+
+    def add_peak(self, nbytes: int) -> None:
+        """Take `nbytes` above the current count into the peak (what an op is known to hold inside itself)."""
+        self.peak = max(self.peak, self.current + nbytes)
+
+    # the face of `memory.MemoryMeter`
+    def read(self) -> MemoryReading:
+        self.peak = max(self.peak, self.current)
+        return MemoryReading(self.device, self.current / MIB, self.peak / MIB)
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def close(self) -> None:
+        """Nothing to stop (the count is a mode its owner leaves)."""

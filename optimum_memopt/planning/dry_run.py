@@ -1,0 +1,472 @@
+"""A training step at real size on fake tensors: the user's model built from its config alone, trained for a few
+steps under `FakeTensorMode` (shapes and dtypes, no memory, no weights), with the torch backend's engine, levers and
+planner in place exactly as in training, and every tensor storage counted as CUDA's caching allocator counts it
+(`backends.torch.measure.storages.StorageCount`).
+
+What a run counts at its highest is split into parts as each storage was made: the weights (the model and its
+adapters, built before training), the gradients (a parameter's `.grad`, moved there as autograd stores it), the
+optimizer's state (made inside `optimizer.step` and kept), the activations (made by the layers' forward and the
+backward through them, recomputes included), the head and loss (made after the last layer's forward until backward
+reaches it), and other (the batch, masks and position tables made before the first layer, the optimizer's
+temporaries).
+
+Not seen by a dry run, and said as a margin wherever its figures are shown: the CUDA context and the libraries'
+workspaces (cuBLAS, attention kernels), the caching allocator's rounding beyond 512 bytes and its fragmentation,
+and what one op holds inside itself.
+"""
+
+import contextlib
+import copy
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Dict, Iterator, List, Optional
+
+import torch
+
+from ..backends.torch import _torch_api
+from ..backends.torch.measure.storages import StorageCount
+from ..backends.torch.nested import tensors_in
+from .devices import DEFAULT_DEVICE, DEVICES
+
+MIB = float(1024 * 1024)
+
+WEIGHTS = "weights"
+GRADIENTS = "gradients"
+OPTIMIZER = "optimizer state"
+ACTIVATIONS = "activations"
+HEAD = "head and loss"
+OTHER = "other"
+PARTS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, HEAD, OTHER)
+
+# The Trainer's `--optim` names a dry run builds (the Trainer's default first), and how.
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adafactor")
+
+NOT_SEEN = (
+    "the CUDA context, the libraries' workspaces (cuBLAS, attention kernels), the caching allocator's rounding beyond "
+    "512 bytes and its fragmentation, and what one op holds inside itself"
+)
+
+
+def op_cost(func, args, kwargs, out) -> Optional[tuple]:
+    """An op's (FLOPs, bytes read and written, whether it runs in 16 bits); None for a view (it moves nothing)."""
+    if _torch_api.returns_alias(func):
+        return None
+    tensors = [t for t in tensors_in(args) + tensors_in(kwargs) + tensors_in(out) if t.dtype.is_floating_point]
+    moved = float(sum(t.numel() * t.element_size() for t in tensors))
+    return _flops(func, args, kwargs, out), moved, bool(tensors) and tensors[0].element_size() == 2
+
+
+def roofline(flops: float, moved: float, low: bool, device) -> float:
+    """One op's seconds on `device`: the longer of its FLOPs at the device's rate (16-bit tensor cores, or fp32) and
+    its bytes at the device's bandwidth (no overlap between ops, no launch costs)."""
+    return max(flops / (device.flops_low if low else device.flops_fp32), moved / device.bandwidth)
+
+
+class OpCosts:
+    """Each op's cost (`op_cost`), kept so that any device's roofline can be priced after the run (`seconds`)."""
+
+    def __init__(self):
+        self.costs: List[tuple] = []
+
+    def add(self, func, args, kwargs, out) -> None:
+        cost = op_cost(func, args, kwargs, out)
+        if cost is not None:
+            self.costs.append(cost)
+
+    def seconds(self, device) -> float:
+        return sum(roofline(flops, moved, low, device) for flops, moved, low in self.costs)
+
+
+def clock_for(device):
+    """A count's clock (`StorageCount.clock`): each op's seconds on `device`'s roofline."""
+
+    def clock(func, args, kwargs, out) -> float:
+        cost = op_cost(func, args, kwargs, out)
+        return 0.0 if cost is None else roofline(*cost, device)
+
+    return clock
+
+
+# The CPU's attention kernels (what a dry run on the CPU device runs), priced as the GPU's: (FLOPs per b h s_q s_k d,
+# the argument holding the queries; the keys follow it)
+_CPU_ATTENTION = {
+    "_scaled_dot_product_flash_attention_for_cpu": (4.0, 0),
+    "_scaled_dot_product_flash_attention_for_cpu_backward": (10.0, 1),
+}
+
+
+def _flops(func, args, kwargs, out) -> float:
+    """An op's FLOPs: torch's own counter's formula where it has one (matmuls, convolutions, the GPU's attention
+    kernels), the CPU's attention kernels as the GPU's (4 b h s_q s_k d forward, 2.5 times that backward, the causal
+    half not taken off), 0 elsewhere (elementwise ops are priced by their bytes)."""
+    from torch.utils.flop_counter import flop_registry
+
+    packet = getattr(func, "_overloadpacket", None)
+    count = flop_registry.get(packet)
+    if count is not None:
+        try:
+            return float(count(*args, **kwargs, out_val=out))
+        except Exception:
+            return 0.0
+    attention = _CPU_ATTENTION.get(_torch_api.op_name(func))
+    if attention is not None:
+        factor, at = attention
+        q, k = args[at], args[at + 1]
+        b, h, s_q, d = q.shape
+        return factor * b * h * s_q * k.shape[-2] * d
+    return 0.0
+
+
+class PartsCount(StorageCount):
+    """A storage count that also keeps each storage's part (the phase it was made in, or the one it was moved to),
+    and the parts at the highest count of the whole run (`top`, never reset: the step watch resets `peak`)."""
+
+    def __init__(self, device: str = "cpu"):
+        super().__init__(device)
+        self.phase = WEIGHTS
+        self.parts: Dict[str, int] = {p: 0 for p in PARTS}
+        self._part: Dict[int, str] = {}
+        self.top = 0  # the highest count of the whole run
+        self.top_parts: Dict[str, int] = dict(self.parts)
+        self.top_at = ""  # where the run was at its highest
+        self.step = 0  # the training step running (set by the driver)
+        self.where = "before the layers"  # the mark the step passed last (`_marks`)
+        self.step_top = 0  # the highest count of the step running
+        self.ops: Optional[OpCosts] = None  # each op's FLOPs and bytes, where the driver counts them
+
+    def see(self, t: torch.Tensor) -> None:
+        try:
+            storage = t.untyped_storage()
+        except Exception:
+            return
+        key = _torch_api.storage_identity(storage)
+        before = self._live.get(key, 0)
+        super().see(t)
+        grown = self._live.get(key, 0) - before
+        if grown:
+            part = self._part.setdefault(key, self.phase)
+            self.parts[part] += grown
+
+    def _gone(self, key: int, ref) -> None:
+        part = self._part.pop(key, None)
+        if part is not None:
+            self.parts[part] -= self._live.get(key, 0)
+        super()._gone(key, ref)
+
+    def move(self, t: Optional[torch.Tensor], part: str) -> None:
+        """Count `t`'s storage in `part` from now on (a gradient autograd just stored)."""
+        if t is None:
+            return
+        self.see(t)
+        key = _torch_api.storage_identity(t.untyped_storage())
+        old = self._part.get(key)
+        if old is not None and old != part:
+            nbytes = self._live.get(key, 0)
+            self.parts[old] -= nbytes
+            self.parts[part] += nbytes
+            self._part[key] = part
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if self.ops is not None:
+            self.ops.add(func, args, kwargs or {}, out)
+        if self.current > self.step_top and not self.aside:  # a lever's measurement aside is not the step's
+            self.step_top = self.current
+            if self.current > self.top:
+                self.top, self.top_parts = self.current, dict(self.parts)
+                self.top_at = f"step {self.step}, {self.where}"
+        return out
+
+
+@dataclass
+class StepSpec:
+    """The training step a dry run runs: the model's config and what the Trainer's flags set."""
+
+    config: object  # a transformers PretrainedConfig
+    batch: int = 1  # --per_device_train_batch_size
+    seq: int = 2048  # --block_size / max length: tokens per sequence
+    dtype: str = "float32"  # the weights' dtype as loaded (`torch_dtype`)
+    autocast: Optional[str] = None  # --bf16 / --fp16: "bfloat16" / "float16"
+    optimizer: str = "adamw_torch_fused"  # --optim
+    grad_accum: int = 1  # --gradient_accumulation_steps
+    lora: Optional[dict] = None  # --use_peft: LoraConfig's r, lora_alpha, lora_dropout, target_modules
+    attention: str = "sdpa"
+    # --use_cache: the Trainer sets the model's `config.use_cache` to it (False by default); a model that keeps its
+    # KV cache in training holds every layer's keys and values until the step's outputs are let go of
+    use_cache: bool = False
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"`--optim {self.optimizer}` has no dry run here; accepted: {', '.join(OPTIMIZERS)} "
+                f"(as in `--optim adamw_torch_fused`)"
+            )
+        for name in ("batch", "seq", "grad_accum"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"a dry run's {name} must be at least 1, not {getattr(self, name)!r}")
+
+
+@dataclass
+class DryRun:
+    """What one configuration's dry run counted (bytes, as CUDA's caching allocator counts tensor storages)."""
+
+    peak_bytes: int  # the highest count of the whole run
+    before_training_bytes: int  # held before the first step: the weights (and adapters), buffers
+    parts: Dict[str, int]  # the count at its highest, by part (`PARTS`)
+    peak_at: str  # where: "step 2, layer 3 backward"
+    steps: int
+    seconds: float  # the dry run's own wall time
+    profile: object = None  # the engine's step one (`ModelProfile`), where the backend ran
+    auto: Optional[dict] = None  # `auto`'s choice and its check, where asked
+    solver: Optional[dict] = None  # `auto`'s figures (solver.json's), where asked
+    report: object = None  # the plan table's data (`PlanReport`), where the backend ran
+    problem: Optional[str] = None
+    step_peaks: List[int] = field(default_factory=list)  # each step's highest count
+    step_seconds: Optional[float] = None  # the last step on the cost device's roofline
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextmanager
+def _autocast(dtype: Optional[str], device: str) -> Iterator[None]:
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device, dtype=getattr(torch, dtype)):
+        yield
+
+
+@contextmanager
+def _unpacked() -> Iterator[None]:
+    """transformers looks for sequences packed into one row by reading the position ids' values (`masking_utils.
+    find_packed_sequence_indices`), which fake tensors do not have: it then takes them for packed and builds a whole
+    mask the real step never makes. A dry run's rows are one sequence each, as the plan says: the search finds none."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - a transformers without it finds nothing to patch
+        yield
+        return
+    found = getattr(masking_utils, "find_packed_sequence_indices", None)
+    if found is None:
+        yield
+        return
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = found
+
+
+def _build(spec: StepSpec):
+    """The model (and its adapters) built on the meta device, as from_config and PEFT build them, then given fake
+    storages on the CPU device under the dry run's mode: each parameter and buffer once (tied ones stay tied),
+    counted as the weights. On meta, nothing initialises (no kernel runs) and PEFT's dtype moves work as on a real
+    model (on fake tensors `Module.to` cannot swap a tensor the fake mode's converter holds)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, spec.dtype)
+    config = copy.deepcopy(spec.config)
+    config.use_cache = spec.use_cache  # as the Trainer sets it
+    with _default_dtype(dtype), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attention)
+        if spec.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **spec.lora))
+    return model
+
+
+def _materialize(model, fakes: bool = True, device: str = "cpu") -> None:
+    """Give every meta parameter and buffer a storage on `device`: a fake one under the fake mode (on the CPU), or
+    (`fakes` False: the same step run for real, to hold a dry run to) one drawn small from the seeded generator."""
+    made: Dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+            if not fakes and new.is_floating_point():
+                with torch.no_grad():
+                    new.normal_(0.0, 0.02)
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = fake(p)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake(b)
+
+
+def _optimizer(spec: StepSpec, params):
+    if spec.optimizer == "adamw_torch_fused":
+        return torch.optim.AdamW(params, lr=5e-5, fused=True)
+    if spec.optimizer == "adamw_torch":
+        return torch.optim.AdamW(params, lr=5e-5, foreach=True)
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=5e-5)
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False)
+
+
+def _marks(model, layers, count: PartsCount):
+    """Hooks that tell the count the step's phase and its last mark as the step runs (see the module's docstring):
+    each layer's forward and backward starting, the head after the last layer; the handles."""
+    handles = []
+
+    def forward_starts(index, module, args):
+        if not _torch_api.in_backward() and torch.is_grad_enabled():
+            count.phase, count.where = ACTIVATIONS, f"layer {index} forward"
+
+    def forward_ends(index, module, args, out):
+        if _torch_api.in_backward() or not torch.is_grad_enabled():
+            return
+        first = next((t for t in _tensors(out) if t.requires_grad), None)
+        if first is not None:
+            first.register_hook(partial(backward_reached, index))
+        if index == len(layers) - 1:
+            count.phase, count.where = HEAD, "the head and loss"
+
+    def backward_reached(index, grad):
+        count.phase, count.where = ACTIVATIONS, f"layer {index} backward"
+        return grad
+
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(partial(forward_starts, index)))
+        handles.append(layer.register_forward_hook(partial(forward_ends, index)))
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p: count.move(p.grad, GRADIENTS)))
+    return handles
+
+
+def _prime(optimizer, params, count: PartsCount) -> None:
+    """Make the optimizer's state before the first step (a step on zero gradients, which are then let go of), so that
+    the first step holds what every later step holds: one step measures what two would (a dry run's time is the
+    fake dispatch of every op)."""
+    count.phase, count.where = OPTIMIZER, "the optimizer's state, made before the first step"
+    count.aside += 1  # its own peak is none of the run's
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        count.aside -= 1
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    return tensors_in(value)
+
+
+def dry_run(
+    spec: StepSpec,
+    plans: Optional[str] = None,
+    level: int = 0,
+    checkpointing: bool = False,
+    budget_mb: Optional[float] = None,
+    backend: bool = True,
+    cost_device=None,
+    fake: bool = True,
+    device: str = "cpu",
+) -> DryRun:
+    """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
+    `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
+    (`backend=False`: the plain step). The optimizer's state is made before the first step (`_prime`), so one step
+    holds what every later one does; two under `auto` (it measures step one and runs its choice in step two). The
+    ops' times the engine profiles (what the solver weighs recompute by) are `cost_device`'s roofline (a
+    `devices.Device`; without one, `devices.DEFAULT_DEVICE`'s), and with `cost_device` the last step's ops are
+    priced on it (`DryRun.step_seconds`). `fake` False runs the same
+    step on real tensors on `device` under the same count and clock (what the tests, and the GPU kit on CUDA, hold a
+    dry run to)."""
+    import optimum_memopt
+
+    began = time.perf_counter()
+    steps = 2 if plans == "auto" else 1
+    count = PartsCount(device)
+    # the engine's op times and the levers' are this device's roofline (the solver weighs recompute by them)
+    count.clock = clock_for(cost_device or DEVICES[DEFAULT_DEVICE])
+    if fake and device != "cpu":
+        raise ValueError(f"a dry run's fake tensors are on the CPU device (counted as CUDA counts), not {device!r}")
+    mode = _torch_api.fake_mode() if fake else contextlib.nullcontext()
+    unpacked = _unpacked() if fake else contextlib.nullcontext()
+    handle = None
+    handles = []
+    model = _build(spec)
+    with mode, unpacked, count:
+        torch.manual_seed(0)
+        _materialize(model, fake, device)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if backend and not checkpointing:
+            handle = optimum_memopt.optimize_memory(
+                model, plans, level=level, budget_mb=budget_mb, reports_steps=True, say=lambda text: None
+            )
+        from ..backends.torch.apply.layers import find_layers
+
+        layers = handle.layers if handle is not None else find_layers(model)
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = _optimizer(spec, params)
+        handles = _marks(model, layers, count)
+        before = count.current
+        _prime(optimizer, params, count)
+        vocab = spec.config.get_text_config().vocab_size
+        step_peaks = []
+        try:
+            for step in range(1, steps + 1):
+                count.step, count.phase, count.where = step, OTHER, "before the layers"
+                count.step_top = count.current
+                if step == steps and cost_device is not None:
+                    count.ops = OpCosts()
+                for _ in range(spec.grad_accum):
+                    ids = torch.randint(0, vocab, (spec.batch, spec.seq), device=device)
+                    with _autocast(spec.autocast, device):
+                        loss = model(input_ids=ids, labels=ids).loss
+                    (loss / spec.grad_accum).backward()
+                    del loss, ids
+                count.phase, count.where = OPTIMIZER, "the optimizer step"
+                optimizer.step()
+                count.phase = OTHER
+                optimizer.zero_grad(set_to_none=True)
+                if handle is not None:
+                    handle.step_done()
+                step_peaks.append(count.step_top)
+        finally:
+            for h in handles:
+                h.remove()
+    result = DryRun(
+        peak_bytes=count.top,
+        before_training_bytes=before,
+        parts=dict(count.top_parts),
+        peak_at=count.top_at,
+        steps=steps,
+        seconds=time.perf_counter() - began,
+        step_peaks=step_peaks,
+    )
+    if count.ops is not None:
+        result.step_seconds = count.ops.seconds(cost_device)
+    if handle is not None:
+        result.profile = handle.profile
+        result.report = handle.report()
+        if plans == "auto":
+            result.auto = handle.auto
+            result.solver = handle.solver_figures()
+        handle.remove()
+    return result

@@ -1,0 +1,339 @@
+"""`optimum_memopt.plan(...)`: what a training step holds at its real size on a device, before renting it, for each
+way to run it (eager, transformers' checkpointing, the backend's levers, `auto`'s choice), from dry runs
+(`dry_run`): the peak split into its parts, whether it fits, the step's time on the device's roofline, and the flag
+to paste.
+
+    import optimum_memopt
+
+    plan = optimum_memopt.plan("meta-llama/Llama-3.1-8B", batch=1, seq=8192, bf16=True, lora={"r": 16},
+                               device="H100-80GB")
+    print(plan.table())
+    plan.write_json("plan.json")
+
+The step time is a roofline (each op at the longer of its FLOPs at the device's rate and its bytes at its bandwidth,
+no overlap, no launch costs): it ranks configurations, it is not a measured time.
+"""
+
+import json
+import logging
+import os
+import warnings
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from typing import Dict, Iterator, List, Optional, Union
+
+from .devices import Device, find
+from .dry_run import NOT_SEEN, PARTS, DryRun, StepSpec, dry_run
+
+MIB = float(1024 * 1024)
+ROOFLINE = (
+    "step seconds: a roofline on the device's data-sheet rates (each op at the longer of its FLOPs and its bytes, "
+    "no overlap, no launch costs): for ranking, not a measured time"
+)
+
+
+@dataclass
+class Configuration:
+    """One way to run the step, its flags, and what its dry run counted."""
+
+    name: str
+    flags: str  # what to add to the training command
+    peak_mb: Optional[float] = None
+    before_training_mb: Optional[float] = None
+    parts_mb: Dict[str, float] = field(default_factory=dict)
+    peak_at: str = ""
+    fits: Optional[bool] = None
+    step_seconds: Optional[float] = None
+    problem: Optional[str] = None  # why it has no figures (refused, or `auto` found nothing that fits)
+    dry_run_seconds: float = 0.0
+
+
+@dataclass
+class Plan:
+    model: str
+    spec: StepSpec
+    device: Optional[Device]
+    budget_mb: Optional[float]
+    configurations: List[Configuration]
+    auto_solver: Optional[dict] = None  # `auto`'s figures from its dry run (for the picture)
+    # the largest batch (at the plan's sequence) and the longest sequence (at its batch) whose least-memory
+    # configuration fits the budget, each found by dry runs: {"batch": n, "seq": n, "under": name, "runs": [...]}
+    reach: Optional[dict] = None
+
+    def record(self) -> dict:
+        """Every figure of the table (what `--json` writes)."""
+        spec = {k: v for k, v in asdict(self.spec).items() if k != "config"}
+        return {
+            "model": self.model,
+            "step": spec,
+            "device": None if self.device is None else asdict(self.device),
+            "budget_mb": self.budget_mb,
+            "unit": "MiB of tensor storages as CUDA's caching allocator counts them (512-byte blocks)",
+            "not_seen": NOT_SEEN,
+            "step_seconds_are": ROOFLINE,
+            "configurations": [asdict(c) for c in self.configurations],
+            "reach": self.reach,
+        }
+
+    def write_json(self, path: str) -> None:
+        folder = os.path.dirname(os.path.abspath(path))
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.record(), f, indent=2)
+            f.write("\n")
+
+    def picture(self, path: str):
+        """`auto`'s dry run drawn as the training run draws it (step one by mark, the budget, the choice)."""
+        if self.auto_solver is None:
+            raise RuntimeError("optimum-memopt: the plan has no `auto` dry run to draw (give a device or a budget)")
+        from ..callbacks.step_memory import draw_step_memory
+
+        return draw_step_memory(self.auto_solver, path)
+
+    def table(self) -> str:
+        return format_plan(self)
+
+
+def _what(spec: StepSpec, model: str) -> str:
+    precision = f"{spec.autocast} autocast" if spec.autocast else spec.dtype
+    lora = "" if spec.lora is None else f", LoRA r={spec.lora.get('r', 8)}"
+    accum = f" x {spec.grad_accum} accumulated" if spec.grad_accum > 1 else ""
+    return (
+        f"{model}: batch {spec.batch}{accum} x {spec.seq:,} tokens, weights {spec.dtype}, {precision}, "
+        f"{spec.optimizer}{lora}"
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The table a person reads in ten seconds."""
+    lines = [f"memopt-plan (a dry run on fake tensors): {_what(plan.spec, plan.model)}"]
+    if plan.device is not None:
+        lines.append(f"device {plan.device.describe_budget()}")
+    elif plan.budget_mb is not None:
+        lines.append(f"budget: {plan.budget_mb:,.0f} MiB")
+    short = {"weights": "weights", "gradients": "grads", "optimizer state": "optim", "activations": "activ"}
+    short.update({"head and loss": "head+loss", "other": "other"})
+    header = ["", "peak MiB", *(short[p] for p in PARTS), "fits", "step s", "where it peaks"]
+    rows = [header]
+    for c in plan.configurations:
+        if c.peak_mb is None:
+            rows.append([c.name, "-", *("" for _ in PARTS), "no", "", c.problem or ""])
+            continue
+        fits = "" if c.fits is None else ("yes" if c.fits else "no")
+        secs = "" if c.step_seconds is None else f"{c.step_seconds:.3g}"
+        parts = [_mb(c.parts_mb.get(p, 0.0)) for p in PARTS]
+        rows.append([c.name, _mb(c.peak_mb), *parts, fits, secs, c.peak_at])
+    widths = [max(len(r[i]) for r in rows if i < len(r) - 1 or r is rows[0]) for i in range(len(header) - 1)]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(header) - 1)]
+        lines.append("  ".join(cells) + "  " + r[-1])
+    if plan.reach is not None:
+        r = plan.reach
+        capped = " (the model's max_position_embeddings)" if r["seq"] and r["seq"] >= r["seq_cap"] else ""
+        lines.append(
+            f"auto fits up to batch {_n(r['batch'])} at {plan.spec.seq:,} tokens, and up to {_n(r['seq'])} tokens"
+            f"{capped} at batch {plan.spec.batch} (where {r['under']} fits: the least memory it reaches; each a dry "
+            f"run)"
+        )
+    fitting = [c for c in plan.configurations if c.fits]
+    timed = [c for c in fitting if c.step_seconds is not None]
+    if timed:
+        best = min(timed, key=lambda c: c.step_seconds)
+        lines.append(f"fastest that fits: {best.name}; paste: {best.flags}")
+    elif fitting:
+        lines.append(f"fits: {', '.join(c.name for c in fitting)} (name a device for the step times)")
+    elif plan.device is not None or plan.budget_mb is not None:
+        lines.append("nothing fits: lower the batch or the sequence, or add LoRA or a device with more memory")
+    lines.append(f"not seen by a dry run (leave room for them): {NOT_SEEN}")
+    lines.append(ROOFLINE)
+    return "\n".join(lines)
+
+
+def _n(value: Optional[int]) -> str:
+    return "none (not even 1)" if not value else f"{value:,}"
+
+
+def _mb(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def _config(model: Union[str, object]):
+    if not isinstance(model, str):
+        return model, type(model).__name__
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model), model
+
+
+_LEVEL1 = "level 1 (every layer recomputed)"
+
+
+def _configurations(causal: bool, plans: Optional[str], level: int, budget_mb: Optional[float]) -> List[tuple]:
+    """(name, flags, dry_run's keywords) for each way the table compares."""
+    out = [
+        ("eager", "--memory_opt_backend none", dict(backend=False)),
+        (
+            "transformers' checkpointing",
+            "--gradient_checkpointing true --memory_opt_backend none",
+            dict(checkpointing=True),
+        ),
+        (_LEVEL1, "--memory_opt_level 1", dict(level=1)),
+    ]
+    if causal:
+        out.append(("Loss+ (the head in chunks)", "--memory_opt_config 'Loss+:1:-1'", dict(plans="Loss+:1:-1")))
+        out.append(
+            ("level 1 + Loss+", "--memory_opt_config 'Layer+:1:-1,Loss+:1:-1'", dict(plans="Layer+:1:-1,Loss+:1:-1"))
+        )
+    if plans and plans != "auto":
+        out.append((f"yours: {plans}", f"--memory_opt_config '{plans}'", dict(plans=plans)))
+    elif level:
+        out.append((f"yours: level {level}", f"--memory_opt_level {level}", dict(level=level)))
+    if budget_mb is not None:
+        flags = f"--memory_opt_config auto --memory_budget_mb {budget_mb:.0f}"
+        out.append(("auto", flags, dict(plans="auto", budget_mb=float(int(budget_mb)))))
+    return out
+
+
+def plan(
+    model,
+    *,
+    name: Optional[str] = None,
+    batch: int = 1,
+    seq: int = 2048,
+    bf16: bool = False,
+    fp16: bool = False,
+    dtype: Optional[str] = None,
+    lora: Optional[dict] = None,
+    optim: str = "adamw_torch_fused",
+    gradient_accumulation_steps: int = 1,
+    plans: Optional[str] = None,
+    level: int = 0,
+    budget_mb: Optional[float] = None,
+    device: Optional[str] = None,
+    search: bool = True,
+) -> Plan:
+    """Dry-run the step of `model` (a hub name or a local folder: its config only; or a transformers config) under
+    each configuration the table compares, on `device` (the device table: `devices.DEVICES`) or under `budget_mb`.
+
+    `dtype` is the weights' dtype as loaded (default: float32, or bfloat16 under LoRA with `bf16`, as PEFT recipes
+    load them); `bf16` / `fp16` turn on autocast as the Trainer's flags do. With `search` and a budget, the largest
+    batch and the longest sequence `auto` fits are found by dry runs of its floor (`Plan.reach`)."""
+    config, found = _config(model)
+    name = name or found
+    autocast = "bfloat16" if bf16 else ("float16" if fp16 else None)
+    if dtype is None:
+        dtype = "bfloat16" if (lora is not None and bf16) else "float32"
+    spec = StepSpec(
+        config,
+        batch=batch,
+        seq=seq,
+        dtype=dtype,
+        autocast=autocast,
+        optimizer=optim,
+        grad_accum=gradient_accumulation_steps,
+        lora=lora,
+    )
+    target = find(device)
+    if budget_mb is None and target is not None:
+        budget_mb = target.budget_mb
+    causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ["ForCausalLM"]))
+    out = Plan(name, spec, target, budget_mb, [])
+    for label, flags, kwargs in _configurations(causal, plans, level, budget_mb):
+        conf = Configuration(label, flags)
+        try:
+            with _quiet():
+                result = dry_run(spec, **kwargs, cost_device=target)
+        except (RuntimeError, ValueError) as e:
+            conf.problem = _first_line(str(e))
+        else:
+            _fill(conf, result, budget_mb)
+            if kwargs.get("plans") == "auto":
+                out.auto_solver = result.solver
+                if result.auto is not None and result.auto.get("config") is not None:
+                    chosen = result.auto["config"]
+                    conf.name = f"auto: {chosen or 'nothing recomputed'}"
+                    if chosen:
+                        conf.flags = f"{flags}  (its choice alone: --memory_opt_config '{chosen}')"
+        out.configurations.append(conf)
+    floor = next((c for c in out.configurations if c.name == ("level 1 + Loss+" if causal else _LEVEL1)), None)
+    if search and budget_mb is not None and floor is not None and floor.peak_mb is not None:
+        out.reach = _reach(spec, causal, budget_mb, floor)
+    return out
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """What the training run would warn about (how `Loss+` returns no logits, transformers' cache under
+    checkpointing) is not the plan's to say: warnings of the package and of transformers are held back meanwhile."""
+    loggers = [logging.getLogger(n) for n in ("optimum_memopt", "transformers")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known: int, cap: int, step: int = 1):
+    """The largest `field` ("batch" or "seq", a multiple of `step`, at most `cap`) whose dry run under `kwargs` peaks
+    within `budget_bytes`: a line through two dry runs (the plan's own value, whose peak is `known`, and twice it),
+    then dry runs at its prediction, moved down until one fits (at most four); the value and every run's figures."""
+    runs = []
+
+    def peak_at(n: int) -> int:
+        with _quiet():
+            bytes_ = dry_run(replace(spec, **{field: n}), **kwargs).peak_bytes
+        runs.append({field: n, "peak_mb": bytes_ / MIB})
+        return bytes_
+
+    start = getattr(spec, field)
+    twice = min(2 * start, cap)
+    if twice == start:
+        return (start if known <= budget_bytes else None), runs
+    slope = (peak_at(twice) - known) / (twice - start)
+    if slope <= 0:
+        return None, runs
+    fits, over = (start if known <= budget_bytes else 0), cap + step
+    n = start + (budget_bytes - known) / slope
+    for _ in range(4):
+        n = max(step, min(cap, int(n) // step * step))
+        if n <= fits or n >= over:
+            break
+        peak = peak_at(n)
+        if peak <= budget_bytes:
+            fits = n
+            n = n + (budget_bytes - peak) / slope
+        else:
+            over = n
+            n = n - max((peak - budget_bytes) / slope, step)
+    return (fits or None), runs
+
+
+def _reach(spec: StepSpec, causal: bool, budget_mb: float, floor: Configuration) -> dict:
+    kwargs = dict(plans="Layer+:1:-1,Loss+:1:-1") if causal else dict(level=1)
+    budget = budget_mb * MIB
+    known = int((floor.peak_mb or 0) * MIB)
+    most_tokens = getattr(spec.config.get_text_config(), "max_position_embeddings", None) or 1 << 20
+    batch, batch_runs = largest(spec, "batch", budget, kwargs, known, cap=1 << 16)
+    seq, seq_runs = largest(spec, "seq", budget, kwargs, known, cap=int(most_tokens), step=128)
+    runs = batch_runs + seq_runs
+    return {"batch": batch, "seq": seq, "seq_cap": int(most_tokens), "under": floor.name, "runs": runs}
+
+
+def _fill(conf: Configuration, result: DryRun, budget_mb: Optional[float]) -> None:
+    conf.peak_mb = result.peak_bytes / MIB
+    conf.before_training_mb = result.before_training_bytes / MIB
+    conf.parts_mb = {p: b / MIB for p, b in result.parts.items()}
+    conf.peak_at = result.peak_at
+    conf.fits = None if budget_mb is None else conf.peak_mb <= budget_mb
+    conf.step_seconds = result.step_seconds
+    conf.dry_run_seconds = result.seconds
+
+
+def _first_line(text: str) -> str:
+    text = text.replace("optimum-memopt: ", "")
+    return text if len(text) < 300 else text[:297] + "..."

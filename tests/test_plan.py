@@ -1,0 +1,273 @@
+"""The plan before the GPU: tensor storages counted as CUDA counts them (`StorageCount`), a dry run of a training step
+on fake tensors held to the same step run for real under the same count, `optimum_memopt.plan` and `memopt-plan`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from optimum_memopt.backends.torch.measure.storages import BLOCK, StorageCount, block_bytes
+
+pytestmark = pytest.mark.torch_backend
+
+
+def tiny(layers=3, vocab=512):
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    return config
+
+
+# -- the count -------------------------------------------------------------------------------------------------------
+def test_storages_are_counted_in_cudas_blocks_and_given_back_when_freed():
+    assert [block_bytes(n) for n in (0, 1, 512, 513, 4096)] == [0, 512, 512, 1024, 4096]
+    with StorageCount() as count:
+        a = torch.ones(1000)  # 4000 bytes -> 4096
+        assert count.current == 4096
+        view = a.view(10, 100).t()  # a view: the same storage, counted once
+        b = a * 2
+        assert count.current == 2 * 4096 and count.peak == 2 * 4096
+        del b
+        assert count.current == 4096 and count.peak == 2 * 4096
+        count.reset_peak()
+        assert count.peak == 4096
+        del a
+        assert count.current == 4096  # the view holds the storage
+        del view
+        assert count.current == 0
+
+
+def test_a_tensor_made_before_the_count_is_counted_at_its_first_use_and_a_resize_is_followed():
+    early = torch.zeros(256)  # 1024 bytes, made outside the count
+    with StorageCount() as count:
+        assert count.current == 0
+        early.add_(1)
+        assert count.current == 1024
+        grown = torch.empty(0)
+        grown.resize_(1024)
+        assert count.current == 1024 + block_bytes(4096)
+    del early, grown
+    assert count.current == 0  # frees are seen with the count off too
+
+
+def test_work_read_aside_reaches_no_peak_around_it():
+    from optimum_memopt.backends.torch.measure.aside import held_aside
+
+    with StorageCount() as count:
+        kept = torch.ones(BLOCK // 4)
+        count.reset_peak()
+        held, _ = held_aside(lambda: torch.ones(10_000).sum(), "cpu")
+        assert held >= block_bytes(40_000)
+        assert count.peak == count.current == BLOCK
+        del kept
+
+
+# -- a dry run against the same step run for real ----------------------------------------------------------------------
+CASES = {
+    "eager": ({}, dict(backend=False)),
+    "through the backend, nothing recomputed": ({}, dict()),
+    "level 1": ({}, dict(level=1)),
+    "transformers' checkpointing": ({}, dict(checkpointing=True)),
+    "an op plan": ({}, dict(plans="MatMul+Mul+silu+:1:-1")),
+    "mixed plans and Loss+": ({}, dict(plans="Layer+:1:-1@0,Mul+silu+:1:-1@1-2,Loss+:1:-1@chunks4")),
+    "LoRA in bf16 autocast": (
+        {"lora": {"r": 4}, "dtype": "bfloat16", "autocast": "bfloat16"},
+        dict(plans="MatMul+:1:-1"),
+    ),
+    "gradient accumulation": ({"grad_accum": 2, "autocast": "bfloat16"}, dict(level=1)),
+    "SGD": ({"optimizer": "sgd"}, dict(plans="Gelu+:1:-1,silu+:1:-1")),
+}
+
+
+def _segments(result):
+    memory = result.profile.memory if result.profile is not None else None
+    return None if memory is None else [(s.name, s.start_bytes, s.peak_bytes) for s in memory.segments]
+
+
+def _within(a, b, share=0.01):
+    return abs(a - b) <= share * max(a, b)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_dry_run_counts_what_the_same_step_counts_for_real(case):
+    """Fake tensors and real ones, one count: the whole run's peak, each step's, the parts at the peak, where it is,
+    and every mark of step one within 1% (they are equal but for a few bytes of scalars the first fake run makes)."""
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    spec_kw, kw = CASES[case]
+    spec = StepSpec(tiny(), batch=2, seq=128, **spec_kw)
+    fake, real = dry_run(spec, fake=True, **kw), dry_run(spec, fake=False, **kw)
+    assert _within(fake.peak_bytes, real.peak_bytes), (fake.peak_bytes, real.peak_bytes)
+    assert _within(fake.before_training_bytes, real.before_training_bytes)
+    assert all(_within(f, r) for f, r in zip(fake.step_peaks, real.step_peaks)), (fake.step_peaks, real.step_peaks)
+    assert fake.peak_at == real.peak_at
+    assert all(abs(fake.parts[p] - real.parts[p]) <= 0.01 * real.peak_bytes for p in real.parts), (
+        fake.parts,
+        real.parts,
+    )
+    if kw.get("backend", True) and not kw.get("checkpointing"):
+        f, r = _segments(fake), _segments(real)
+        assert f is not None and [s[0] for s in f] == [s[0] for s in r]
+        assert all(_within(a[2], b[2]) and _within(a[1], b[1]) for a, b in zip(f, r)), (f, r)
+
+
+def test_op_plans_lower_a_dry_runs_peak_as_they_lower_a_real_ones():
+    """A fake storage has no address: the engine told storages apart by it, so no op plan freed anything under a
+    dry run. Now each is told by its identity."""
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    spec = StepSpec(tiny(), batch=2, seq=128)
+    eager = dry_run(spec)
+    planned = dry_run(spec, plans="MatMul+Mul+silu+:1:-1")
+    assert planned.parts["activations"] < 0.8 * eager.parts["activations"]
+
+
+def test_autos_choice_in_a_dry_run_keeps_its_budget_and_runs_the_same_for_real():
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    spec = StepSpec(tiny(), batch=2, seq=128)
+    eager = dry_run(spec, backend=False)
+    floor = dry_run(spec, plans="Layer+:1:-1,Loss+:1:-1")
+    budget = (eager.peak_bytes + floor.peak_bytes) / 2 / 2**20
+    auto = dry_run(spec, plans="auto", budget_mb=budget)
+    assert auto.auto is not None and auto.auto["config"], auto.auto
+    assert max(auto.step_peaks[1:]) <= budget * 2**20, (auto.step_peaks, budget)
+    assert auto.step_peaks[0] < eager.step_peaks[0]  # step one ran every layer recomputed whole
+    fake, real = dry_run(spec, plans=auto.auto["config"]), dry_run(spec, plans=auto.auto["config"], fake=False)
+    assert _within(fake.peak_bytes, real.peak_bytes)
+
+
+def test_the_parts_add_up_to_the_peak():
+    from optimum_memopt.planning.dry_run import PARTS, StepSpec, dry_run
+
+    result = dry_run(StepSpec(tiny(), batch=2, seq=128), level=1)
+    assert set(result.parts) == set(PARTS)
+    assert sum(result.parts.values()) == result.peak_bytes
+    params = _params(tiny())
+    weights = sum(block_bytes(p.numel() * p.element_size()) for p in params)
+    assert result.before_training_bytes == result.parts["weights"] >= weights
+    # fused AdamW: two moments per parameter and its step count, a scalar on the device (one block each)
+    assert result.parts["optimizer state"] == 2 * weights + len(params) * BLOCK
+
+
+def _params(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return list(AutoModelForCausalLM.from_config(config).parameters())
+
+
+# -- plan() and memopt-plan --------------------------------------------------------------------------------------------
+def test_plan_compares_every_way_and_writes_every_figure(tmp_path):
+    import optimum_memopt
+
+    plan = optimum_memopt.plan(tiny(), batch=2, seq=128, bf16=True, device="L4", budget_mb=None)
+    names = [c.name for c in plan.configurations]
+    assert names[:5] == [
+        "eager",
+        "transformers' checkpointing",
+        "level 1 (every layer recomputed)",
+        "Loss+ (the head in chunks)",
+        "level 1 + Loss+",
+    ]
+    assert names[-1].startswith("auto")
+    for c in plan.configurations:
+        assert c.problem is None, (c.name, c.problem)
+        assert c.fits is True and c.step_seconds > 0 and c.peak_mb > c.before_training_mb > 0
+    table = plan.table()
+    assert "L4: 24 GiB" in table and "fastest that fits" in table and "not seen by a dry run" in table
+    plan.write_json(str(tmp_path / "plan.json"))
+    record = json.loads((tmp_path / "plan.json").read_text())
+    first = record["configurations"][0]
+    assert set(first) >= {"name", "flags", "peak_mb", "before_training_mb", "parts_mb", "fits", "step_seconds"}
+    assert record["device"]["name"] == "L4" and record["budget_mb"] == pytest.approx(plan.device.budget_mb)
+
+
+def test_a_budget_nothing_fits_under_is_said(tmp_path):
+    import optimum_memopt
+
+    plan = optimum_memopt.plan(tiny(), batch=2, seq=128, budget_mb=1)
+    assert all(c.fits is not True for c in plan.configurations)
+    auto = plan.configurations[-1]
+    assert auto.name == "auto" and auto.peak_mb is None and auto.problem
+    assert "nothing fits" in plan.table()
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run(
+        [sys.executable, "-m", "optimum_memopt.planning.cli", *args], capture_output=True, text=True, cwd=cwd
+    )
+
+
+def test_memopt_plan_reads_a_local_config_and_writes_json(tmp_path):
+    folder = tmp_path / "model"
+    tiny(layers=2).save_pretrained(folder)
+    out = tmp_path / "plan.json"
+    run = _cli("--model_name_or_path", str(folder), "--per_device_train_batch_size", "2", "--block_size", "64",
+               "--bf16", "--use_peft", "--lora_r", "4", "--memory_budget_mb", "40", "--json", str(out))  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    assert "memopt-plan (a dry run on fake tensors)" in run.stdout and "LoRA r=4" in run.stdout
+    record = json.loads(out.read_text())
+    assert record["step"]["lora"]["r"] == 4 and record["step"]["dtype"] == "bfloat16"
+    assert record["configurations"][-1]["fits"] is True
+
+
+@pytest.mark.parametrize(
+    "args, said",
+    [
+        (["--device", "H300"], "`--device H300` is not in the device table; accepted: H100-80GB"),
+        (["--device", "a100"], "`--device a100` is not in the device table"),
+        (["--optim", "adamw_8bit"], "`--optim adamw_8bit` has no dry run here; accepted: adamw_torch_fused"),
+        (["--per_device_train_batch_size", "0"], "`--per_device_train_batch_size 0` must be at least 1"),
+        (["--bf16", "--fp16"], "`--bf16` and `--fp16` were both given"),
+        (["--memory_opt_config", "Gelu+:x:-1"], "`--memory_opt_config` entry 'Gelu+:x:-1' has optimization type 'x'"),
+        (["--memory_budget_mb", "-5"], "`--memory_budget_mb -5` must be above 0"),
+    ],
+)
+def test_memopt_plan_refuses_bad_flags_before_anything_runs(tmp_path, args, said):
+    folder = tmp_path / "model"
+    tiny(layers=1).save_pretrained(folder)
+    run = _cli("--model_name_or_path", str(folder), *args)
+    assert run.returncode == 2 and said in run.stderr, run.stderr
+
+
+def test_memopt_plan_says_when_no_config_can_be_read(tmp_path):
+    run = _cli("--model_name_or_path", str(tmp_path / "missing"))
+    assert run.returncode == 2 and "no config could be read" in run.stderr and "config.json" in run.stderr
+
+
+def test_the_largest_batch_and_sequence_found_fit_and_one_more_does_not():
+    """`Plan.reach`: each value found is checked by a dry run that fits, and the next value up (a batch more, 128
+    tokens more) by one that does not."""
+    import optimum_memopt
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    config = tiny(vocab=2048)
+    config.max_position_embeddings = 1 << 14
+    plan = optimum_memopt.plan(config, batch=2, seq=128, budget_mb=12)
+    reach = plan.reach
+    assert reach["under"] == "level 1 + Loss+" and reach["batch"] > 2 and reach["seq"] > 128, reach
+    floor = dict(plans="Layer+:1:-1,Loss+:1:-1")
+    budget = 12 * 2**20
+    for field, step in (("batch", 1), ("seq", 128)):
+        found = reach[field]
+        spec = StepSpec(config, batch=2, seq=128)
+        assert dry_run(_with(spec, field, found), **floor).peak_bytes <= budget
+        assert dry_run(_with(spec, field, found + step), **floor).peak_bytes > budget
+    assert f"auto fits up to batch {reach['batch']:,} at 128 tokens" in plan.table()
+
+
+def _with(spec, field, value):
+    from dataclasses import replace
+
+    return replace(spec, **{field: value})
