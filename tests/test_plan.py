@@ -186,6 +186,7 @@ def test_plan_compares_every_way_and_writes_every_figure(tmp_path):
         assert c.fits is True and c.step_seconds > 0 and c.peak_mb > c.before_training_mb > 0
     table = plan.table()
     assert "L4: 24 GiB" in table and "fastest that fits" in table and "not seen by a dry run" in table
+    assert plan.configurations[-1].choice is not None and "auto chose:" in table
     plan.write_json(str(tmp_path / "plan.json"))
     record = json.loads((tmp_path / "plan.json").read_text())
     first = record["configurations"][0]
@@ -271,3 +272,20 @@ def _with(spec, field, value):
     from dataclasses import replace
 
     return replace(spec, **{field: value})
+
+
+def test_work_read_aside_is_in_neither_the_steps_peak_nor_its_time():
+    """The loss lever measures its ways after step one, aside: a dry run's peak, parts and roofline are the step's."""
+    from optimum_memopt.planning.dry_run import OpCosts, PartsCount
+
+    count = PartsCount()
+    count.ops = OpCosts()
+    with count:
+        a = torch.ones(1024)
+        count.aside += 1
+        b = torch.ones(1 << 20) @ torch.ones(1 << 20)
+        count.aside -= 1
+        c = a * 2
+    # a and c, and b: the scalar the work aside left (its inputs, 4 MiB each, never reached the top)
+    assert count.top == 2 * 4096 + 512 and len(count.ops.costs) == 2, (count.top, count.ops.costs)
+    del b, c

@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory_opt_level", type=int, default=0)
     p.add_argument("--memory_budget_mb", type=float, default=None, help="the budget (MiB) instead of a device's")
     p.add_argument("--device", default=None, help=f"one of: {', '.join(DEVICES)}")
+    p.add_argument(
+        "--search", nargs="?", const=True, default=True, type=_flag_bool("search"),
+        help="find the largest batch and the longest sequence auto fits (more dry runs; default true)",
+    )  # fmt: skip
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure of the table there")
     p.add_argument("--picture", default=None, metavar="PATH", help="draw auto's step memory there (PNG)")
     return p
@@ -156,6 +160,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             level=args.memory_opt_level,
             budget_mb=args.memory_budget_mb,
             device=args.device,
+            search=args.search,
         )
     except (RuntimeError, ValueError) as e:
         print(f"memopt-plan: the dry run failed: {e}", file=sys.stderr)

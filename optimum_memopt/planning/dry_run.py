@@ -170,7 +170,7 @@ class PartsCount(StorageCount):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.ops is not None:
+        if self.ops is not None and not self.aside:  # a lever's measurement aside is not the step's time either
             self.ops.add(func, args, kwargs or {}, out)
         if self.current > self.step_top and not self.aside:  # a lever's measurement aside is not the step's
             self.step_top = self.current

@@ -45,6 +45,7 @@ class Configuration:
     fits: Optional[bool] = None
     step_seconds: Optional[float] = None
     problem: Optional[str] = None  # why it has no figures (refused, or `auto` found nothing that fits)
+    choice: Optional[str] = None  # `auto`'s choice in the plan grammar ("" for nothing recomputed)
     dry_run_seconds: float = 0.0
 
 
@@ -117,7 +118,7 @@ def format_plan(plan: Plan) -> str:
     rows = [header]
     for c in plan.configurations:
         if c.peak_mb is None:
-            rows.append([c.name, "-", *("" for _ in PARTS), "no", "", c.problem or ""])
+            rows.append([c.name, "-", *("" for _ in PARTS), "-", "", c.problem or ""])  # the problem says why
             continue
         fits = "" if c.fits is None else ("yes" if c.fits else "no")
         secs = "" if c.step_seconds is None else f"{c.step_seconds:.3g}"
@@ -127,6 +128,9 @@ def format_plan(plan: Plan) -> str:
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(header) - 1)]
         lines.append("  ".join(cells) + "  " + r[-1])
+    for c in plan.configurations:
+        if c.choice is not None:
+            lines.append(f"auto chose: {f'`--memory_opt_config {c.choice}`' if c.choice else 'nothing recomputed'}")
     if plan.reach is not None:
         r = plan.reach
         capped = " (the model's max_position_embeddings)" if r["seq"] and r["seq"] >= r["seq_cap"] else ""
@@ -143,7 +147,10 @@ def format_plan(plan: Plan) -> str:
     elif fitting:
         lines.append(f"fits: {', '.join(c.name for c in fitting)} (name a device for the step times)")
     elif plan.device is not None or plan.budget_mb is not None:
-        lines.append("nothing fits: lower the batch or the sequence, or add LoRA or a device with more memory")
+        lines.append(
+            "nothing fits: lower the batch or the sequence, or train LoRA, or a card with more memory (sharding "
+            "across GPUs, FSDP2 / ZeRO, is not in a plan yet)"
+        )
     lines.append(f"not seen by a dry run (leave room for them): {NOT_SEEN}")
     lines.append(ROOFLINE)
     return "\n".join(lines)
@@ -244,16 +251,13 @@ def plan(
             with _quiet():
                 result = dry_run(spec, **kwargs, cost_device=target)
         except (RuntimeError, ValueError) as e:
-            conf.problem = _first_line(str(e))
+            conf.problem = _short(str(e))
         else:
             _fill(conf, result, budget_mb)
             if kwargs.get("plans") == "auto":
                 out.auto_solver = result.solver
                 if result.auto is not None and result.auto.get("config") is not None:
-                    chosen = result.auto["config"]
-                    conf.name = f"auto: {chosen or 'nothing recomputed'}"
-                    if chosen:
-                        conf.flags = f"{flags}  (its choice alone: --memory_opt_config '{chosen}')"
+                    conf.choice = result.auto["config"]
         out.configurations.append(conf)
     floor = next((c for c in out.configurations if c.name == ("level 1 + Loss+" if causal else _LEVEL1)), None)
     if search and budget_mb is not None and floor is not None and floor.peak_mb is not None:
@@ -334,6 +338,6 @@ def _fill(conf: Configuration, result: DryRun, budget_mb: Optional[float]) -> No
     conf.dry_run_seconds = result.seconds
 
 
-def _first_line(text: str) -> str:
+def _short(text: str) -> str:
     text = text.replace("optimum-memopt: ", "")
     return text if len(text) < 300 else text[:297] + "..."
