@@ -392,9 +392,8 @@ def dry_run(
     holds what every later one does; two under `auto` (it measures step one and runs its choice in step two). The
     ops' times the engine profiles (what the solver weighs recompute by) are `cost_device`'s roofline (a
     `devices.Device`; without one, `devices.DEFAULT_DEVICE`'s), and with `cost_device` the last step's ops are
-    priced on it (`DryRun.step_seconds`). `fake` False runs the same
-    step on real tensors on `device` under the same count and clock (what the tests, and the GPU kit on CUDA, hold a
-    dry run to)."""
+    priced on it (`DryRun.step_seconds`). `fake` False runs the same step on real tensors on `device` under the
+    same count and clock (what the tests, and the GPU kit on CUDA, hold a dry run to)."""
     import optimum_memopt
 
     began = time.perf_counter()
