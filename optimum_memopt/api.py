@@ -187,7 +187,8 @@ def optimize_memory(
         output_dir: with `"auto"`, where the solver writes `solver.json` (rank 0).
         reports_steps: the loop calls `step_done()` after each optimizer step (needed where several forwards make
             one step: gradient accumulation); by default each backward ends a step.
-        say: where `auto`'s choice and its check are said (rank 0); default: printed.
+        say: where `auto`'s choice and its check are said, a line each (rank 0); default: printed. The figures
+            behind the choice, in words, go to the `optimum_memopt` logger at DEBUG.
 
     Returns the handle: `table()`, `report()`, `config`, `auto`, `step_done()`, `remove()` (also a context manager
     that removes it). Errors name the argument, quote the value and show an accepted form.
@@ -195,7 +196,7 @@ def optimize_memory(
     from .backends import get_backend
     from .backends.torch.policy import check_requests
     from .backends.torch.ranks import Ranks
-    from .callbacks.base import show
+    from .callbacks.base import logger, show
 
     try:
         config = MemoryOptConfig(
@@ -215,6 +216,7 @@ def optimize_memory(
             budget_mb=None if budget_mb is None else float(budget_mb),
             share=activation_budget,
             say=(say or (lambda text: show(_as_keywords(text)))) if rank0 else (lambda text: None),
+            detail=(lambda text: logger.debug("%s", _as_keywords(text))) if rank0 else (lambda text: None),
             report_dir=output_dir if rank0 else None,
         )
     # `auto`'s step one runs every layer recomputed whole, as the Trainer's does: the least memory any choice needs

@@ -455,6 +455,8 @@ class PlanReport:
     dims: Dict[str, int] = field(default_factory=dict)  # the first batch's symbolic dims
     unmatched: List[Unmatched] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what else the backend wants the table's reader to know
+    peak: str = ""  # where the first step peaked, in a few words ("" where the backend did not follow its memory)
+    auto: str = ""  # `auto`'s budget as asked, where the first step ran to measure for it (its choice runs later)
 
     @property
     def plans_on(self) -> List[FoundPlan]:

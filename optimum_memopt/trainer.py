@@ -24,6 +24,7 @@ from transformers import Trainer, TrainerCallback
 from . import checkpoints, transformers_releases
 from .backends import Backend, WrapSettings, get_backend, optimizer_for
 from .backends.base import Budget
+from .callbacks.base import PlanLog
 from .ort_trainer_parts import OrtTrainerParts, fire_pre_optimizer_step
 from .trainer_args import MemoptTrainingArguments
 
@@ -117,6 +118,8 @@ class MemoptTrainerMixin(OrtTrainerParts):
         a = self.args
         logger.setLevel(a.get_process_log_level())
         logging.getLogger("optimum_memopt").setLevel(a.get_process_log_level())
+        # what the run says of its plans: a few lines, the rest in output_dir's memory_plans.txt (rank 0)
+        self.memopt_log: Optional[PlanLog] = PlanLog(a.output_dir) if self.is_world_process_zero() else None
         self.memopt_backend: Optional[Backend] = None
         if a.memory_opt_on:
             backend = get_backend(a.memory_opt.backend)
@@ -250,8 +253,6 @@ class MemoptTrainerMixin(OrtTrainerParts):
         )
 
     def _memopt_budget(self) -> Budget:
-        from .callbacks.base import show
-
         a = self.args
         rank0 = self.is_world_process_zero()
         grads = 0
@@ -260,7 +261,8 @@ class MemoptTrainerMixin(OrtTrainerParts):
         return Budget(
             budget_mb=None if a.memory_opt.budget_mb is None else float(a.memory_opt.budget_mb),
             share=a.memory_opt.activation_budget,
-            say=show if rank0 else (lambda text: None),
+            say=self.memopt_log.say if rank0 else (lambda text: None),
+            detail=self.memopt_log.detail if rank0 else (lambda text: None),
             report_dir=os.path.join(a.output_dir, "memory_auto") if rank0 else None,
             grad_bytes=grads,
         )

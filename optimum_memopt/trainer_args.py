@@ -86,7 +86,8 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
         ort_log_level (`str`, defaults to `"WARNING"`):
             ORTModule's log level: VERBOSE, DEVINFO, INFO, WARNING, ERROR or FATAL.
         log_memory_plans (`bool`, defaults to `True`):
-            After the first step, log the recompute plans found and write `memory_plans.json`.
+            After the first step, say in two lines what runs and where step one peaked, and write the recompute plans
+            found to `memory_plans.json` and, as a table with its notes, to `memory_plans.txt`.
         print_memory_stats (`bool`, defaults to `False`):
             Record memory at pre/post forward and pre/post backward of each step (first ten, powers of two,
             logging steps) as metrics, `memory_phases.csv` and `memory_phases.png`.
@@ -165,7 +166,10 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
     )
     log_memory_plans: bool = field(
         default=True,
-        metadata={"help": "After the first step, log the recompute plans found and write memory_plans.json."},
+        metadata={
+            "help": "After the first step, say what runs and where step one peaked, and write the recompute plans "
+            "found to memory_plans.json and memory_plans.txt (the table; in the log too at --log_level info)."
+        },
     )
     print_memory_stats: bool = field(
         default=False,

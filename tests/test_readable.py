@@ -139,3 +139,37 @@ def test_auto_shows_its_progress_and_choice_to_a_script_without_logging(tmp_path
     out = capsys.readouterr().out
     assert f"probing {__file__} under 450.0 MiB" in out and "[probe 1/" in out
     assert "memory_opt_config auto chose" in out and reason in out
+
+
+def test_the_plan_says_a_few_lines_and_keeps_the_rest_in_a_file(tmp_path, no_handlers, info_level, capsys):
+    """`PlanLog`: `say` prints (and keeps) a line; `detail` keeps the rest in `memory_plans.txt` and logs it at DEBUG
+    only; each `train()` starts the file anew; a file that cannot be written is said once, and training goes on."""
+    no_handlers()
+    log = base.PlanLog(str(tmp_path))
+    log.say("what runs")
+    log.detail("TABLE\nnotes")
+    assert capsys.readouterr().out == "what runs\n"
+    assert (tmp_path / "memory_plans.txt").read_text() == "what runs\n\nTABLE\nnotes\n\n"
+    assert log.pointer() == f"the rest in {tmp_path / 'memory_plans.txt'} (in the log too with `--log_level debug`)"
+    log.start()
+    log.detail("second train()")
+    assert (tmp_path / "memory_plans.txt").read_text() == "second train()\n\n"
+
+
+def test_the_rest_of_the_plan_is_logged_at_debug_and_a_file_that_fails_is_said_once(tmp_path, caplog):
+    log = base.PlanLog(str(tmp_path))
+    with caplog.at_level(logging.INFO, logger="optimum_memopt"):
+        assert not base.verbose()
+        log.detail("not shown at info")
+    with caplog.at_level(logging.DEBUG, logger="optimum_memopt"):
+        assert base.verbose()
+        log.detail("shown at debug")
+        assert log.pointer().endswith("(shown above)")
+    assert "not shown at info" not in caplog.text and "shown at debug" in caplog.text
+    (tmp_path / "blocked").mkdir()
+    (tmp_path / "blocked" / "memory_plans.txt").mkdir()  # a directory in the way
+    blocked = base.PlanLog(str(tmp_path / "blocked"))
+    with caplog.at_level(logging.ERROR, logger="optimum_memopt"):
+        blocked.detail("one")
+        blocked.detail("two")
+    assert caplog.text.count("could not write") == 1 and "could not be written" in blocked.pointer()

@@ -33,6 +33,23 @@ def quick_starts(path):
 COMMANDS = [(path, command) for path in DOCS for command in quick_starts(path)]
 
 
+def plan_lines(log):
+    """The lines the plugin's trainer and plan said at INFO, in run_clm's log format (a record's continuation lines
+    included); the memory phases' line is `--print_memory_stats`'s, and the picture's a file's name."""
+    lines, ours = [], False
+    for line in log.splitlines():
+        record = re.match(r"^\d{4}-\d\d-\d\d [\d:,]+ (\w+) (\S+) - (.*)", line)
+        if record:
+            level, name, text = record.groups()
+            ours = level == "INFO" and name in ("optimum_memopt", "optimum_memopt.trainer")
+            ours = ours and not text.startswith("memory phases:")
+        elif line.startswith(("{", "[", "*")):
+            ours = False
+        if ours:
+            lines.append(line)
+    return lines
+
+
 def test_every_doc_has_its_quick_start():
     assert {path for path, _ in COMMANDS} == set(DOCS)
 
@@ -54,5 +71,11 @@ def test_a_quick_start_runs_as_written(tmp_path, path, command):
     assert res.returncode == 0, said[-4000:]
     if "auto" in argv:  # the choice and its check were said, and the check met the budget
         assert "the solver chose" in said and "within the budget" in said, said[-4000:]
+        # the plan in at most six lines (what runs, the peaks against the budget, where the step peaks, the file
+        # with the rest); the table, its notes and the figures behind the choice in that file
+        plan = plan_lines(res.stdout)
+        assert len(plan) <= 6 and any("memory_plans.txt" in line for line in plan), "\n".join(plan)
+        rest = (out / "memory_plans.txt").read_text()
+        assert "STATE  CONFIG" in rest and "later steps hold" in rest and "STATE  CONFIG" not in said
     if "--print_memory_stats" in argv:
         assert (out / "memory_phases.csv").is_file()

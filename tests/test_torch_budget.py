@@ -277,8 +277,9 @@ def test_one_op_twice_in_one_layer_is_refused_naming_both():
 def test_the_planner_watches_step_one_and_applies_its_choice_from_step_two():
     plain, model = pair(gated_mlp, n=L)
     state = engine(model, whole())
-    said = []
-    state.planner = BudgetPlanner(1 << 40, say=said.append)  # everything fits: nothing is recomputed
+    said, details = [], []
+    # everything fits: nothing is recomputed
+    state.planner = BudgetPlanner(1 << 40, say=said.append, detail=details.append)
     x = torch.randn(64, 8)
     for seed in range(3):
         got, want = step(model, x, seed=seed), step(plain, x, seed=seed)
@@ -293,9 +294,12 @@ def test_the_planner_watches_step_one_and_applies_its_choice_from_step_two():
     ]  # fmt: skip
     assert [s.held for s in state.planner.memory.segments] == [1, 2, 3, 3, 2, 1, 0, 0]
     assert not state.policy.active  # whole layers in step one, nothing from step two
-    assert said[0].startswith("memory_opt_config auto: step one (every layer recomputed whole, first input 64x8)")
-    assert "the solver chose to recompute nothing: predicted peak" in said[0]
-    assert said[1].startswith("memory_opt_config auto: the step after the choice peaked at")
+    # a line for the choice and one for its check; the figures behind the choice in words, beside them
+    assert said[0].startswith("memory_opt_config auto: the solver chose to recompute nothing, under the budget of ")
+    assert "predicted peak" in said[0] and "\n" not in said[0]
+    assert said[1].startswith("memory_opt_config auto: the step after the choice peaked at") and len(said) == 2
+    assert details[0].startswith("memory_opt_config auto: step one (every layer recomputed whole, first input 64x8)")
+    assert "the solver chose to recompute nothing: predicted peak" in details[0] and len(details) == 1
     assert state.planner.stage == "done"
 
 
@@ -486,7 +490,10 @@ def _auto_meets_the_budget(tmp: str) -> None:
         f"--memory_opt_config auto (`--memory_budget_mb {budget:g}`): this first step ran with every layer recomputed"
         in " ".join(table["notes"])
     )
-    assert f"Under {budget:,.1f} MiB the solver chose `--memory_opt_config {planner.fits[0].config()}`" in text
+    assert (
+        f"the solver chose `--memory_opt_config {planner.fits[0].config()}`, under the budget of {budget:,.1f} MiB"
+        in text
+    )
 
 
 @pytest.mark.slow
@@ -559,7 +566,9 @@ def test_auto_with_a_share_of_the_activations(tmp_path, capsys):
     result = planner.fits[-1]
     assert result.share == 0.5 and result.freed >= result.activation_bytes / 2 and len(planner.fits) == 1
     out = capsys.readouterr().out
-    assert f"Keeping at most 50% of the {result.activation_bytes / MIB:,.1f} MiB the layers keep for backward" in out
+    assert f"keeping at most 50% of the {result.activation_bytes / MIB:,.1f} MiB the layers keep for backward" in out
+    figures = (tmp_path / "share" / "memory_plans.txt").read_text()  # the figures behind the choice, in words
+    assert f"Keeping at most 50% of the {result.activation_bytes / MIB:,.1f} MiB the layers keep" in figures
     assert "(the budget is a share of the activations: `--activation_memory_budget 0.5`)" in out
 
 
@@ -628,7 +637,7 @@ def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_f
     missed = (planner.verified[0]["measured_peak_mb"] - planner.verified[0]["predicted_peak_mb"]) * MIB
     assert fits[1].budget_bytes == pytest.approx(budget - missed - int(MARGIN * budget), abs=2)
     assert (
-        f"Under {fits[1].budget_bytes / MIB:,.1f} MiB (the budget of {budget / MIB:,.1f} MiB lowered by the" in said[2]
+        f"under {fits[1].budget_bytes / MIB:,.1f} MiB (the budget of {budget / MIB:,.1f} MiB lowered by the" in said[2]
     )
     assert fits[2].predicted.peak_bytes == fits[2].floor.peak_bytes < fits[1].predicted.peak_bytes
     assert "(the least peak recompute reaches: the choice for a lowered budget missed again, by" in said[4]

@@ -513,7 +513,10 @@ def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
     lever = tight.memopt_handle.levers["loss"]
     assert lever.installed and lever.calls == 5 and plan_of(lever.chunking) == final.head.plan
     out = capsys.readouterr().out
-    assert f"Under {budget:,.1f} MiB the solver chose `--memory_opt_config {planner.fits[0].config()}`" in out
+    assert (
+        f"the solver chose `--memory_opt_config {planner.fits[0].config()}`, under the budget of {budget:,.1f} MiB"
+        in out
+    )
     roomy_losses = [h["loss"] for h in roomy.state.log_history if "loss" in h]
     tight_losses = [h["loss"] for h in tight.state.log_history if "loss" in h]
     assert len(tight_losses) == 5

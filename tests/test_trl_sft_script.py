@@ -117,7 +117,8 @@ def test_trls_sft_script_switched_trains_what_it_trains_unswitched(qwen2, tmp_pa
     assert losses == plain_losses
     plain, ours = adapter(tmp_path / "plain"), adapter(tmp_path / "memopt")
     assert plain.keys() == ours.keys() and all(torch.equal(plain[k], ours[k]) for k in plain)
-    assert stdout.count("Memory optimizer (torch) ON") == 1 and "STATE  CONFIG" in stdout
+    assert stdout.count("Memory optimizer (torch) ON") == 1 and "memory_plans.txt" in stdout
+    assert "STATE  CONFIG" in (tmp_path / "memopt" / "memory_plans.txt").read_text()
     assert (tmp_path / "memopt" / "memory_plans.json").exists()
 
     reload = (

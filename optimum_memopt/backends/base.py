@@ -63,7 +63,8 @@ class Budget:
     share: Optional[float] = (
         None  # instead: the share of the layers' activations to keep (`--activation_memory_budget`)
     )
-    say: Callable[[str], None] = print  # the choice and its check, to the user (rank 0; a no-op elsewhere)
+    say: Callable[[str], None] = print  # the choice and its check, a line each (rank 0; a no-op elsewhere)
+    detail: Callable[[str], None] = lambda text: None  # the figures behind a choice in words (`PlanLog.detail`)
     report_dir: Optional[str] = None  # where the solver's figures go (rank 0)
     grad_bytes: int = 0  # gradients held across micro-batches (gradient accumulation), 0 without
 

@@ -159,6 +159,60 @@ def show(text: str) -> None:
         print(text, flush=True)
 
 
+def verbose() -> bool:
+    """Whether the plugin's DEBUG records are shown (`--log_level debug`): the full plan table and the solver's
+    figures in words are logged then, not only written to a file. (INFO is not verbose: transformers' example
+    scripts show INFO by default.)"""
+    return _shown(logging.DEBUG)
+
+
+class PlanLog:
+    """What a run says of its plans, on rank 0: a few lines by default (`say`: what runs, the predicted and measured
+    peak against the budget, where the step peaks), and the rest (`detail`: the plan table and its notes, the
+    solver's figures in words) in `<output_dir>/memory_plans.txt`, and in the log too at `--log_level debug`. Each
+    `train()` starts the file anew (`start`); a write that fails is said once and training goes on."""
+
+    FILE = "memory_plans.txt"
+
+    def __init__(self, output_dir: Optional[str]):
+        self.path = os.path.join(output_dir, self.FILE) if output_dir else None
+        self._fresh = True  # the next write starts the file anew
+        self._failed = False
+
+    def start(self) -> None:
+        self._fresh = True
+
+    def say(self, text: str) -> None:
+        show(text)
+        self._keep(text)
+
+    def detail(self, text: str) -> None:
+        logger.debug("%s", text)
+        self._keep(text)
+
+    def pointer(self) -> str:
+        """Where the rest is, said after the short lines ('' where it is already shown here and kept nowhere)."""
+        shown = "shown above" if verbose() else "in the log too with `--log_level debug`"
+        if self.path is None:
+            return "" if verbose() else f"the rest is {shown}"
+        if self._failed:
+            return f"the rest is {shown} ({self.path} could not be written)"
+        return f"the rest in {self.path} ({shown})"
+
+    def _keep(self, text: str) -> None:
+        if self.path is None:
+            return
+        try:
+            os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+            with open(self.path, "w" if self._fresh else "a", encoding="utf-8") as f:
+                f.write(text.rstrip("\n") + "\n\n")
+            self._fresh = False
+        except OSError as e:  # a report must never cost the run
+            if not self._failed:
+                self._failed = True
+                logger.error("could not write %s (%s); training goes on without it", self.path, e)
+
+
 def atomic_write(path: str, write: Callable[[str], None]) -> None:
     """``write`` to a temporary file beside `path`, then move it into place: a failure (a full disk) leaves no
     empty or half-written report behind, and the temporary file is removed."""

@@ -2,7 +2,11 @@
 
 On rank 0 only, from the backend's `PlanReport` (structured data, not log text):
 
-* logs a table (state, config, frequency, occurrences applied, saving for the first batch, symbolic form);
+* says in two lines what runs (the table's first line: the plans asked for, how many found and on) and where step
+  one peaked, with the file that holds the rest;
+* writes the table (state, config, frequency, occurrences applied, saving for the first batch, peak drop, recompute
+  time, symbolic form) and its notes to `<output_dir>/memory_plans.txt`, and logs them where INFO is shown
+  (`--log_level info`; `PlanLog`);
 * warns about each requested plan that matches no plan found, naming the closest ones found;
 * writes `<output_dir>/memory_plans.json` (the `PlanReport` as a dictionary);
 * adds these metrics to the next training log:
@@ -23,7 +27,7 @@ import os
 from typing import Optional
 
 from ..plans import LOSS, PlanReport
-from .base import MetricsCallback, atomic_write, current_model, logger, show
+from .base import MetricsCallback, PlanLog, atomic_write, current_model, logger, show, verbose
 
 
 def _drop(plan) -> str:
@@ -59,7 +63,9 @@ def format_plan_table(report: PlanReport) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     dims = ", ".join(f"{k}={v}" for k, v in report.dims.items()) or "none"
-    if report.level:  # the level's plans are every layer's; a plan beyond the layers (the head's) is named beside
+    if report.auto:  # the first step measured for `auto`, whose choice runs from the next step
+        how = f"auto ({report.auto}), step one at level {report.level} to measure"
+    elif report.level:  # the level's plans are every layer's; a plan beyond the layers (the head's) is named beside
         how = ", ".join([f"level {report.level}"] + [r for r in report.requested if r.startswith(f"{LOSS}:")])
     else:
         how = ", ".join(report.requested) or "no plans requested"
@@ -84,6 +90,13 @@ class PlanStatsCallback(MetricsCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self._done = False  # each `train()` gets its table (a second one on the same Trainer too)
         self.report = None
+        self._log(args).start()
+
+    def _log(self, args) -> PlanLog:
+        log = getattr(self.trainer, "memopt_log", None)
+        if log is None:  # a callback added by hand, without the trainer that owns the run's log
+            log = self._own = getattr(self, "_own", None) or PlanLog(args.output_dir)
+        return log
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self._done or not state.is_world_process_zero:
@@ -102,7 +115,11 @@ class PlanStatsCallback(MetricsCallback):
         self.write_report(
             os.path.join(args.output_dir, "memory_plans.json"), lambda p: _dump_json(report.to_dict(), p)
         )
-        show(format_plan_table(report))
+        table = format_plan_table(report)
+        log = self._log(args)
+        log.detail(table)  # the file, and the log where INFO is shown
+        if not verbose():  # what runs, where step one peaked, and where the rest is
+            show(table.splitlines()[0] + "\n  " + "; ".join(filter(None, [report.peak, log.pointer()])))
         for unmatched in report.unmatched:
             who = "ORT" if report.backend == "ort" else f"the {report.backend} backend"
             logger.warning("%s", unmatched.message(backend=who))

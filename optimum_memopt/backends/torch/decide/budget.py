@@ -176,12 +176,12 @@ def head_choices(profile: ModelProfile, ran: str = "") -> List[HeadChoice]:
     if head is None:
         return [HeadChoice(ran)]
     ran = head.option(head.ran)
-    fastest = min(o.seconds for o in head.options)
+    fastest = min(head.seconds(o) for o in head.options)
 
     def held(o) -> int:
         return max(o.held_bytes, o.bound_bytes) if o.held_bytes > ran.held_bytes else o.held_bytes
 
-    return [HeadChoice(o.plan, ran.held_bytes - held(o), o.seconds - fastest) for o in head.options]
+    return [HeadChoice(o.plan, ran.held_bytes - held(o), head.seconds(o) - fastest) for o in head.options]
 
 
 @dataclass

@@ -49,13 +49,15 @@ class BudgetPlanner:
         grad_bytes: int = 0,
         resets: bool = True,
         given_mb: Optional[float] = None,
+        detail: Callable[[str], None] = logger.debug,
     ):
         if (budget_bytes is None) == (share is None):
             raise ValueError("a budget planner takes a peak in bytes or a share of the activations, one of them")
         self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
         self.given_mb = given_mb  # `--memory_budget_mb` as the user wrote it, quoted in messages (1e-09 is not 0)
         self.share = share  # keep at most this share of the layers' activations (`fit_share`), instead of a peak
-        self.say = say
+        self.say = say  # the choice and its check, a line each
+        self.detail = detail  # the figures behind a choice, in words (a file and the verbose log: `PlanLog`)
         self.out_dir = out_dir
         self.grad_bytes = grad_bytes  # held across micro-batches under gradient accumulation (0 without)
         self.meter: Optional[MemoryMeter] = None  # on the device the layers run on, from step one
@@ -142,7 +144,8 @@ class BudgetPlanner:
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
             )
         self._run(state, result)
-        self.say(self._describe(result, state))
+        self.say(self._said(result))
+        self.detail(self._describe(result, state))
         if self.watch.resets:
             self.meter.reset_peak()
         self._start = self._current()
@@ -214,6 +217,26 @@ class BudgetPlanner:
                 if self.base
                 else ""
             )
+        )
+
+    def _said(self, result: Fit) -> str:
+        """The choice in one line: what runs, its predicted peak and where, against the budget."""
+        again = " (again)" if len(self.fits) > 1 else ""
+        config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
+        everyone = f" for all {self.ranks.size} processes" if self.ranks.size > 1 else ""
+        if result.share is not None:
+            against = (
+                f"keeping at most {result.share:.0%} of the {result.activation_bytes / MIB:,.1f} MiB the layers keep "
+                f"for backward with nothing recomputed"
+            )
+        elif result.budget_bytes != self.budget_bytes and self._why_lower:
+            against = f"under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
+        else:
+            against = f"under the budget of {self.budget_mb:,.1f} MiB"
+        return (
+            f"memory_opt_config auto{again}: the solver chose {config}{everyone}"
+            f", {against}: predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
+            f"{result.recompute_seconds * 1000:,.1f} ms of recompute per step"
         )
 
     def _under(self, result: Fit) -> str:

@@ -111,6 +111,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         plans=plans,
         dims=dims,
         notes=notes,
+        peak=peak_said(profile) if drop is not None else "",
     )
     if level == 0:
         report.unmatched = _unknown(policy, plans) + _unmatched(policy, canonical, plans, blocked)
@@ -152,6 +153,20 @@ def _drop_fields(drop: Optional[Callable[..., Drop]], freed: List[int], head: in
         return {}
     value, least, most = drop(freed, head)
     return {"peak_drop_bytes": value, "peak_drop_min_bytes": least, "peak_drop_max_bytes": most}
+
+
+def peak_said(profile: ModelProfile, base: int = 0) -> str:
+    """Where step one peaked, in a few words, and what the figure counts: above `base` (the CPU allocator's level
+    before training, as `auto` counts its budget), else the device's counter as read."""
+    memory = profile.memory
+    peak = memory.peak
+    if base:
+        counted = f" above the allocator's {base / MIB:,.1f} MiB before training"
+    elif memory.device == "cpu" and "storage" not in memory.how:
+        counted = " (the C allocator's bytes in use, the whole process's)"
+    else:
+        counted = ""
+    return f"step one peaked at {(peak.peak_bytes - base) / MIB:,.1f} MiB{counted}, {peak.name}"
 
 
 def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
@@ -201,7 +216,7 @@ def head_rows(profile: ModelProfile, drop: Optional[Callable[..., Drop]]) -> Lis
                 saving_bytes=float(saving),
                 applied_count=int(on),
                 applied_saving_bytes=float(saving if on else 0),
-                recompute_seconds=max(0.0, option.seconds - base.seconds),
+                recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
                 head=True,
                 **_drop_fields(drop, zero, ran.held_bytes - option.held_bytes),
             )

@@ -99,6 +99,17 @@ class HeadMeasure:
     def option(self, plan: str) -> Optional[HeadOption]:
         return next((o for o in self.options if o.plan == plan), None)
 
+    def seconds(self, option: HeadOption) -> float:
+        """`option`'s seconds, never below what chunking must add to the model's own head, where that was measured:
+        a chunked way makes each chunk's logits again in backward (the head's three matmuls, one forward and two
+        backward, become four), so it is taken at least a third slower than the own head. A chunked way measured
+        faster than that is the clock's noise on a small head (two chunks were measured faster than the whole head
+        on the tests' decoder, and `auto` chose them under a budget with room for everything)."""
+        own = self.option("")
+        if own is None or not option.plan:
+            return option.seconds
+        return max(option.seconds, own.seconds * 4 / 3)
+
 
 @dataclass
 class ModelProfile:
