@@ -3,8 +3,10 @@
 no download): Llama-3.1-8B and Qwen3-8B, LoRA (r 16, bf16 weights, PEFT's default targets) and full fine-tuning
 (fp32 weights, bf16 autocast, AdamW fused), at 8,192 and 32,768 tokens, batch 1. Prints each plan's table and its
 wall time on this machine, and writes every figure to a JSON file (BENCHMARKS.md, "The plan before the GPU").
+`--fsdp N`: each step sharded with FSDP2 over N processes, the figures what one of them holds.
 
     python benchmarks/plan_8b.py --out benchmarks/plan_8b.json
+    python benchmarks/plan_8b.py --models Llama-3.1-8B --methods full --fsdp 8 --out benchmarks/plan_8b_fsdp8.json
 """
 
 import argparse
@@ -57,6 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--seqs", type=int, nargs="+", default=[8192, 32768])
     p.add_argument("--models", nargs="+", default=None)
     p.add_argument("--methods", nargs="+", default=["lora", "full"])
+    p.add_argument("--fsdp", type=int, default=1, help="processes FSDP2 shards over (1: none)")
     p.add_argument("--search", action="store_true", help="also find the largest batch and sequence (more dry runs)")
     a = p.parse_args(argv)
     records = []
@@ -75,11 +78,14 @@ def main(argv=None) -> int:
                     lora={"r": 16, "lora_alpha": 32} if method == "lora" else None,
                     device="H100-80GB",
                     search=a.search,
+                    fsdp=a.fsdp,
                 )
                 seconds = time.perf_counter() - began
-                print(f"\n## {name}, {method}, {seq:,} tokens: planned in {seconds:.0f} s", flush=True)
+                sharded = f", FSDP2 over {a.fsdp}" if a.fsdp > 1 else ""
+                print(f"\n## {name}, {method}{sharded}, {seq:,} tokens: planned in {seconds:.0f} s", flush=True)
                 print(result.table(), flush=True)
-                records.append({"model": name, "method": method, "seq": seq, "seconds": seconds, **result.record()})
+                record = {"model": name, "method": method, "fsdp": a.fsdp, "seq": seq, "seconds": seconds}
+                records.append({**record, **result.record()})
                 with open(a.out, "w", encoding="utf-8") as f:
                     json.dump(records, f, indent=1)
     return 0

@@ -281,3 +281,29 @@ def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path
     for got, want in zip(reports(out, 2), runs["plan"]):
         assert got["losses"] == want["losses"][3:]
         assert got["checksum"] == pytest.approx(want["checksum"], rel=1e-9)
+
+
+PLAN_WORKER = os.path.join(HERE, "multiprocess", "worker_plan.py")
+
+
+@pytest.mark.torch_backend
+@pytest.mark.parametrize("mode", ["eager", "level1"])
+def test_a_dry_run_sharded_with_fsdp2_counts_what_each_of_two_real_processes_holds(tmp_path, mode):
+    """The plan's FSDP2 in one process on a fake process group against the same step on two real processes (gloo),
+    under the same count: each rank's peak, what it holds before training, each step's peak, the parts at the peak
+    and where it is, within 1%."""
+    from test_plan import fsdp_spec
+
+    from optimum_memopt.planning.dry_run import dry_run
+
+    res = launch(mode, tmp_path, worker=PLAN_WORKER, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    ranks = reports(tmp_path, 2)
+    fake = dry_run(fsdp_spec(2), **({"backend": False} if mode == "eager" else {"level": 1}))
+    for real in ranks:
+        seen = (fake.peak_bytes, fake.parts, fake.peak_at, real)
+        assert abs(fake.peak_bytes - real["peak"]) <= 0.01 * real["peak"], seen
+        assert abs(fake.before_training_bytes - real["before"]) <= 0.01 * real["before"], seen
+        assert all(abs(f - r) <= 0.01 * r for f, r in zip(fake.step_peaks, real["step_peaks"])), seen
+        assert all(abs(fake.parts[p] - real["parts"][p]) <= 0.01 * real["peak"] for p in fake.parts), seen
+        assert fake.peak_at == real["peak_at"], seen

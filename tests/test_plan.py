@@ -223,6 +223,22 @@ def test_memopt_plan_reads_a_local_config_and_writes_json(tmp_path):
     assert record["configurations"][-1]["fits"] is True
 
 
+def test_memopt_plan_shards_with_fsdp2_over_the_processes_given(tmp_path):
+    folder = tmp_path / "model"
+    tiny(layers=2, vocab=1024).save_pretrained(folder)
+    out = tmp_path / "plan.json"
+    common = ["--model_name_or_path", str(folder), "--per_device_train_batch_size", "2", "--block_size", "64",
+              "--memory_budget_mb", "40", "--search", "false"]  # fmt: skip
+    whole = _cli(*common, "--json", str(tmp_path / "whole.json"))
+    run = _cli(*common, "--fsdp", "full_shard auto_wrap", "--num_processes", "4", "--json", str(out))
+    assert whole.returncode == 0 and run.returncode == 0, whole.stderr + run.stderr
+    assert "FSDP2 over 4 processes (what rank 0 holds)" in run.stdout
+    sharded, unsharded = json.loads(out.read_text()), json.loads((tmp_path / "whole.json").read_text())
+    assert sharded["step"]["fsdp"] == 4 and unsharded["step"]["fsdp"] == 1
+    for a, b in zip(sharded["configurations"], unsharded["configurations"]):
+        assert a["name"] == b["name"] and a["before_training_mb"] < b["before_training_mb"] / 3, (a, b)
+
+
 @pytest.mark.parametrize(
     "args, said",
     [
@@ -233,6 +249,10 @@ def test_memopt_plan_reads_a_local_config_and_writes_json(tmp_path):
         (["--bf16", "--fp16"], "`--bf16` and `--fp16` were both given"),
         (["--memory_opt_config", "Gelu+:x:-1"], "`--memory_opt_config` entry 'Gelu+:x:-1' has optimization type 'x'"),
         (["--memory_budget_mb", "-5"], "`--memory_budget_mb -5` must be above 0"),
+        (["--fsdp", "hybrid_shard", "--num_processes", "8"], "`--fsdp hybrid_shard`: a dry run shards as FSDP2's"),
+        (["--fsdp", "full_shard"], "`--fsdp full_shard` over one process shards nothing"),
+        (["--num_processes", "0"], "`--num_processes 0` must be at least 1"),
+        (["--deepspeed", "ds.json"], "`--deepspeed ds.json`: ZeRO's partitions are DeepSpeed's own code"),
     ],
 )
 def test_memopt_plan_refuses_bad_flags_before_anything_runs(tmp_path, args, said):
@@ -289,3 +309,52 @@ def test_work_read_aside_is_in_neither_the_steps_peak_nor_its_time():
     # a and c, and b: the scalar the work aside left (its inputs, 4 MiB each, never reached the top)
     assert count.top == 2 * 4096 + 512 and len(count.ops.costs) == 2, (count.top, count.ops.costs)
     del b, c
+
+
+# -- sharding across processes ----------------------------------------------------------------------------------------
+def fsdp_spec(processes=2):
+    """The step the FSDP2 tests plan: every layer and the model sharded over `processes` (worker_plan.py runs it for
+    real on two)."""
+    from optimum_memopt.planning.dry_run import StepSpec
+
+    return StepSpec(tiny(vocab=1024), batch=2, seq=64, fsdp=processes)
+
+
+def test_a_dtensor_is_counted_by_the_shard_it_wraps_and_fsdp2s_resizes_are_followed():
+    """A wrapper subclass's own storage is as big as the whole tensor and holds nothing: counted, it put the whole
+    model back into a sharded one's count (1.98 MB became 2.23 MB for eight shards of a tiny Llama). FSDP2 frees a
+    layer's gathered weights by resizing their storage to 0, which no op shows."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    with StorageCount() as count:
+        pair = TwoTensor(torch.ones(1024), torch.ones(1024))  # a wrapper of two storages of 4096 bytes
+        doubled = pair * 2  # made by an op: the count sees the wrappers, and counts what they wrap
+        assert doubled.untyped_storage().nbytes() == 4096 and count.current == 4 * 4096  # not 6 * 4096
+        del pair, doubled
+        assert count.current == 0
+        count.reset_peak()
+        gathered = torch.empty(2048)
+        assert count.current == 8192
+        gathered.untyped_storage().resize_(0)  # as FSDP2 frees a layer's weights after its forward
+        assert count.current == 0
+        gathered.untyped_storage().resize_(8192)  # and gathers them again for its backward
+        assert count.current == count.peak == 8192
+    assert "_memopt_resize_" not in vars(torch.UntypedStorage)  # torch's own method given back with no count on
+
+
+def test_fsdp2_holds_a_shard_of_the_weights_on_each_process():
+    """Each of eight processes holds an eighth of the weights (padded to even shards), and its step gathers one
+    layer at a time."""
+    from optimum_memopt.planning.dry_run import dry_run
+
+    whole = dry_run(fsdp_spec(1), backend=False)
+    sharded = dry_run(fsdp_spec(8), backend=False)
+    weights = sum(p.numel() * p.element_size() for p in _params(tiny(vocab=1024)))
+    assert whole.before_training_bytes >= weights
+    assert weights / 8 <= sharded.before_training_bytes <= weights / 8 + 64 * BLOCK, sharded.before_training_bytes
+    assert sharded.parts["optimizer state"] < whole.parts["optimizer state"] / 6
+    assert sharded.peak_bytes < whole.peak_bytes
+    assert sum(sharded.parts.values()) == sharded.peak_bytes
+    # at the peak (the head and loss) the model's own weights are gathered whole beside the shards: weights too
+    assert sharded.parts["weights"] > sharded.before_training_bytes
+    assert sharded.parts["head and loss"] == whole.parts["head and loss"]

@@ -178,3 +178,43 @@ def test_backward_is_told_from_forward():
     assert not _torch_api.in_backward()
     y.backward()
     assert seen == [True]
+
+
+def test_a_wrapper_subclass_shows_the_tensors_it_wraps():
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    a, b = torch.ones(4), torch.zeros(4)
+    assert [t is x for t, x in zip(_torch_api.wrapped_tensors(TwoTensor(a, b)), (a, b))] == [True, True]
+    assert _torch_api.wrapped_tensors(a) is None and _torch_api.wrapped_tensors(torch.nn.Parameter(a)) is None
+
+
+def test_a_storage_resized_from_python_is_told_and_torchs_method_given_back():
+    from optimum_memopt.backends.torch import _torch_api
+
+    original = torch.UntypedStorage.resize_
+    told = []
+    _torch_api.watch_storage_resizes(told.append)
+    try:
+        storage = torch.empty(8).untyped_storage()
+        storage.resize_(0)
+        assert told == [storage] and storage.nbytes() == 0
+    finally:
+        _torch_api.watch_storage_resizes(None)
+    assert torch.UntypedStorage.resize_ is original
+
+
+def test_a_fake_process_group_runs_collectives_in_one_process():
+    import torch.distributed as dist
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    _torch_api.fake_process_group(4)
+    try:
+        assert dist.get_world_size() == 4 and dist.get_rank() == 0
+        out = torch.empty(8)
+        dist.all_gather_into_tensor(out, torch.ones(2))  # moves nothing, and returns
+    finally:
+        dist.destroy_process_group()
+    assert not dist.is_initialized()

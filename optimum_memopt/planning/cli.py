@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora_target_modules", nargs="+", default=None, help="default: PEFT's for the model type")
     p.add_argument("--optim", default="adamw_torch_fused")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    p.add_argument(
+        "--fsdp", default="", help="the Trainer's: `full_shard` (with `auto_wrap`) shards every layer and the model "
+        "with FSDP2 over --num_processes; each figure is what one process holds",
+    )  # fmt: skip
+    p.add_argument(
+        "--num_processes", "--nproc_per_node", dest="num_processes", type=int, default=1,
+        help="processes the step is sharded over (accelerate's --num_processes, torchrun's --nproc_per_node)",
+    )  # fmt: skip
+    p.add_argument("--deepspeed", default=None, help="not planned yet (refused with the reason)")
     p.add_argument("--memory_opt_config", default=None, help="your plans, compared beside the others; or auto")
     p.add_argument("--memory_opt_level", type=int, default=0)
     p.add_argument("--memory_budget_mb", type=float, default=None, help="the budget (MiB) instead of a device's")
@@ -105,6 +114,25 @@ def validate(args) -> None:
             MemoryOptConfig(plans=args.memory_opt_config, backend="torch")
         except ValueError as e:
             raise UsageError(str(e)) from None
+    if args.num_processes < 1:
+        raise UsageError(f"`--num_processes {args.num_processes}` must be at least 1, as in `--num_processes 8`")
+    words = set(args.fsdp.split())
+    if words - {"full_shard", "auto_wrap"}:
+        raise UsageError(
+            f"`--fsdp {args.fsdp}`: a dry run shards as FSDP2's `fully_shard` does (every layer and the model, "
+            f"resharded after forward); accepted: `--fsdp 'full_shard auto_wrap'` or none"
+        )
+    if words and args.num_processes == 1:
+        raise UsageError(
+            f"`--fsdp {args.fsdp}` over one process shards nothing; give the process count, as in `--fsdp "
+            f"'full_shard auto_wrap' --num_processes 8`"
+        )
+    if args.deepspeed:
+        raise UsageError(
+            f"`--deepspeed {args.deepspeed}`: ZeRO's partitions are DeepSpeed's own code, which a dry run does not run"
+            f" on fake tensors yet; plan without it (what one process holds unsharded) or with FSDP2, as in `--fsdp "
+            f"'full_shard auto_wrap' --num_processes 8`"
+        )
     if args.memory_opt_level not in (0, 1):
         raise UsageError(f"`--memory_opt_level {args.memory_opt_level}` is not the torch backend's; accepted: 0 or 1")
 
@@ -161,6 +189,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             budget_mb=args.memory_budget_mb,
             device=args.device,
             search=args.search,
+            fsdp=args.num_processes if args.fsdp.split() else 1,
         )
     except (RuntimeError, ValueError) as e:
         print(f"memopt-plan: the dry run failed: {e}", file=sys.stderr)

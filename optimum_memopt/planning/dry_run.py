@@ -137,17 +137,21 @@ class PartsCount(StorageCount):
         self.ops: Optional[OpCosts] = None  # each op's FLOPs and bytes, where the driver counts them
 
     def see(self, t: torch.Tensor) -> None:
-        try:
-            storage = t.untyped_storage()
-        except Exception:
-            return
-        key = _torch_api.storage_identity(storage)
-        before = self._live.get(key, 0)
         super().see(t)
-        grown = self._live.get(key, 0) - before
-        if grown:
-            part = self._part.setdefault(key, self.phase)
-            self.parts[part] += grown
+        if isinstance(t, torch.nn.Parameter) and _torch_api.wrapped_tensors(t) is None:
+            # a parameter's data, wherever it was made: FSDP2 gathers a layer's weights into buffers it makes as the
+            # layer's forward (or the model's, or a backward) begins, and they are weights from their first use on
+            self._to_part(_torch_api.storage_identity(t.untyped_storage()), WEIGHTS)
+
+    def _grew(self, key: int, nbytes: int) -> None:
+        part = self._part.setdefault(key, self.phase)
+        self.parts[part] += nbytes
+
+    def resized(self, storage) -> None:
+        """Resized in place outside any op: FSDP2's gathered weights (freed after a layer's forward and gathered
+        again for its backward), counted as weights whatever the step is doing."""
+        super().resized(storage)
+        self._to_part(_torch_api.storage_identity(storage), WEIGHTS)
 
     def _gone(self, key: int, ref) -> None:
         part = self._part.pop(key, None)
@@ -159,8 +163,15 @@ class PartsCount(StorageCount):
         """Count `t`'s storage in `part` from now on (a gradient autograd just stored)."""
         if t is None:
             return
+        inner = _torch_api.wrapped_tensors(t)
+        if inner is not None:  # a DTensor (FSDP2's sharded gradient): the shard it wraps
+            for shard in inner:
+                self.move(shard, part)
+            return
         self.see(t)
-        key = _torch_api.storage_identity(t.untyped_storage())
+        self._to_part(_torch_api.storage_identity(t.untyped_storage()), part)
+
+    def _to_part(self, key: int, part: str) -> None:
         old = self._part.get(key)
         if old is not None and old != part:
             nbytes = self._live.get(key, 0)
@@ -170,6 +181,11 @@ class PartsCount(StorageCount):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        name = _torch_api.op_name(func)
+        if "all_gather" in name or "allgather" in name:  # FSDP2 gathering weights: its buffers and the shards
+            for t in tensors_in(out) + tensors_in(args):
+                if _torch_api.wrapped_tensors(t) is None:
+                    self._to_part(_torch_api.storage_identity(t.untyped_storage()), WEIGHTS)
         if self.ops is not None and not self.aside:  # a lever's measurement aside is not the step's time either
             self.ops.add(func, args, kwargs or {}, out)
         if self.current > self.step_top and not self.aside:  # a lever's measurement aside is not the step's
@@ -196,6 +212,9 @@ class StepSpec:
     # --use_cache: the Trainer sets the model's `config.use_cache` to it (False by default); a model that keeps its
     # KV cache in training holds every layer's keys and values until the step's outputs are let go of
     use_cache: bool = False
+    # --fsdp full_shard with this many processes: every decoder layer and the model sharded with FSDP2
+    # (`fully_shard`), counted as rank 0 holds it (1: no sharding)
+    fsdp: int = 1
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -203,7 +222,7 @@ class StepSpec:
                 f"`--optim {self.optimizer}` has no dry run here; accepted: {', '.join(OPTIMIZERS)} "
                 f"(as in `--optim adamw_torch_fused`)"
             )
-        for name in ("batch", "seq", "grad_accum"):
+        for name in ("batch", "seq", "grad_accum", "fsdp"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"a dry run's {name} must be at least 1, not {getattr(self, name)!r}")
 
@@ -369,6 +388,49 @@ def _prime(optimizer, params, count: PartsCount) -> None:
         count.aside -= 1
 
 
+@contextmanager
+def _sharding(spec: StepSpec) -> Iterator[object]:
+    """The device mesh FSDP2 shards over (None without `spec.fsdp`): the launch's process group where one is up (a
+    real run of the same step, which the tests hold a dry run to), else a fake one of `spec.fsdp` processes in this
+    one, taken down after. Made before the fake mode: inside it, the mesh's ranks cannot be read."""
+    if spec.fsdp <= 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ours = not dist.is_initialized()
+    if ours:
+        _torch_api.fake_process_group(spec.fsdp)
+    elif dist.get_world_size() != spec.fsdp:
+        raise ValueError(
+            f"a dry run for `--fsdp` over {spec.fsdp} processes started in a launch of {dist.get_world_size()}"
+        )
+    try:
+        yield init_device_mesh("cpu", (spec.fsdp,))
+    finally:
+        if ours:
+            dist.destroy_process_group()
+
+
+def _shard(model, layers, mesh, spec: StepSpec) -> None:
+    """FSDP2 as accelerate applies it (`--fsdp full_shard`, version 2): each decoder layer, then the whole model; under
+    `--bf16` / `--fp16` with accelerate's mixed-precision policy (weights gathered, gradients reduced and outputs made
+    in 16 bits) and the trained parameters upcast to fp32 first, as accelerate upcasts them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if spec.autocast is not None:
+        low = getattr(torch, spec.autocast)
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low, output_dtype=low)
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
 def _tensors(value) -> List[torch.Tensor]:
     if hasattr(value, "to_tuple"):
         value = value.to_tuple()
@@ -408,7 +470,7 @@ def dry_run(
     handle = None
     handles = []
     model = _build(spec)
-    with mode, unpacked, count:
+    with _sharding(spec) as mesh, mode, unpacked, count:
         torch.manual_seed(0)
         _materialize(model, fake, device)
         model.train()
@@ -421,6 +483,8 @@ def dry_run(
         from ..backends.torch.apply.layers import find_layers
 
         layers = handle.layers if handle is not None else find_layers(model)
+        if mesh is not None:
+            _shard(model, layers, mesh, spec)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = _optimizer(spec, params)
         handles = _marks(model, layers, count)
@@ -440,6 +504,8 @@ def dry_run(
                         loss = model(input_ids=ids, labels=ids).loss
                     (loss / spec.grad_accum).backward()
                     del loss, ids
+                for p in params:  # FSDP2 stores a sharded gradient itself, past the parameters' hooks
+                    count.move(p.grad, GRADIENTS)
                 count.phase, count.where = OPTIMIZER, "the optimizer step"
                 optimizer.step()
                 count.phase = OTHER

@@ -6,7 +6,7 @@ CI, not a user's run; where a public fallback exists, it is used when the privat
 """
 
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -160,6 +160,61 @@ def is_fake(t: torch.Tensor) -> bool:
     except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
         return False
     return isinstance(t, FakeTensor)
+
+
+def wrapped_tensors(t: torch.Tensor) -> Optional[list]:
+    """The tensors `t` wraps where it is a wrapper subclass (a DTensor, as FSDP2's sharded parameters and gradients
+    are: its own storage is as big as the whole tensor and holds nothing, the local shard it wraps holds the data),
+    else None. Private: `torch.utils._python_dispatch.is_traceable_wrapper_subclass` and `__tensor_flatten__`;
+    without them, None (every tensor counted by its own storage)."""
+    try:
+        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
+        return None
+    if not is_traceable_wrapper_subclass(t):
+        return None
+    names, _ = t.__tensor_flatten__()
+    return [inner for inner in (getattr(t, name) for name in names) if isinstance(inner, torch.Tensor)]
+
+
+def watch_storage_resizes(callback: Optional[Callable]) -> None:
+    """Call `callback(storage)` after every `UntypedStorage.resize_` made from Python (FSDP2 frees a layer's
+    gathered weights by resizing their storage to 0 and gathers them again into the same storage: no op a dispatch
+    mode sees); None stops. Not private, but a patch of torch's class: `UntypedStorage.resize_` is wrapped while a
+    callback is set, and given back after."""
+    global _RESIZE_CALLBACK
+    original = vars(torch.UntypedStorage).get("_memopt_resize_")
+    if callback is None:
+        if original is not None:
+            torch.UntypedStorage.resize_ = original
+            del torch.UntypedStorage._memopt_resize_
+        _RESIZE_CALLBACK = None
+        return
+    _RESIZE_CALLBACK = callback
+    if original is None:
+        resize = torch.UntypedStorage.resize_
+
+        def resize_(self, size):
+            out = resize(self, size)
+            if _RESIZE_CALLBACK is not None:
+                _RESIZE_CALLBACK(self)
+            return out
+
+        torch.UntypedStorage._memopt_resize_ = resize
+        torch.UntypedStorage.resize_ = resize_
+
+
+_RESIZE_CALLBACK: Optional[Callable] = None
+
+
+def fake_process_group(world_size: int) -> None:
+    """Start a process group of `world_size` processes in this one, whose collectives move nothing (a dry run's:
+    rank 0 of them, as every rank would run it). Private: `torch.testing._internal.distributed.fake_pg.FakeStore`;
+    there is no public fallback (a sharded dry run needs it)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
 def fake_mode():

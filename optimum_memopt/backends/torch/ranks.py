@@ -11,18 +11,23 @@ class Ranks:
         self._dist = dist
         self.size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.size > 1 else 0
+        # a dry run's fake process group (`planning.dry_run`): one process runs rank 0's step for all of them, and
+        # every rank's figures are its own (its collectives move nothing: an object sent through one is lost)
+        self.mirrored = self.size > 1 and dist.get_backend() == "fake"
 
     def gather(self, obj) -> list:
         """Every rank's `obj`, in rank order, on every rank."""
         if self.size == 1:
             return [obj]
+        if self.mirrored:
+            return [obj] * self.size
         out = [None] * self.size
         self._dist.all_gather_object(out, obj)
         return out
 
     def from_rank0(self, obj):
         """Rank 0's `obj` on every rank."""
-        if self.size == 1:
+        if self.size == 1 or self.mirrored:
             return obj
         box = [obj]
         self._dist.broadcast_object_list(box, src=0)

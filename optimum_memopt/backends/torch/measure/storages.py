@@ -2,11 +2,14 @@
 hands out (512 bytes at least, in steps of 512), which is what `torch.cuda.memory_allocated` counts for them.
 
 `StorageCount` is a dispatch mode: after each op it adds the storages it has not seen yet among the op's outputs and
-inputs (a tensor made before the count began is counted at its first use), and a weak reference on each storage takes
-its bytes back the moment the storage is freed, whether the count is on or not. The peak is read after every op, as
-the CUDA counter's would be at an op's end; what one op holds inside itself (a kernel's workspace) and what the
-device's allocator adds on top (a block's rounding beyond 512 bytes, fragmentation, a library's workspaces, the CUDA
-context) are not seen: a dry run states them as a margin.
+inputs (a tensor made before the count began is counted at its first use; a wrapper subclass, a DTensor, by the
+tensors it wraps: its own storage is the whole tensor's size and holds nothing), and a weak reference on each
+storage takes its bytes back the moment the storage is freed, whether the count is on or not. A storage resized in
+place from Python (FSDP2 frees a layer's gathered weights by resizing their storage to 0, and gathers them again
+into it) is counted again at its new size as it is resized. The peak is read after every op, as the CUDA counter's
+would be at an op's end; what one op holds inside itself (a kernel's workspace) and what the device's allocator adds
+on top (a block's rounding beyond 512 bytes, fragmentation, a library's workspaces, the CUDA context) are not seen:
+a dry run states them as a margin.
 
 On fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`) a storage has its size and no memory: the same count
 is then the dry run's meter (`planning.dry_run`), a step at real size on any machine. It has the face of a
@@ -40,6 +43,11 @@ def block_bytes(nbytes: int) -> int:
     return 0 if nbytes <= 0 else -(-nbytes // BLOCK) * BLOCK
 
 
+def _resized(storage) -> None:
+    for count in _ACTIVE:
+        count.resized(storage)
+
+
 def counting() -> Optional["StorageCount"]:
     """The innermost count on now, or None."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -71,11 +79,14 @@ class StorageCount(_torch_api.TorchDispatchMode):
 
     def __enter__(self):
         _ACTIVE.append(self)
+        _torch_api.watch_storage_resizes(_resized)
         return super().__enter__()
 
     def __exit__(self, *exc):
         if self in _ACTIVE:
             _ACTIVE.remove(self)
+        if not _ACTIVE:
+            _torch_api.watch_storage_resizes(None)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -89,20 +100,41 @@ class StorageCount(_torch_api.TorchDispatchMode):
         return out
 
     def see(self, t: torch.Tensor) -> None:
-        """Count `t`'s storage if it is not counted yet (and its new size, where an op resized it)."""
+        """Count `t`'s storage if it is not counted yet (and its new size, where an op resized it); a wrapper's (a
+        DTensor's) storage holds nothing, so the tensors it wraps are counted instead."""
+        inner = _torch_api.wrapped_tensors(t)
+        if inner is not None:
+            for part in inner:
+                self.see(part)
+            return
         try:
             storage = t.untyped_storage()
         except Exception:  # a tensor subclass without a storage of its own: its parts are counted as they are made
             return
+        self.count(storage)
+
+    def count(self, storage) -> int:
+        """Count `storage` at its size now; the bytes the count grew by (less than 0: it shrank)."""
         key = _torch_api.storage_identity(storage)
         nbytes = block_bytes(storage.nbytes())
         known = self._live.get(key)
         if known is None:
             self._refs[key] = weakref.ref(storage, partial(self._gone, key))
         elif known == nbytes:
-            return
+            return 0
         self._live[key] = nbytes
-        self.current += nbytes - (known or 0)
+        grown = nbytes - (known or 0)
+        self.current += grown
+        self._grew(key, grown)
+        return grown
+
+    def _grew(self, key: int, nbytes: int) -> None:
+        """A storage's count changed by `nbytes` (a subclass keeps it by part)."""
+
+    def resized(self, storage) -> None:
+        """A storage resized in place outside any op (FSDP2 freeing or gathering a layer's weights)."""
+        self.count(storage)
+        self.peak = max(self.peak, self.current)
 
     def _gone(self, key: int, _ref) -> None:
         self.current -= self._live.pop(key, 0)
