@@ -345,7 +345,7 @@ def test_a_dtensor_is_counted_by_the_shard_it_wraps_and_fsdp2s_resizes_are_follo
 def test_fsdp2_holds_a_shard_of_the_weights_on_each_process():
     """Each of eight processes holds an eighth of the weights (padded to even shards), and its step gathers one
     layer at a time."""
-    from optimum_memopt.planning.dry_run import dry_run
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
     whole = dry_run(fsdp_spec(1), backend=False)
     sharded = dry_run(fsdp_spec(8), backend=False)
@@ -358,3 +358,10 @@ def test_fsdp2_holds_a_shard_of_the_weights_on_each_process():
     # at the peak (the head and loss) the model's own weights are gathered whole beside the shards: weights too
     assert sharded.parts["weights"] > sharded.before_training_bytes
     assert sharded.parts["head and loss"] == whole.parts["head and loss"]
+    # the whole model built before sharding never reaches the device: no peak before training, however little the
+    # step holds (level 1 on sixteen layers: its shards, its optimizer's state and two layers gathered at a time)
+    wide = tiny(layers=16, vocab=128)
+    wide.hidden_size, wide.intermediate_size = 256, 1024
+    floor = dry_run(StepSpec(wide, batch=1, seq=16, fsdp=8), level=1)
+    whole_model = sum(p.numel() * p.element_size() for p in _params(wide))
+    assert floor.peak_at.startswith("step 1") and floor.peak_bytes < whole_model, (floor.peak_at, floor.peak_bytes)

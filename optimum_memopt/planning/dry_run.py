@@ -143,6 +143,11 @@ class PartsCount(StorageCount):
             # layer's forward (or the model's, or a backward) begins, and they are weights from their first use on
             self._to_part(_torch_api.storage_identity(t.untyped_storage()), WEIGHTS)
 
+    def from_here(self) -> None:
+        """Count the run's highest from now on: what came before never reached the device (a model built whole on
+        the host and sharded before it is moved to the device, as accelerate prepares FSDP2)."""
+        self.top, self.top_parts, self.top_at = self.current, dict(self.parts), "before training"
+
     def _grew(self, key: int, nbytes: int) -> None:
         part = self._part.setdefault(key, self.phase)
         self.parts[part] += nbytes
@@ -485,6 +490,7 @@ def dry_run(
         layers = handle.layers if handle is not None else find_layers(model)
         if mesh is not None:
             _shard(model, layers, mesh, spec)
+            count.from_here()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = _optimizer(spec, params)
         handles = _marks(model, layers, count)
