@@ -148,10 +148,13 @@ def format_plan(plan: Plan) -> str:
     elif fitting:
         lines.append(f"fits: {', '.join(c.name for c in fitting)} (name a device for the step times)")
     elif plan.device is not None or plan.budget_mb is not None:
-        lines.append(
-            "nothing fits: lower the batch or the sequence, or train LoRA, or a card with more memory (sharding "
-            "across GPUs, FSDP2 / ZeRO, is not in a plan yet)"
-        )
+        ways = ["lower the batch or the sequence"]
+        if plan.spec.lora is None:
+            ways.append("train LoRA (`--use_peft`)")
+        if plan.spec.fsdp == 1:
+            ways.append("shard it over several cards (`--fsdp 'full_shard auto_wrap' --num_processes 8`)")
+        ways.append("a card with more memory")
+        lines.append(f"nothing fits: {', or '.join(ways)}")
     lines.append(f"not seen by a dry run (leave room for them): {NOT_SEEN}")
     lines.append(ROOFLINE)
     return "\n".join(lines)
