@@ -162,19 +162,24 @@ def is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
+try:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper
+except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
+    _is_wrapper = None
+
+
 def wrapped_tensors(t: torch.Tensor) -> Optional[list]:
     """The tensors `t` wraps where it is a wrapper subclass (a DTensor, as FSDP2's sharded parameters and gradients
     are: its own storage is as big as the whole tensor and holds nothing, the local shard it wraps holds the data),
     else None. Private: `torch.utils._python_dispatch.is_traceable_wrapper_subclass` and `__tensor_flatten__`;
     without them, None (every tensor counted by its own storage)."""
-    try:
-        from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-    except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
-        return None
-    if not is_traceable_wrapper_subclass(t):
+    if _is_wrapper is None or not _is_wrapper(t):  # read for every tensor of every op a count sees: imported once
         return None
     names, _ = t.__tensor_flatten__()
     return [inner for inner in (getattr(t, name) for name in names) if isinstance(inner, torch.Tensor)]
+
+
+_RESIZE_CALLBACK: Optional[Callable] = None  # what `watch_storage_resizes` calls, while it is set
 
 
 def watch_storage_resizes(callback: Optional[Callable]) -> None:
@@ -202,9 +207,6 @@ def watch_storage_resizes(callback: Optional[Callable]) -> None:
 
         torch.UntypedStorage._memopt_resize_ = resize
         torch.UntypedStorage.resize_ = resize_
-
-
-_RESIZE_CALLBACK: Optional[Callable] = None
 
 
 def fake_process_group(world_size: int) -> None:
