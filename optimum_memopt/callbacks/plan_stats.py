@@ -5,8 +5,8 @@ On rank 0 only, from the backend's `PlanReport` (structured data, not log text):
 * says in two lines what runs (the table's first line: the plans asked for, how many found and on) and where step
   one peaked, with the file that holds the rest;
 * writes the table (state, config, frequency, occurrences applied, saving for the first batch, peak drop, recompute
-  time, symbolic form) and its notes to `<output_dir>/memory_plans.txt`, and logs them where INFO is shown
-  (`--log_level info`; `PlanLog`);
+  time, symbolic form) and its notes to `<output_dir>/memory_plans.txt`, and logs them at DEBUG (`--log_level
+  debug`; `PlanLog`);
 * warns about each requested plan that matches no plan found, naming the closest ones found;
 * writes `<output_dir>/memory_plans.json` (the `PlanReport` as a dictionary);
 * adds these metrics to the next training log:
