@@ -275,7 +275,7 @@ class TorchBackend(Backend):
         )
 
     def plan_report(self, wrapped: nn.Module, settings: WrapSettings) -> Optional[PlanReport]:
-        from .decide.report import peak_said, plan_report
+        from .decide.report import plan_report
 
         state = getattr(wrapped, STATE)
         if state.profile is None:
@@ -297,8 +297,6 @@ class TorchBackend(Backend):
             lever = state.levers.get("loss")
             head = " and the head's loss in chunks" if lever is not None and lever.chunking is not None else ""
             report.auto = state.planner.asked
-            if report.peak and state.planner.base:  # counted as the budget is: above the level before training
-                report.peak = peak_said(state.profile, state.planner.base)
             report.notes.append(
                 f"--memory_opt_config auto ({state.planner.asked}): this first step ran with every "
                 f"layer recomputed whole{head}, to measure; the solver's choice runs from the next step (said then)"

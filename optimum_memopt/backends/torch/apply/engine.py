@@ -9,8 +9,8 @@ from torch import nn
 
 from ....memory import READABLE_DEVICES
 from .. import _torch_api
+from ..measure.live import meter_for
 from ..measure.profile import LayerProfile, ModelProfile
-from ..measure.storages import meter_for
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
 from ..nested import tensors_in
 from ..policy import LAYER, OPS, RecomputePolicy

@@ -44,22 +44,70 @@ def is_param(t: torch.Tensor) -> bool:
     return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
+class _Held:
+    """A planned op's tensor input, held weakly: a planned call's inputs are the layer's to keep (autograd keeps them,
+    or they are planned outputs recomputed in turn), never the call's. Held strongly, an input no op saved (a LoRA
+    branch's output, scaled by a planned `mul` whose output is only added) lived to the layer's end: 16 MiB above
+    what the step holds plainly, in a layer of the README's main job. Its geometry stays, for a recipe that recomputes
+    it in turn (`recipe.Stashed`) once it is gone."""
+
+    __slots__ = ("ref", "shape", "strides", "offset")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+        self.shape, self.strides, self.offset = t.size(), t.stride(), t.storage_offset()
+
+    def get(self):
+        """The tensor while it lives, else this (its geometry: `size`, `stride` and `storage_offset`)."""
+        t = self.ref()
+        return self if t is None else t
+
+    def size(self):
+        return self.shape
+
+    def stride(self):
+        return self.strides
+
+    def storage_offset(self) -> int:
+        return self.offset
+
+
+def _hold(t: torch.Tensor):
+    """A parameter (or a view of one: `w.t()`, made for the op and held by nothing else) strongly, as it costs no
+    memory of its own; any other tensor weakly (`_Held`)."""
+    return t if is_param(t) else _Held(t)
+
+
+def _held_in(value, fn):
+    """`value` with each tensor or `_Held` replaced by `fn(tensor or what the hold gives back)`, in `tensors_in` order."""
+    if isinstance(value, (torch.Tensor, _Held)):
+        return fn(value.get() if isinstance(value, _Held) else value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_held_in(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _held_in(v, fn) for k, v in value.items()}
+    return value
+
+
 class Call:
     """An op call the policy recomputes: one recipe for all of its outputs (dropout's output and mask), built when
-    autograd first keeps one of them, or when a planned op made from them needs it (a chain)."""
+    autograd first keeps one of them, or when a planned op made from them needs it (a chain). Its tensor inputs are
+    held weakly until then (`_Held`)."""
 
     __slots__ = ("func", "args", "kwargs", "rng", "recipe")
 
     def __init__(self, func, args, kwargs, rng):
-        self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
+        self.func, self.rng = func, rng
+        self.args, self.kwargs = map_tensors((args, kwargs), _hold)
         self.recipe: Optional[Recipe] = None
 
-    def to_recipe(self, stand_in: Callable[[int, torch.Tensor], object]) -> Recipe:
+    def to_recipe(self, stand_in: Callable[[int, object], object]) -> Recipe:
         """The recipe, its k-th tensor input replaced by `stand_in(k, tensor)` (the tensor itself where autograd
-        keeps it anyway, or a stand-in for a planned output recomputed in turn)."""
+        keeps it anyway, or a stand-in for a planned output recomputed in turn, given its geometry where it is gone:
+        a `_Held`)."""
         if self.recipe is None:
             count = iter(range(1 << 30))
-            args, kwargs = map_tensors((self.args, self.kwargs), lambda t: stand_in(next(count), t))
+            args, kwargs = _held_in((self.args, self.kwargs), lambda t: stand_in(next(count), t))
             self.recipe = Recipe(self.func, args, kwargs, self.rng)
             self.args = self.kwargs = None  # the recipe holds the inputs now
         return self.recipe

@@ -109,14 +109,6 @@ def _moved(seg: Segment, measured_freed: Sequence[int], freed: Sequence[int], he
     return moved - head if seg.name.startswith(HEAD_SEGMENT) else moved
 
 
-def above(memory: Optional[StepMemory], base: int) -> Optional[StepMemory]:
-    """The step's memory counted from `base` bytes (the CPU allocator's level before training)."""
-    if memory is None:
-        return None
-    segments = [Segment(s.name, s.held, s.start_bytes - base, s.peak_bytes - base, s.own) for s in memory.segments]
-    return StepMemory(memory.device, segments, memory.start_bytes - base, memory.how)
-
-
 def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -> StepMemory:
     """The step's memory as if no layer had freed anything, with what later steps hold more (`extra`) added to every
     segment but the last (after backward, where step one already made what the next steps hold): the form in which

@@ -25,12 +25,12 @@ import os
 from typing import Callable, List, Optional
 
 from ....callbacks.base import atomic_write
-from ....memory import MIB, READABLE_DEVICES, MemoryMeter, allocator_bytes_in_use
+from ....memory import MIB, READABLE_DEVICES, MemoryMeter
+from ..measure.live import meter_for
 from ..measure.profile import StepMemory
-from ..measure.storages import meter_for
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
-from .budget import Fit, above, as_kept, fit, fit_share, freed_bytes, head_choices, merged
+from .budget import Fit, as_kept, fit, fit_share, freed_bytes, head_choices, merged
 from .solver import candidates
 
 logger = logging.getLogger(__name__)
@@ -75,10 +75,6 @@ class BudgetPlanner:
         self.watch: Optional[StepWatch] = None
         self.ranks: Optional[Ranks] = None  # from step one's start, where any process group is up
         self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
-        # On the CPU the allocator counts the whole process: figures are taken above its level before training (as
-        # the advisor's probe and `--memory_budget_mb` count them); CUDA's counter holds tensors only, from 0.
-        self._cpu_base = allocator_bytes_in_use() or 0
-        self.base = 0
         self.device: Optional[str] = None  # the layers' device, from step one
 
     @property
@@ -100,15 +96,14 @@ class BudgetPlanner:
                 f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
             )
         self.ranks = Ranks()
-        self.meter = meter_for(device)
-        self.base = self._cpu_base if self.meter.allocator == "mallinfo2" else 0
+        self.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`): one unit
         self.device = device
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
         self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets)
         self.stage = "measure"
 
     def _current(self) -> int:
-        return int(round((self.meter.read().current_mb or 0.0) * MIB)) - self.base
+        return int(round((self.meter.read().current_mb or 0.0) * MIB))
 
     def at_step_start(self, state, device: str) -> None:
         """Called by the engine as the first layer's forward starts the run's first step and each step after one
@@ -162,7 +157,7 @@ class BudgetPlanner:
 
     def _gather(self, state) -> None:
         """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""
-        memory = above(state.profile.memory, self.base) if state.profile is not None else None
+        memory = state.profile.memory if state.profile is not None else None
         mine = None
         if memory is None:
             why = (state.profile.memory_problem if state.profile is not None else None) or "no step one recorded"
@@ -212,11 +207,6 @@ class BudgetPlanner:
             f"{result.freed / MIB:,.1f} MiB freed, {result.recompute_seconds * 1000:,.1f} ms of recompute per step "
             f"(op time measured in step one). The least recompute can reach: {result.floor.peak_mb:,.1f} MiB "
             f"({result.floor.where})"
-            + (
-                f". MiB above the allocator's {self.base / MIB:,.1f} MiB before training, as the probe counts them"
-                if self.base
-                else ""
-            )
         )
 
     def _said(self, result: Fit) -> str:
@@ -250,7 +240,7 @@ class BudgetPlanner:
         return f"Under {self.budget_mb:,.1f} MiB"
 
     def _verify(self, state) -> None:
-        mine = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)) - self.base, self._start)
+        mine = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)), self._start)
         peaks = self.ranks.gather(mine)
         peak = max(peaks)
         result = self.fits[-1]
@@ -346,7 +336,6 @@ class BudgetPlanner:
             "budget_mb": self.budget_mb,
             "activation_memory_budget": self.share,
             "processes": self.ranks.size if self.ranks is not None else 1,  # rank 0 chose for all of them
-            "counted_from_mb": self.base / MIB,  # CPU: the allocator's level before training, left out of every figure
             "memory": None
             if self.memory is None
             else {

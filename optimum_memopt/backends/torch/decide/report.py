@@ -155,18 +155,11 @@ def _drop_fields(drop: Optional[Callable[..., Drop]], freed: List[int], head: in
     return {"peak_drop_bytes": value, "peak_drop_min_bytes": least, "peak_drop_max_bytes": most}
 
 
-def peak_said(profile: ModelProfile, base: int = 0) -> str:
-    """Where step one peaked, in a few words, and what the figure counts: above `base` (the CPU allocator's level
-    before training, as `auto` counts its budget), else the device's counter as read."""
-    memory = profile.memory
-    peak = memory.peak
-    if base:
-        counted = f" above the allocator's {base / MIB:,.1f} MiB before training"
-    elif memory.device == "cpu" and "storage" not in memory.how:
-        counted = " (the C allocator's bytes in use, the whole process's)"
-    else:
-        counted = ""
-    return f"step one peaked at {(peak.peak_bytes - base) / MIB:,.1f} MiB{counted}, {peak.name}"
+def peak_said(profile: ModelProfile) -> str:
+    """Where step one peaked, in a few words: the device's tensors (CUDA's counter; the CPU's tensor storages counted,
+    `measure.live`), as `auto` counts its budget."""
+    peak = profile.memory.peak
+    return f"step one peaked at {peak.peak_bytes / MIB:,.1f} MiB, {peak.name}"
 
 
 def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
@@ -187,8 +180,7 @@ def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
         f"{whole.peak_mb:,.1f} MiB, {whole.where}. A drop shown with (+N) may be up to N bytes more, with (-N) up to "
         f"N less: its peak may fall in a layer's own forward or backward, where the readings cannot tell how much of "
         f"the plans' change shows (a planned tensor is let go of after its last use in the forward; a replayed "
-        f"layer brings its tensors back one at a time). The readings count the allocator, so its bytes that are not "
-        f"tensor data (tensors' metadata, autograd's nodes) move them by a few KiB more"
+        f"layer brings its tensors back one at a time)"
     )
 
 

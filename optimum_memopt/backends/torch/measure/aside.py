@@ -7,34 +7,43 @@ sampler threads are paused (`memory.read_at_ops`), each op's end is read by a di
 before the work, so the backward the work starts runs under it too), and on CUDA, where the backend may reset the
 peak counter, the peak so far is folded into every open meter first and the counter reset after, so the work's
 peak reaches none of them. The process's random generators (CPU and device) are given back as the work found
-them; under a count of tensor storages (a dry run: `storages.StorageCount`), the count is read and its peak given
-back as the work found it. Where the counter is someone else's (`resets` False: the Trainer's own memory metrics)
-it is left alone, and the work's peak is in it: said by the caller. Temporaries inside one op are not seen.
+them. Where a count of tensor storages is read (a dry run's, `storages.StorageCount`, or on the CPU the process's live
+count, `live.LiveCount`, which counts the work's ops here), its peak is given back as the work found it. Where the
+counter is someone else's (`resets` False: the Trainer's own memory metrics) it is left alone, and the work's peak is
+in it: said by the caller. Temporaries inside one op are not seen.
 """
 
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Iterator, Optional, Tuple
 
 import torch
 
-from ....memory import allocator_bytes_in_use, fold_cuda_peak, read_at_ops
+from ....memory import fold_cuda_peak, read_at_ops
 from .. import _torch_api
-from .storages import counting
+from .live import LiveCount, live_count
+from .storages import StorageCount, counting
+
+
+def _count(device: str) -> Optional[StorageCount]:
+    """The count of tensor storages the work is read by: a dry run's where one is on, the process's live count on the
+    CPU; None on CUDA (its own counter)."""
+    count = counting()
+    if count is None and device == "cpu":
+        count = live_count()
+    return count
 
 
 def _reader(device: str) -> Callable[[], int]:
-    count = counting()
-    if count is not None:  # a count of tensor storages is on (a dry run): the device's own counter is not the step's
+    count = _count(device)
+    if count is not None:
         return lambda: count.current
-    if device == "cuda":
-        return torch.cuda.memory_allocated
-    return lambda: allocator_bytes_in_use() or 0
+    return torch.cuda.memory_allocated
 
 
 def current_bytes(device: str) -> int:
-    """What the device holds now, as `held_aside` reads it (CUDA: tensors; the CPU: the allocator's bytes in use;
-    under a count of tensor storages, `storages.StorageCount`: its count)."""
+    """What the device holds now, as `held_aside` reads it: its tensors (CUDA's counter; on the CPU the live count of
+    tensor storages, `live.LiveCount`; under a dry run, its count)."""
     return _reader(device)()
 
 
@@ -44,15 +53,18 @@ def _synchronize(device: str) -> None:
 
 
 class _MostAfterOps(_torch_api.TorchDispatchMode):
-    def __init__(self, read: Callable[[], int], clock=None):
+    def __init__(self, read: Callable[[], int], clock=None, live: Optional[LiveCount] = None):
         super().__init__()
         self.read = read
         self.most = 0
         self.clock = clock  # a count's clock (a dry run): the ops' seconds on the device it stands for
         self.clocked = 0.0
+        self.live = live  # the CPU's live count, which counts the work's ops here (a dry run's counts its own)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self.live is not None:
+            self.live.after_op(out, args, kwargs)
         self.most = max(self.most, self.read())
         if self.clock is not None:
             self.clocked += self.clock(func, args, kwargs or {}, out)
@@ -62,7 +74,7 @@ class _MostAfterOps(_torch_api.TorchDispatchMode):
 @contextmanager
 def _unseen(device: str, resets: bool) -> Iterator[None]:
     read_at_ops(True)
-    count = counting()
+    count = _count(device)
     peak_before = count.peak if count is not None else 0
     if count is not None:
         count.aside += 1
@@ -91,8 +103,9 @@ def held_aside(work: Callable[[], None], device: str, resets: bool = True) -> Tu
     with _unseen(device, resets):
         _synchronize(device)
         start = read()
-        count = counting()
-        mode = _MostAfterOps(read, count.clock if count is not None else None)
+        count = _count(device)
+        live = count if isinstance(count, LiveCount) else None
+        mode = _MostAfterOps(read, count.clock if count is not None else None, live)
         began = time.perf_counter()
         with mode:
             work()

@@ -27,7 +27,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ....memory import MIB, MemoryMeter, MemoryReading
+from ....memory import MIB, MemoryReading
 from .. import _torch_api
 from ..nested import tensors_in
 
@@ -35,7 +35,8 @@ BLOCK = 512  # CUDA's caching allocator rounds every block up to a multiple of t
 
 HOW = "tensor storages counted after every op, in CUDA's 512-byte blocks"
 
-_ACTIVE: list = []  # the counts on now, innermost last
+_ACTIVE: list = []  # the counts on now as dispatch modes (dry runs), innermost last
+_FOLLOWING: list = []  # counts following storages resized in place now (`follow_resizes`): those above, and live ones
 
 
 def block_bytes(nbytes: int) -> int:
@@ -44,19 +45,22 @@ def block_bytes(nbytes: int) -> int:
 
 
 def _resized(storage) -> None:
-    for count in _ACTIVE:
+    for count in list(_FOLLOWING):
         count.resized(storage)
 
 
+def follow_resizes(count: "StorageCount", on: bool) -> None:
+    """Have `count` follow the storages resized in place from Python (`on`) or stop (calls nest, a count per call)."""
+    if on:
+        _FOLLOWING.append(count)
+    elif count in _FOLLOWING:
+        _FOLLOWING.remove(count)
+    _torch_api.watch_storage_resizes(_resized if _FOLLOWING else None)
+
+
 def counting() -> Optional["StorageCount"]:
-    """The innermost count on now, or None."""
+    """The innermost count on now as a dispatch mode (a dry run's), or None."""
     return _ACTIVE[-1] if _ACTIVE else None
-
-
-def meter_for(device: str):
-    """The meter a measured step reads: the count of storages on now (a dry run), else the device's own."""
-    count = counting()
-    return count if count is not None else MemoryMeter(device)
 
 
 class StorageCount(_torch_api.TorchDispatchMode):
@@ -79,25 +83,28 @@ class StorageCount(_torch_api.TorchDispatchMode):
 
     def __enter__(self):
         _ACTIVE.append(self)
-        _torch_api.watch_storage_resizes(_resized)
+        follow_resizes(self, True)
         return super().__enter__()
 
     def __exit__(self, *exc):
         if self in _ACTIVE:
             _ACTIVE.remove(self)
-        if not _ACTIVE:
-            _torch_api.watch_storage_resizes(None)
+        follow_resizes(self, False)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.after_op(out, args, kwargs)
+        return out
+
+    def after_op(self, out, args, kwargs) -> None:
+        """An op has run: count the storages it made or first used, and take the count now into the peak."""
         for t in tensors_in(out):
             self.see(t)
         for t in tensors_in(args) + tensors_in(kwargs or {}):
             self.see(t)
         if self.current > self.peak:
             self.peak = self.current
-        return out
 
     def see(self, t: torch.Tensor) -> None:
         """Count `t`'s storage if it is not counted yet (and its new size, where an op resized it); a wrapper's (a

@@ -8,30 +8,29 @@ layers otherwise (twice, or not all of them) leaves `problem` set, and nothing i
 Micro-batches after the first (gradient accumulation) and the optimizer step fall in the last segment, which holds
 no layer's kept tensors.
 
-On the CPU the peak between two marks is what the allocator read at its highest. In the steps the backend measures
-(step one, and the steps the budget planner checks), `StepReadings` reads it after every op of the model's forward
-and of its backward (a recompute's included), with the 2 ms sampler threads paused there (`memory.read_at_ops`): a
-peak at an op's end (its output made, its inputs not yet let go of) cannot be missed, and the same step reads the
-same figures every run. What runs outside the model's forward and the backward of its graph (a loss computed
-outside the model, the optimizer step) is still sampled; a temporary inside one op is not seen.
+On CUDA the peak between two marks is the device's peak counter's. On the CPU it is the process's tensor storages
+counted after every op (`live.LiveCount`, the unit CUDA counts in): in the steps the backend measures (step one, and
+the steps the budget planner checks), `StepReadings` counts every op of the model's forward, of its backward (a
+recompute's included) and of the optimizer's step, so a peak at an op's end (its output made, its inputs not yet let
+go of) cannot be missed and the same step reads the same figures every run. A loss computed outside the model and
+its backward are not counted; a temporary inside one op is not seen (as on CUDA).
 """
 
 import logging
-import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ....memory import MIB, MemoryMeter, observe_all, read_at_ops
+from ....memory import MIB, MemoryMeter
 from .. import _torch_api
 from ..nested import tensors_in
+from .live import CountOps, LiveCount, live_count
 from .profile import HEAD_SEGMENT, Segment, StepMemory
 from .storages import counting
 
 logger = logging.getLogger(__name__)
-
-READ_AT_OPS = "the allocator read after every op of the model's forward and backward, sampled every 2 ms outside them"
 
 
 def first_grad_tensor(output) -> Optional[torch.Tensor]:
@@ -60,10 +59,8 @@ class StepWatch:
     def how(self) -> str:
         if not self.resets:
             return "readings at the marks only (the peak counter is not reset)"
-        own = getattr(self.meter, "how", None)  # a count of tensor storages says its own (`storages`)
-        if own is not None:
-            return own
-        return "CUDA's peak counter" if self.meter.device == "cuda" else READ_AT_OPS
+        own = getattr(self.meter, "how", None)  # a count of tensor storages says its own (`storages`, `live`)
+        return own if own is not None else "CUDA's peak counter"
 
     @property
     def backward_ended(self) -> bool:
@@ -135,66 +132,32 @@ class StepWatch:
         return StepMemory(self.meter.device, self.segments, self.start_bytes, self.how)
 
 
-class OpReadings(_torch_api.TorchDispatchMode):
-    """Reads the allocator for every sampler of the process after each aten op (`memory.observe_all`)."""
+class _BackwardCount:
+    """Counts every op of each node of one forward's graph (a recipe's or a checkpoint's recompute inside it
+    included) into the live count: a dispatch mode entered by each node's pre-hook and left by its post-hook.
+    Autograd gives each node the mode stack backward started with, so one left on by a node that raised is gone at
+    backward's end. Held by the nodes' hooks only."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        observe_all()
-        return out
-
-
-_PAUSED: "weakref.WeakSet[_BackwardReadings]" = weakref.WeakSet()  # backwards that paused the samplers
-
-
-def resume_stale() -> None:
-    """Resume the samplers every earlier backward paused and did not resume: a backward that raises runs no end
-    callback, and its graph (held by the error's traceback, or in a reference cycle) may outlive it. Called as a
-    model's next training forward starts, when no backward of its can be running."""
-    for readings in list(_PAUSED):
-        readings.end()
-
-
-class _BackwardReadings:
-    """Reads after every op of each node of one forward's graph (a recipe's or a checkpoint's recompute inside it
-    included), from the node that starts its backward to the backward's end, with the samplers paused meanwhile.
-    The op readings are a dispatch mode entered by each node's pre-hook and left by its post-hook (autograd gives
-    each node the mode stack backward started with: one left on by an error is gone at backward's end). Held by the
-    nodes' hooks only: a graph freed without a backward takes it along, and a pause with it."""
-
-    def __init__(self):
-        self._resume = None
-        self._modes: List[OpReadings] = []
+    def __init__(self, count: LiveCount):
+        self.count = count
+        self._modes: List[CountOps] = []
 
     def before(self, grad_outputs) -> None:
-        if self._resume is None:
-            read_at_ops(True)
-            self._resume = weakref.finalize(self, read_at_ops, False)  # resumed at backward's end, or if dropped
-            _torch_api.at_backward_end(self.end)
-            _PAUSED.add(self)
-        if self._resume.alive:
-            mode = OpReadings()
-            mode.__enter__()
-            self._modes.append(mode)
-
-    def end(self) -> None:
-        """Resume the samplers (once; at backward's end, or as the next forward starts: `resume_stale`)."""
-        if self._resume is not None:
-            self._resume()
-        _PAUSED.discard(self)
+        mode = self.count.ops()
+        mode.__enter__()
+        self._modes.append(mode)
 
     def after(self, grad_inputs, grad_outputs) -> None:
         if self._modes:
             mode = self._modes.pop()
-            observe_all()
             if _torch_api.dispatch_mode_on_top(mode):
                 mode.__exit__(None, None, None)
 
 
-def read_backward(output) -> int:
-    """Hook every node of the graph behind `output`'s tensors to read after each of its ops (`_BackwardReadings`);
-    the number of nodes hooked."""
-    readings = _BackwardReadings()
+def count_backward(output, count: LiveCount) -> int:
+    """Hook every node of the graph behind `output`'s tensors to count its ops into `count` (`_BackwardCount`); the
+    number of nodes hooked."""
+    counting_ops = _BackwardCount(count)
     seen = set()
     todo = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
     while todo:
@@ -202,37 +165,43 @@ def read_backward(output) -> int:
         if node is None or node in seen:
             continue
         seen.add(node)
-        node.register_prehook(readings.before)
-        node.register_hook(readings.after)
+        node.register_prehook(counting_ops.before)
+        node.register_hook(counting_ops.after)
         todo.extend(n for n, _ in node.next_functions)
     return len(seen)
 
 
 class StepReadings:
-    """Reads the CPU allocator after every op of `model`'s training forward and of its backward, in the
-    steps `wanted()` says are measured (see the module's docstring); elsewhere, and on CUDA (whose peak counter
-    misses nothing), it does nothing. The forward's op readings are a dispatch mode entered by a forward pre-hook and
-    left by a forward hook that runs even when the forward raises: entered and left in the training code's own flow."""
+    """Counts the CPU's tensor storages (`live.LiveCount`) in the steps `wanted()` says are measured: after every op of
+    `model`'s training forward, of its backward and of the optimizer's step (see `live`'s docstring); the count is
+    seeded with every tensor the process holds at the first such forward. Elsewhere, under a dry run's count, and on
+    CUDA (whose counter misses nothing) it does nothing. The forward's count is a dispatch mode entered by a forward
+    pre-hook and left by a forward hook that runs even when the forward raises: entered and left in the training
+    code's own flow; the optimizer's, by torch's optimizer step hooks (every optimizer of the process: the trainer's
+    is not known here), in a step whose forward was counted."""
 
     def __init__(self, model: nn.Module, wanted: Callable[[], bool]):
         self.wanted = wanted
-        self._mode: Optional[OpReadings] = None
-        self._stale: Optional[OpReadings] = None  # ours, left under a mode entered in the forward and not left
+        self.count: Optional[LiveCount] = None  # from the first forward counted
+        self._mode: Optional[CountOps] = None
+        self._stale: Optional[CountOps] = None  # ours, left under a mode entered in the forward and not left
         self._depth = 0  # the model's forward called inside itself
+        self._counted = False  # a forward of this step was counted: its optimizer step is counted too
+        self._optimizer_mode: Optional[CountOps] = None
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+            register_optimizer_step_pre_hook(self._before_optimizer),
+            register_optimizer_step_post_hook(self._after_optimizer),
         ]
 
     def remove(self) -> None:
-        resume_stale()
+        self._after_optimizer()
         for handle in self._handles:
             handle.remove()
         self._handles = []
 
     def _before(self, module, args, kwargs):
-        if module.training and torch.is_grad_enabled():
-            resume_stale()
         if self._stale is not None and _torch_api.dispatch_mode_on_top(self._stale):
             self._stale.__exit__(None, None, None)
             self._stale = None
@@ -240,12 +209,15 @@ class StepReadings:
             self._depth += 1
             return None
         if not (module.training and torch.is_grad_enabled() and self.wanted()) or counting() is not None:
-            return None  # not measured, or a count of tensor storages reads after every op already
+            return None  # not measured, or a dry run's count reads after every op already
         first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
         if first is None or first.device.type != "cpu":
             return None
-        read_at_ops(True)
-        self._mode = OpReadings()
+        if self.count is None:
+            self.count = live_count()
+            self.count.seed()
+        self._counted = True
+        self._mode = self.count.ops()
         self._mode.__enter__()
         return None
 
@@ -262,10 +234,19 @@ class StepReadings:
             self._stale = mode
             logger.warning(
                 "optimum-memopt: a dispatch mode entered inside the model's forward was still on at its end; the "
-                "backend's memory readings stay on under it (reading the allocator after every op) until the "
-                "model's next forward finds it left"
+                "backend's count of tensor storages stays on under it until the model's next forward finds it left"
             )
-        read_at_ops(False)
         if output is not None:
-            read_backward(output)
+            count_backward(output, self.count)
         return None
+
+    def _before_optimizer(self, optimizer=None, args=None, kwargs=None):
+        if self._counted and self._optimizer_mode is None and counting() is None:
+            self._optimizer_mode = self.count.ops()
+            self._optimizer_mode.__enter__()
+
+    def _after_optimizer(self, optimizer=None, args=None, kwargs=None):
+        self._counted = False
+        mode, self._optimizer_mode = self._optimizer_mode, None
+        if mode is not None and _torch_api.dispatch_mode_on_top(mode):
+            mode.__exit__(None, None, None)
