@@ -252,3 +252,42 @@ def test_an_offloading_hook_around_a_planned_step_frees_what_it_takes_as_plain_p
         assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
         assert plain_hooks.planned_bytes > 0
         assert hooks.nbytes == plain_hooks.nbytes - plain_hooks.planned_bytes
+
+
+def _scaled_branch(block, x):
+    """A LoRA branch's shape: `x @ w.t()` scaled by a `mul` whose output is only added (nothing saves either), then
+    more made after it (`sin`), where the step peaks."""
+    return (x @ block.w + (x @ block.w.t()) * 0.5).sin()
+
+
+def test_a_planned_op_no_save_asks_for_lets_its_inputs_go_with_its_outputs():
+    """A planned call keeps its inputs for the recipe it may have to make, until one of its outputs is saved; once its
+    outputs are all freed unsaved, it lets them go. Held to the layer's end before (16 MiB in a layer of README's main
+    job, where LoRA scales its branch with a `mul`), the branch's output lifted every later op of the layer above
+    plain PyTorch. Counted in tensor storages after every op of a later step's forward, the planned layer holds what
+    plain holds, but at the op that reads the `mul`'s output (the add): there the branch's output is still held,
+    as it is let go of with that output."""
+    from optimum_memopt.backends.torch.measure.storages import StorageCount
+
+    class AfterEachOp(StorageCount):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            self.seen.append((str(func), self.current))
+            return out
+
+    plain, planned = pair(_scaled_branch)
+    engine(planned, ops("Mul"))
+    x = torch.randn(1 << 14, 8)
+    branch = x.nbytes
+    for model in (plain, planned):
+        step(model, x)  # step one, profiled: its watch reads (and resets) the count it finds on
+    runs = []
+    for model in (plain, planned):
+        with AfterEachOp("cpu") as count:
+            count.seen = []
+            loss = model(x.clone().requires_grad_(True)).sum()
+        loss.backward()  # (the planned layer's backward recomputes: other ops)
+        runs.append(count.seen)
+    assert [op for op, _ in runs[0]] == [op for op, _ in runs[1]]
+    more = [(op, held - plain) for (op, plain), (_, held) in zip(*runs) if held != plain]
+    assert more == [("aten.add.Tensor", branch)], more

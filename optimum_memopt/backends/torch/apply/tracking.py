@@ -44,70 +44,43 @@ def is_param(t: torch.Tensor) -> bool:
     return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-class _Held:
-    """A planned op's tensor input, held weakly: a planned call's inputs are the layer's to keep (autograd keeps them,
-    or they are planned outputs recomputed in turn), never the call's. Held strongly, an input no op saved (a LoRA
-    branch's output, scaled by a planned `mul` whose output is only added) lived to the layer's end: 16 MiB above
-    what the step holds plainly, in a layer of the README's main job. Its geometry stays, for a recipe that recomputes
-    it in turn (`recipe.Stashed`) once it is gone."""
-
-    __slots__ = ("ref", "shape", "strides", "offset")
-
-    def __init__(self, t: torch.Tensor):
-        self.ref = weakref.ref(t)
-        self.shape, self.strides, self.offset = t.size(), t.stride(), t.storage_offset()
-
-    def get(self):
-        """The tensor while it lives, else this (its geometry: `size`, `stride` and `storage_offset`)."""
-        t = self.ref()
-        return self if t is None else t
-
-    def size(self):
-        return self.shape
-
-    def stride(self):
-        return self.strides
-
-    def storage_offset(self) -> int:
-        return self.offset
-
-
-def _hold(t: torch.Tensor):
-    """A parameter (or a view of one: `w.t()`, made for the op and held by nothing else) strongly, as it costs no
-    memory of its own; any other tensor weakly (`_Held`)."""
-    return t if is_param(t) else _Held(t)
-
-
-def _held_in(value, fn):
-    """`value` with each tensor or `_Held` replaced by `fn(tensor or what the hold gives back)`, in `tensors_in` order."""
-    if isinstance(value, (torch.Tensor, _Held)):
-        return fn(value.get() if isinstance(value, _Held) else value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_held_in(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _held_in(v, fn) for k, v in value.items()}
-    return value
-
-
 class Call:
     """An op call the policy recomputes: one recipe for all of its outputs (dropout's output and mask), built when
-    autograd first keeps one of them, or when a planned op made from them needs it (a chain). Its tensor inputs are
-    held weakly until then (`_Held`)."""
+    autograd first keeps one of them, or when a planned op made from them needs it (a chain)."""
 
-    __slots__ = ("func", "args", "kwargs", "rng", "recipe")
+    __slots__ = ("func", "args", "kwargs", "rng", "recipe", "outputs", "refs")
 
     def __init__(self, func, args, kwargs, rng):
-        self.func, self.rng = func, rng
-        self.args, self.kwargs = map_tensors((args, kwargs), _hold)
+        self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
         self.recipe: Optional[Recipe] = None
+        self.outputs = 0  # the outputs' storages still alive (`outlived_by`)
+        self.refs: list = []
 
-    def to_recipe(self, stand_in: Callable[[int, object], object]) -> Recipe:
+    def outlived_by(self, t: torch.Tensor) -> None:
+        """Hold the inputs no longer than `t`'s storage and the call's other outputs': once every output is freed
+        with no recipe made (none was saved: a LoRA branch's output scaled by a planned `mul` whose output is only
+        added), nothing can ask for one, and inputs held here alone (that branch's output) would otherwise live to
+        the layer's end: 16 MiB above what the step holds plainly, in a layer of README's main job. A planned op
+        reading the output holds it, and so this call's inputs, for a chain."""
+        try:
+            self.refs.append(weakref.ref(t.untyped_storage(), self._output_freed))
+        except Exception:  # no storage of its own (a tensor subclass): the inputs are held to the layer's end
+            return
+        self.outputs += 1
+
+    def _output_freed(self, _ref) -> None:
+        self.outputs -= 1
+        if self.outputs == 0 and self.recipe is None:
+            self.args = self.kwargs = None
+
+    def to_recipe(self, stand_in: Callable[[int, torch.Tensor], object]) -> Recipe:
         """The recipe, its k-th tensor input replaced by `stand_in(k, tensor)` (the tensor itself where autograd
-        keeps it anyway, or a stand-in for a planned output recomputed in turn, given its geometry where it is gone:
-        a `_Held`)."""
+        keeps it anyway, or a stand-in for a planned output recomputed in turn)."""
         if self.recipe is None:
+            if self.args is None:  # pragma: no cover - an output was saved, so it is alive: see `outlived_by`
+                raise RuntimeError(f"optimum-memopt: a recipe asked of {self.func} after every output was freed")
             count = iter(range(1 << 30))
-            args, kwargs = _held_in((self.args, self.kwargs), lambda t: stand_in(next(count), t))
+            args, kwargs = map_tensors((self.args, self.kwargs), lambda t: stand_in(next(count), t))
             self.recipe = Recipe(self.func, args, kwargs, self.rng)
             self.args = self.kwargs = None  # the recipe holds the inputs now
         return self.recipe
@@ -197,6 +170,8 @@ class LayerRun:
             if known is not None and not known.storage.expired():
                 continue  # an op that returns an alias without saying so in its schema (`_unsafe_view`)
             made = Made(name, _torch_api.storage_ref(t), storage_bytes(t), _torch_api.version(t), i, inputs, call)
+            if call is not None:
+                call.outlived_by(t)
             made.seconds = seconds
             made.op, made.key, made.dtype = self.ops, ptr, t.dtype
             self.made[ptr] = made
