@@ -182,7 +182,8 @@ def optimize_memory(
             `"auto"` with `budget_mb` or `activation_budget`: the least recompute whose peak fits, chosen from the
             first step.
         level: 1 recomputes every layer whole (instead of plans).
-        budget_mb: with `"auto"`, the peak to fit under (MiB; on the CPU above the allocator's level now).
+        budget_mb: with `"auto"`, the peak to fit under (MiB of the device's tensors: CUDA's counter, or on the CPU
+            the process's tensor storages counted as CUDA counts them, weights included).
         activation_budget: with `"auto"`, instead: the share (0 to 1) of the layers' activations to keep.
         output_dir: with `"auto"`, where the solver writes `solver.json` (rank 0).
         reports_steps: the loop calls `step_done()` after each optimizer step (needed where several forwards make

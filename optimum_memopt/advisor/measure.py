@@ -7,9 +7,12 @@ stays with the process) and what isolates an out-of-memory trial.
 The child is told what to do by a flag, `--memory_measure_out PATH` (a `MemoptTrainingArguments`
 field): the trainer hook then adds `MeasureCallback`, which records on rank 0 the memory in use when
 training begins (model built, data ready), the peak during training and each step's duration, and
-writes them with the plan report to PATH as JSON. The peak is the one the memory phases use: CUDA's
-max allocated, or on CPU the allocator's bytes in use (mallinfo2; ORT's CPU arena off), with the
-resident peak beside it.
+writes them with the plan report to PATH as JSON. The peak is counted as `auto` counts its budget: CUDA's
+max allocated; on the CPU, on the modern stack (the torch backend, or none), the process's tensor
+storages counted after every op of the whole training (`backends.torch.measure.live`: the unit CUDA
+counts in, weights included); on the ORT stack, whose ORTModule allocates outside torch's tensors, the
+allocator's bytes in use above their level at training's start (mallinfo2; ORT's CPU arena off), with
+the resident peak beside it.
 """
 
 import json
@@ -41,13 +44,33 @@ class MeasureCallback(TrainerCallback):
         self.baseline = None
         self.times: List[float] = []
         self._t0 = None
+        self._counting = None  # the dispatch mode counting tensor storages through training (`_storages`)
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        self.meter = MemoryMeter(training_device(args, current_model(self.trainer, model)))
+        device = training_device(args, current_model(self.trainer, model))
+        self.meter = self._storages() if device == "cpu" else None
+        if self.meter is None:
+            self.meter = MemoryMeter(device)
         self.meter.reset_peak()
         self.baseline = self.meter.read()
+
+    def _storages(self):
+        """On the modern stack (the torch backend usable, ORT not the run's backend): a meter of the process's tensor
+        storages, counted after every op until training ends (`_counting`); else None."""
+        from ..backends.torch import torch_problem
+
+        backend = getattr(self.trainer, "memopt_backend", None)
+        if torch_problem() is not None or (backend is not None and backend.name == "ort"):
+            return None
+        from ..backends.torch.measure.live import LiveMeter, live_count
+
+        count = live_count()
+        count.seed()
+        self._counting = count.ops()
+        self._counting.__enter__()
+        return LiveMeter(count)
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.meter is not None:
@@ -80,15 +103,22 @@ class MeasureCallback(TrainerCallback):
             return
         r = self.meter.read()
         self.meter.close()
+        counting, self._counting = self._counting, None
+        if counting is not None:
+            from ..backends.torch._torch_api import dispatch_mode_on_top
+
+            if dispatch_mode_on_top(counting):
+                counting.__exit__(None, None, None)
         b = self.baseline
-        cuda = r.device == "cuda"
+        cuda = r.device == "cuda" or self.meter.allocator == "storages"  # tensors, from 0: weights included
         result = {
             "device": r.device,
             "allocator": self.meter.allocator,
             "baseline_mb": b.current_mb,
             "peak_mb": r.peak_mb,
-            # CUDA's allocated figure starts from the model and optimizer state, as users read it; on CPU the
-            # process's level before training (libraries, data) is taken off.
+            # CUDA's allocated figure (and the CPU's tensor storages) starts from the model and optimizer state, as
+            # users read it; with the CPU's allocator, the process's level before training (libraries, data) is
+            # taken off.
             "peak_above_baseline_mb": None
             if r.peak_mb is None
             else r.peak_mb - (0.0 if cuda else b.current_mb or 0.0),
@@ -114,7 +144,8 @@ class Measurement:
     flags: List[str]
     batch_size: int
     ok: bool
-    peak_mb: Optional[float] = None  # CUDA: max allocated; CPU: allocator in use, peak above the pre-training level
+    # CUDA: max allocated; CPU: tensor storages (modern stack), or allocator bytes above the pre-training level (ORT)
+    peak_mb: Optional[float] = None
     resident_peak_mb: Optional[float] = None  # CPU: resident peak above the pre-training level
     step_time_s: Optional[float] = None  # median over the steps after the warm-up
     samples_per_s: Optional[float] = None

@@ -64,7 +64,8 @@ class Advice:
             f"Device: {r.device}, batch size {r.batch_size}, {r.steps} steps per configuration (median step time "
             f"after {WARMUP_STEPS} warm-up steps).",
             "",
-            "Peak: CUDA max allocated, or on CPU the allocator's bytes in use (mallinfo2) above their level before "
+            "Peak: CUDA max allocated; on CPU the process's tensor storages (the modern stack: the unit CUDA counts "
+            "in, weights included), or with ORT the allocator's bytes in use (mallinfo2) above their level before "
             "training, with the resident peak beside it. Savings and extra time are against "
             f"{r.label} without recompute. "
             "The predicted saving is the backend's, for the first batch's shapes. An extra time at or below zero is "
