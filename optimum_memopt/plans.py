@@ -457,6 +457,7 @@ class PlanReport:
     notes: List[str] = field(default_factory=list)  # what else the backend wants the table's reader to know
     peak: str = ""  # where the first step peaked, in a few words ("" where the backend did not follow its memory)
     auto: str = ""  # `auto`'s budget as asked, where the first step ran to measure for it (its choice runs later)
+    auto_ran: str = ""  # the dry run's choice the first step ran under `auto` (`from_plan`), where it ran one
 
     @property
     def plans_on(self) -> List[FoundPlan]:

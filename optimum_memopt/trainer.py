@@ -265,6 +265,8 @@ class MemoptTrainerMixin(OrtTrainerParts):
             detail=self.memopt_log.detail if rank0 else (lambda text: None),
             report_dir=os.path.join(a.output_dir, "memory_auto") if rank0 else None,
             grad_bytes=grads,
+            grad_accum=a.gradient_accumulation_steps,
+            autocast="bfloat16" if a.bf16 else ("float16" if a.fp16 else None),
         )
 
     def _memopt_plan_summary(self) -> str:

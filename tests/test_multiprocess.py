@@ -160,6 +160,7 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     assert t0["losses"] == r0["losses"] and t1["losses"] == r1["losses"], (seen, t0["losses"], r0["losses"])
     assert t0["param_sum"] == r0["param_sum"], seen
     assert out.count(f"the solver chose `--memory_opt_config {t0['configs'][0]}` for all 2 processes") == 1
+    assert out.count("(rank 0); the rest in ") == 1  # where step one peaked: rank 0's step, said as such
     said = (tight / "memory_plans.txt").read_text()  # rank 0's: the figures behind the choice, in words
     assert said.count(f"on each of the 2 processes the solver chose `--memory_opt_config {t0['configs'][0]}`") == 1
 

@@ -121,6 +121,47 @@ def test_a_dry_run_counts_what_the_same_step_counts_for_real(case):
         assert all(_within(a[2], b[2]) and _within(a[1], b[1]) for a, b in zip(f, r)), (f, r)
 
 
+@pytest.mark.parametrize("plans, level", [("MatMul+Mul+silu+:1:-1,Loss+:1:-1@chunks2", 0), (None, 1)])
+def test_a_dry_runs_step_one_is_what_a_real_cpu_run_reads_with_no_count_of_its_own(plans, level):
+    """One unit by construction: a real training step on the CPU, run as a user runs it (no count entered around it:
+    the backend's own reading, the process's tensor storages, `measure.live`), marks the same step one as a dry run
+    of it on fake tensors: every segment's start and peak above the step's start within 1%. (The real process holds
+    other tensors too, as a GPU's counter would: compared above the step's start.)"""
+    import optimum_memopt
+    from optimum_memopt.backends.torch.measure.live import LIVE_HOW
+    from optimum_memopt.planning.dry_run import StepSpec, _build, _materialize, dry_run
+
+    spec = StepSpec(tiny(), batch=2, seq=128, optimizer="sgd")  # no optimizer state: the dry run primes it
+    fake = dry_run(spec, plans=plans, level=level).profile.memory
+
+    torch.manual_seed(0)
+    model = _build(spec)
+    _materialize(model, fakes=False)
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, plans, level=level, reports_steps=True, say=lambda text: None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=5e-5)
+    ids = torch.randint(0, spec.config.vocab_size, (spec.batch, spec.seq))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    handle.step_done()
+    real = handle.profile.memory
+    handle.remove()
+
+    assert real.how == LIVE_HOW and [s.name for s in real.segments] == [s.name for s in fake.segments]
+    for f, r in zip(fake.segments, real.segments):
+        assert _within(f.start_bytes - fake.start_bytes, r.start_bytes - real.start_bytes), (
+            f.name,
+            (f.start_bytes - fake.start_bytes) / 2**20,
+            (r.start_bytes - real.start_bytes) / 2**20,
+        )
+        assert _within(f.peak_bytes - fake.start_bytes, r.peak_bytes - real.start_bytes), (
+            f.name,
+            (f.peak_bytes - fake.start_bytes) / 2**20,
+            (r.peak_bytes - real.start_bytes) / 2**20,
+        )
+
+
 def test_op_plans_lower_a_dry_runs_peak_as_they_lower_a_real_ones():
     """A fake storage has no address: the engine told storages apart by it, so no op plan freed anything under a
     dry run. Now each is told by its identity."""

@@ -67,6 +67,8 @@ class Budget:
     detail: Callable[[str], None] = lambda text: None  # the figures behind a choice in words (`PlanLog.detail`)
     report_dir: Optional[str] = None  # where the solver's figures go (rank 0)
     grad_bytes: int = 0  # gradients held across micro-batches (gradient accumulation), 0 without
+    grad_accum: int = 1  # micro-batches a step (`--gradient_accumulation_steps`), for a dry run of the step
+    autocast: Optional[str] = None  # "bfloat16" / "float16" under `--bf16` / `--fp16`, for a dry run of the step
 
 
 @dataclass

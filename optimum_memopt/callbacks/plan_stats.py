@@ -63,7 +63,9 @@ def format_plan_table(report: PlanReport) -> str:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     dims = ", ".join(f"{k}={v}" for k, v in report.dims.items()) or "none"
-    if report.auto:  # the first step measured for `auto`, whose choice runs from the next step
+    if report.auto and report.auto_ran:  # the first step ran a dry run's choice for `auto`, and checks it
+        how = f"auto ({report.auto}), step one running a dry run's choice ({report.auto_ran}) to check it"
+    elif report.auto:  # the first step measured for `auto`, whose choice runs from the next step
         how = f"auto ({report.auto}), step one at level {report.level} to measure"
     elif report.level:  # the level's plans are every layer's; a plan beyond the layers (the head's) is named beside
         how = ", ".join([f"level {report.level}"] + [r for r in report.requested if r.startswith(f"{LOSS}:")])
@@ -118,8 +120,9 @@ class PlanStatsCallback(MetricsCallback):
         table = format_plan_table(report)
         log = self._log(args)
         log.detail(table)  # the file, and the log where INFO is shown
-        if not verbose():  # what runs, where step one peaked, and where the rest is
-            show(table.splitlines()[0] + "\n  " + "; ".join(filter(None, [report.peak, log.pointer()])))
+        if not verbose():  # what runs, where step one peaked (this rank's step: rank 0's), and where the rest is
+            peak = report.peak + (" (rank 0)" if report.peak and args.world_size > 1 else "")
+            show(table.splitlines()[0] + "\n  " + "; ".join(filter(None, [peak, log.pointer()])))
         for unmatched in report.unmatched:
             who = "ORT" if report.backend == "ort" else f"the {report.backend} backend"
             logger.warning("%s", unmatched.message(backend=who))

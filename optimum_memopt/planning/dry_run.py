@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 
@@ -246,6 +246,7 @@ class DryRun:
     auto: Optional[dict] = None  # `auto`'s choice and its check, where asked
     solver: Optional[dict] = None  # `auto`'s figures (solver.json's), where asked
     report: object = None  # the plan table's data (`PlanReport`), where the backend ran
+    fit: object = None  # `auto`'s first choice (`budget.Fit`), where asked
     problem: Optional[str] = None
     step_peaks: List[int] = field(default_factory=list)  # each step's highest count
     step_seconds: Optional[float] = None  # the last step on the cost device's roofline
@@ -333,6 +334,9 @@ def _materialize(model, fakes: bool = True, device: str = "cpu") -> None:
         for name, b in list(module._buffers.items()):
             if b is not None:
                 module._buffers[name] = fake(b)
+        for name, t in list(vars(module).items()):  # a tensor kept as a plain attribute (a rotary table's copy)
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                setattr(module, name, fake(t))
 
 
 def _optimizer(spec: StepSpec, params):
@@ -436,6 +440,16 @@ def _shard(model, layers, mesh, spec: StepSpec) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def _loss(out) -> torch.Tensor:
+    """The loss a model's training forward returned (with the labels given), as the Trainer takes it."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"the model's forward returned no loss ({type(out).__name__}); a dry run trains on its loss")
+    return loss
+
+
 def _tensors(value) -> List[torch.Tensor]:
     if hasattr(value, "to_tuple"):
         value = value.to_tuple()
@@ -452,6 +466,9 @@ def dry_run(
     cost_device=None,
     fake: bool = True,
     device: str = "cpu",
+    model=None,
+    batch: Optional[Callable[[], tuple]] = None,
+    optimizer_from: Optional[Callable] = None,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -460,7 +477,12 @@ def dry_run(
     ops' times the engine profiles (what the solver weighs recompute by) are `cost_device`'s roofline (a
     `devices.Device`; without one, `devices.DEFAULT_DEVICE`'s), and with `cost_device` the last step's ops are
     priced on it (`DryRun.step_seconds`). `fake` False runs the same step on real tensors on `device` under the
-    same count and clock (what the tests, and the GPU kit on CUDA, hold a dry run to)."""
+    same count and clock (what the tests, and the GPU kit on CUDA, hold a dry run to).
+
+    A training run's own step (`auto` starting from the plan: `backends.torch.decide.from_plan`) gives its `model` (on
+    the meta device, built in place of `spec.config`'s), its `batch` (called under the fake mode: one micro-batch's
+    positional and keyword arguments, fake copies of the real ones) and `optimizer_from` (the trained parameters to
+    an optimizer like the run's); the planner then chooses for this process alone, whatever process group is up."""
     import optimum_memopt
 
     began = time.perf_counter()
@@ -474,7 +496,7 @@ def dry_run(
     unpacked = _unpacked() if fake else contextlib.nullcontext()
     handle = None
     handles = []
-    model = _build(spec)
+    model = _build(spec) if model is None else model
     with _sharding(spec) as mesh, mode, unpacked, count:
         torch.manual_seed(0)
         _materialize(model, fake, device)
@@ -485,6 +507,8 @@ def dry_run(
             handle = optimum_memopt.optimize_memory(
                 model, plans, level=level, budget_mb=budget_mb, reports_steps=True, say=lambda text: None
             )
+            if batch is not None and handle.planner is not None:
+                handle.planner.alone = True  # a run's own step, in one of its processes: no collective
         from ..backends.torch.apply.layers import find_layers
 
         layers = handle.layers if handle is not None else find_layers(model)
@@ -492,11 +516,11 @@ def dry_run(
             _shard(model, layers, mesh, spec)
             count.from_here()
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = _optimizer(spec, params)
+        optimizer = optimizer_from(params) if optimizer_from is not None else _optimizer(spec, params)
         handles = _marks(model, layers, count)
         before = count.current
         _prime(optimizer, params, count)
-        vocab = spec.config.get_text_config().vocab_size
+        vocab = spec.config.get_text_config().vocab_size if batch is None else 0
         step_peaks = []
         try:
             for step in range(1, steps + 1):
@@ -505,11 +529,16 @@ def dry_run(
                 if step == steps and cost_device is not None:
                     count.ops = OpCosts()
                 for _ in range(spec.grad_accum):
-                    ids = torch.randint(0, vocab, (spec.batch, spec.seq), device=device)
+                    if batch is None:
+                        ids = torch.randint(0, vocab, (spec.batch, spec.seq), device=device)
+                        args, kwargs = (), {"input_ids": ids, "labels": ids}
+                        del ids
+                    else:
+                        args, kwargs = batch()
                     with _autocast(spec.autocast, device):
-                        loss = model(input_ids=ids, labels=ids).loss
+                        loss = _loss(model(*args, **kwargs))
                     (loss / spec.grad_accum).backward()
-                    del loss, ids
+                    del loss, args, kwargs
                 for p in params:  # FSDP2 stores a sharded gradient itself, past the parameters' hooks
                     count.move(p.grad, GRADIENTS)
                 count.phase, count.where = OPTIMIZER, "the optimizer step"
@@ -539,5 +568,6 @@ def dry_run(
         if plans == "auto":
             result.auto = handle.auto
             result.solver = handle.solver_figures()
+            result.fit = handle.planner.fits[0] if handle.planner.fits else None
         handle.remove()
     return result

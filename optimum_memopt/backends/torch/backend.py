@@ -197,6 +197,14 @@ class TorchBackend(Backend):
             policy = _one_plan_per_module(model, layers, policy, shared, settings)
         for note in policy.notes:
             logger.warning("%s", note)
+        twin, no_twin = None, None
+        if settings.budget is not None and settings.budget.budget_mb is not None:
+            from .decide.from_plan import twin_of
+
+            try:  # for `auto` to start from a dry run of step one (made before the backend's hooks are on the model)
+                twin = twin_of(model)
+            except Exception as e:  # said with the choice: step one then measures with every layer recomputed
+                no_twin = f"the model could not be copied onto the meta device for it ({type(e).__name__}: {e})"
         model = self.apply_policy(model, policy)
         state = getattr(model, STATE)
         lever, why_not = _loss_lever(model, settings, policy.loss)
@@ -219,7 +227,16 @@ class TorchBackend(Backend):
                 resets=settings.reset_peaks,
                 given_mb=b.budget_mb,
             )
+            state.planner.twin, state.planner.no_dry_run = twin, no_twin
+            state.planner.grad_accum, state.planner.autocast = b.grad_accum, b.autocast
         return model
+
+    def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:
+        """The trainer's optimizer, for `auto`'s dry run of step one to train with one like it (not DeepSpeed's)."""
+        if not deepspeed:
+            for state in list(self._mine):
+                state.optimizer = optimizer
+        return None
 
     def auto_choice(self, wrapped: nn.Module) -> Optional[dict]:
         planner = getattr(wrapped, STATE).planner
@@ -293,12 +310,21 @@ class TorchBackend(Backend):
                 "the loop does not say where its steps end (`optimize_memory(..., reports_steps=True)` and "
                 "`handle.step_done()` after each optimizer step)"
             )
-        if state.planner is not None and state.planner.stage in ("start", "measure"):
+        planner = state.planner
+        if planner is not None and planner.stage in ("start", "measure") and planner.planned is not None:
+            report.auto = planner.asked
+            report.auto_ran = planner.planned.config() or "nothing recomputed"
+            report.notes.append(
+                f"--memory_opt_config auto ({planner.asked}): this first step ran the choice of a dry run of it "
+                f"(`{report.auto_ran}`), measured to check it: kept where its own memory with what later steps hold "
+                f"more fits, else the solver chooses again from it at the next step (said then)"
+            )
+        elif planner is not None and planner.stage in ("start", "measure"):
             lever = state.levers.get("loss")
             head = " and the head's loss in chunks" if lever is not None and lever.chunking is not None else ""
-            report.auto = state.planner.asked
+            report.auto = planner.asked
             report.notes.append(
-                f"--memory_opt_config auto ({state.planner.asked}): this first step ran with every "
+                f"--memory_opt_config auto ({planner.asked}): this first step ran with every "
                 f"layer recomputed whole{head}, to measure; the solver's choice runs from the next step (said then)"
             )
         return report

@@ -39,6 +39,15 @@ OP_NAMES: Dict[str, Tuple[str, ...]] = {
     "ReduceMean": ("mean",),
     "ReduceSum": ("sum",),
     "Gather": ("embedding", "index_select", "gather"),
+    # scaled dot-product attention, whichever kernel runs it: a plan made where one runs (a dry run on the CPU's
+    # fake tensors) recomputes the one that runs where it is applied (flash, memory-efficient or cuDNN on CUDA)
+    "Attention": (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_fused_attention_overrideable",
+    ),
 }
 # ORT operators that only reshape or re-index: in PyTorch they are views, which create no storage, so a plan
 # part naming one adds nothing to recompute (`Reshape+Where+BiasSoftmax+` recomputes `where` and the softmax).

@@ -7,9 +7,10 @@ class Ranks:
     """The processes that choose together: the default process group where one with several processes is up, else
     this process alone. Every call is a collective: every rank makes it, at the same point of the same step."""
 
-    def __init__(self):
+    def __init__(self, alone: bool = False):
         self._dist = dist
-        self.size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        # `alone`: this process for itself (a dry run of its own step, inside a launch of several: `from_plan`)
+        self.size = dist.get_world_size() if not alone and dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.size > 1 else 0
         # a dry run's fake process group (`planning.dry_run`): one process runs rank 0's step for all of them, and
         # every rank's figures are its own (its collectives move nothing: an object sent through one is lost)

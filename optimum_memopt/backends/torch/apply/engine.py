@@ -45,6 +45,7 @@ class RecomputeState:
         self.levers: dict = {}  # the levers beyond the layers running on this model, by name (`levers/`): held here
         self.lever_problems: dict = {}  # why a lever could not run or measure, by name (said in the table's notes)
         self._levers_measured = False
+        self.optimizer = None  # the trainer's, where it says (`TorchBackend.on_optimizer_ready`): `auto`'s dry run
 
     @property
     def originals(self):
@@ -53,13 +54,19 @@ class RecomputeState:
     def install(self) -> None:
         self._forwards.install(lambda i: partial(self.layer_forward, i))
         if self._model is not None:
-            self._readings = StepReadings(self._model, self.measuring)
+            self._readings = StepReadings(self._model, self.measuring, self._before_training_forward)
 
     def uninstall(self) -> None:
         self._forwards.uninstall()
         if self._readings is not None:
             self._readings.remove()
             self._readings = None
+
+    def _before_training_forward(self, args, kwargs) -> None:
+        """Before a training forward of the model runs (and before it is counted): the run's first is where `auto`
+        may start from a dry run of it (`planner.before_step_one`)."""
+        if self.planner is not None and self.planner.stage == "start" and self.profile is None:
+            self.planner.before_step_one(self, args, kwargs)
 
     def measuring(self) -> bool:
         """Whether the training step about to start may have its memory measured: step one (profiled and watched),
@@ -195,7 +202,7 @@ def _mark_backward(watch: StepWatch, index: int, out) -> None:
         return
 
     def reached(grad):
-        watch.layer_backward(index)
+        watch.layer_backward(index, grad)
         if index == 0:
             _torch_api.at_backward_end(watch.backward_done)
         return grad

@@ -8,6 +8,7 @@ for ops the policy recomputes, the call to turn into a recipe. While step one is
 import time
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Callable, Dict, FrozenSet, List, Optional
 
 import torch
@@ -48,7 +49,7 @@ class Call:
     """An op call the policy recomputes: one recipe for all of its outputs (dropout's output and mask), built when
     autograd first keeps one of them, or when a planned op made from them needs it (a chain)."""
 
-    __slots__ = ("func", "args", "kwargs", "rng", "recipe", "outputs", "refs")
+    __slots__ = ("func", "args", "kwargs", "rng", "recipe", "outputs", "refs", "__weakref__")
 
     def __init__(self, func, args, kwargs, rng):
         self.func, self.args, self.kwargs, self.rng = func, args, kwargs, rng
@@ -62,16 +63,11 @@ class Call:
         added), nothing can ask for one, and inputs held here alone (that branch's output) would otherwise live to
         the layer's end: 16 MiB above what the step holds plainly, in a layer of README's main job. A planned op
         reading the output holds it, and so this call's inputs, for a chain."""
-        try:
-            self.refs.append(weakref.ref(t.untyped_storage(), self._output_freed))
+        try:  # the callback holds the call weakly: a cycle through it would keep the call (its inputs) to a collection
+            self.refs.append(weakref.ref(t.untyped_storage(), partial(_output_freed, weakref.ref(self))))
         except Exception:  # no storage of its own (a tensor subclass): the inputs are held to the layer's end
             return
         self.outputs += 1
-
-    def _output_freed(self, _ref) -> None:
-        self.outputs -= 1
-        if self.outputs == 0 and self.recipe is None:
-            self.args = self.kwargs = None
 
     def to_recipe(self, stand_in: Callable[[int, torch.Tensor], object]) -> Recipe:
         """The recipe, its k-th tensor input replaced by `stand_in(k, tensor)` (the tensor itself where autograd
@@ -84,6 +80,15 @@ class Call:
             self.recipe = Recipe(self.func, args, kwargs, self.rng)
             self.args = self.kwargs = None  # the recipe holds the inputs now
         return self.recipe
+
+
+def _output_freed(call_ref, _storage_ref) -> None:
+    call = call_ref()
+    if call is None:
+        return
+    call.outputs -= 1
+    if call.outputs == 0 and call.recipe is None:
+        call.args = call.kwargs = None
 
 
 @dataclass

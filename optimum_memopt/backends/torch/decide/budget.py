@@ -190,6 +190,7 @@ class Fit:
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
     head: HeadChoice = AS_MEASURED  # how the head and loss run with the choice
+    source: str = ""  # where the choice comes from, if not the solver's for this step (`planner._confirmed`)
 
     @property
     def recompute_seconds(self) -> float:
@@ -223,6 +224,7 @@ class Fit:
             "floor_in": self.floor.where,
             "measured_step_one_mb": self.measured.peak_mb,
             "why_not": self.why_not or None,
+            "source": self.source or "the solver, from step one",
         }
 
     def config(self) -> str:

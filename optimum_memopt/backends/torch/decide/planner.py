@@ -22,6 +22,7 @@ process trains under one policy and stops with the same message when nothing fit
 import json
 import logging
 import os
+from dataclasses import replace
 from typing import Callable, List, Optional
 
 from ....callbacks.base import atomic_write
@@ -30,7 +31,7 @@ from ..measure.live import meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
-from .budget import Fit, as_kept, fit, fit_share, freed_bytes, head_choices, merged
+from .budget import Fit, as_kept, fit, fit_share, freed_bytes, head_choices, merged, predict, segment_peaks
 from .solver import candidates
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,15 @@ class BudgetPlanner:
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
         self.ranks: Optional[Ranks] = None  # from step one's start, where any process group is up
+        self.alone = False  # True: choose for this process alone whatever group is up (a dry run of a run's own step)
+        # starting from the plan (`from_plan`): the model's twin on the meta device (or why there is none), the step's
+        # micro-batches and autocast, and the dry run's choice once made (step one runs it)
+        self.twin = None
+        self.no_dry_run: Optional[str] = None
+        self.grad_accum = 1
+        self.autocast: Optional[str] = None
+        self.planned: Optional[Fit] = None
+        self._why_replanned = ""  # why step one did not confirm the dry run's choice (said with the solver's)
         self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
         self.device: Optional[str] = None  # the layers' device, from step one
 
@@ -95,7 +105,7 @@ class BudgetPlanner:
                 f"`--memory_opt_config auto` reads memory on {' and '.join(READABLE_DEVICES)}, and this run's layers "
                 f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
             )
-        self.ranks = Ranks()
+        self.ranks = Ranks(alone=self.alone)
         self.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`): one unit
         self.device = device
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
@@ -115,13 +125,53 @@ class BudgetPlanner:
         elif self.stage == "verify":
             self._verify(state)
 
+    def before_step_one(self, state, args, kwargs) -> None:
+        """At the first training forward, before any of it runs: the choice from a dry run of this step, which step one
+        then runs (`from_plan`); where there is none, why, in the plan's file, and step one measures with every layer
+        recomputed whole. Once; every rank takes rank 0's choice."""
+        twin, self.twin = self.twin, None
+        why = self.no_dry_run
+        if why is None and self.budget_bytes is None:
+            return
+        if why is None and twin is None:
+            return
+        if why is None and getattr(state, "optimizer", None) is None:
+            why = "the run's optimizer is not known here (a loop of one's own, or DeepSpeed's)"
+        fit, dry = None, None
+        if why is None:
+            from .from_plan import dry_run_choice
+
+            try:
+                dry = dry_run_choice(
+                    twin, args, kwargs, state.optimizer, self.budget_mb, self.grad_accum, self.autocast
+                )
+                fit = dry.fit
+                if fit is None or fit.choice is None:
+                    why = f"nothing fits {self.asked} in the dry run{': ' + fit.why_not if fit is not None else ''}"
+            except Exception as e:  # the dry run's own failure costs the run nothing but the step
+                why = f"the dry run of step one failed ({type(e).__name__}: {e})"
+        ranks = Ranks(alone=self.alone)
+        fit, why = ranks.from_rank0((fit if why is None else None, why))
+        if fit is None:
+            self.detail(f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}")
+            return
+        self.planned = fit
+        self._run(state, fit)
+        config = f"`--memory_opt_config {fit.config()}`" if fit.config() else "to recompute nothing"
+        took = f" in {dry.seconds:,.1f} s" if dry is not None else ""
+        self.say(
+            f"memory_opt_config auto: a dry run of step one{took} chose {config}, under the budget of "
+            f"{self.budget_mb:,.1f} MiB: predicted peak {fit.predicted.peak_mb:,.1f} MiB ({fit.predicted.where}); "
+            f"step one runs it and is measured to check it"
+        )
+
     def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
         if self.solved is None:
             self._gather(state)
         result = None
         if self.ranks.rank == 0:
             try:
-                result = self._fit(state, budget_bytes)
+                result = self._confirmed(budget_bytes) or self._fit(state, budget_bytes)
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.ranks.from_rank0(result)
@@ -145,6 +195,28 @@ class BudgetPlanner:
             self.meter.reset_peak()
         self._start = self._current()
         self.stage = "verify"
+
+    def _confirmed(self, budget_bytes: Optional[int]) -> Optional[Fit]:
+        """The dry run's choice, which step one ran, kept where step one's own memory with what later steps hold more
+        fits the budget (`source` says so); else None, and the solver chooses from step one as after a step measured
+        with every layer recomputed (a profile measured under another policy than the floor predicts a layer's own
+        segments less surely: `budget.predict_range`, so the choice it ran is kept where it can be)."""
+        planned = self.planned
+        if planned is None or self.fits or budget_bytes is not None or self.budget_bytes is None:
+            return None
+        mine = self.measured_freed
+        real = predict(self.solved, mine, mine)
+        if real.peak_bytes > self.budget_bytes:
+            self._why_replanned = (
+                f"step one, running the dry run's choice, reads {real.peak_mb:,.1f} MiB ({real.where}) with what "
+                f"later steps hold more, over the budget: the solver chose again from it"
+            )
+            return None
+        source = "the dry run's choice, which step one ran and confirms"
+        return replace(
+            planned, budget_bytes=self.budget_bytes, measured=real, predicted=real, source=source,
+            segments=segment_peaks(self.solved, mine, mine),
+        )  # fmt: skip
 
     @staticmethod
     def _run(state, result: Fit) -> None:
@@ -194,14 +266,19 @@ class BudgetPlanner:
         config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
         shape = "x".join(map(str, state.profile.shape)) or "?"
         ranks = self.ranks.size
+        if self.planned is not None:
+            ran = f"the dry run's choice, `--memory_opt_config {self.planned.config()}`"
+        else:
+            ran = f"every layer recomputed whole{self._head_chunked}"
+        chose = "the choice kept is" if result.source else "the solver chose"
         return (
-            f"memory_opt_config auto{again}: step one (every layer recomputed whole{self._head_chunked}, first input "
+            f"memory_opt_config auto{again}: step one ({ran}, first input "
             f"{shape}) peaked at "
             f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
             f"({self.memory.peak.name}); later steps hold {self.extra / MIB:+,.1f} MiB more "
             f"(made in step one and kept: the optimizer's state, buffers the math libraries and engines made once"
             f"{'; gradients across micro-batches' if self.grad_bytes else ''}). "
-            f"{self._under(result)}{f' on each of the {ranks} processes' if ranks > 1 else ''} the solver chose "
+            f"{self._under(result)}{f' on each of the {ranks} processes' if ranks > 1 else ''} {chose} "
             f"{config}{' for all of them' if ranks > 1 else ''}: predicted peak "
             f"{result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
             f"{result.freed / MIB:,.1f} MiB freed, {result.recompute_seconds * 1000:,.1f} ms of recompute per step "
@@ -223,10 +300,17 @@ class BudgetPlanner:
             against = f"under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
         else:
             against = f"under the budget of {self.budget_mb:,.1f} MiB"
+        if result.source:  # the dry run's choice, which step one ran: its own figure with what later steps hold
+            return (
+                f"memory_opt_config auto: step one ran the dry run's choice{everyone} and keeps it, {against}: "
+                f"predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}) from step one's own "
+                f"memory and what later steps hold more"
+            )
+        why = f" ({self._why_replanned})" if self._why_replanned and len(self.fits) == 1 else ""
         return (
             f"memory_opt_config auto{again}: the solver chose {config}{everyone}"
             f", {against}: predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
-            f"{result.recompute_seconds * 1000:,.1f} ms of recompute per step"
+            f"{result.recompute_seconds * 1000:,.1f} ms of recompute per step{why}"
         )
 
     def _under(self, result: Fit) -> str:

@@ -122,6 +122,11 @@ class LiveMeter:
         count = self.count
         return MemoryReading(self.device, count.current / MIB, max(self.folded, count.peak, count.current) / MIB)
 
+    def see(self, t: torch.Tensor) -> None:
+        """Count `t` now, if it is not counted yet (a tensor made where no op was counted)."""
+        self.count.see(t)
+        self.count.peak = max(self.count.peak, self.count.current)
+
     def reset_peak(self) -> None:
         count = self.count
         for other in list(count.meters):

@@ -106,8 +106,13 @@ class StepWatch:
             self._mark(HEAD_SEGMENT, self.layers)
             self._stage = "head"
 
-    def layer_backward(self, index: int) -> None:
+    def layer_backward(self, index: int, grad: Optional[torch.Tensor] = None) -> None:
+        """Layer `index`'s backward starts; `grad`, the gradient reaching its output, is counted first where the meter
+        counts storages: autograd's engine sums the gradients of a tensor several ops read (a residual's) outside
+        any node, where the CPU's count of a real step does not see it made (`live`)."""
         expected = self.layers - 1 if self._stage == "head" else self._last - 1
+        if grad is not None and hasattr(self.meter, "see"):
+            self.meter.see(grad)
         if self._stage in ("head", "backward") and index == expected:
             self._mark(f"layer {index} backward", index, index)
             self._stage, self._last = "backward", index
@@ -180,8 +185,9 @@ class StepReadings:
     code's own flow; the optimizer's, by torch's optimizer step hooks (every optimizer of the process: the trainer's
     is not known here), in a step whose forward was counted."""
 
-    def __init__(self, model: nn.Module, wanted: Callable[[], bool]):
+    def __init__(self, model: nn.Module, wanted: Callable[[], bool], before: Optional[Callable] = None):
         self.wanted = wanted
+        self.before = before  # called with a training forward's arguments before it runs (not nested), uncounted
         self.count: Optional[LiveCount] = None  # from the first forward counted
         self._mode: Optional[CountOps] = None
         self._stale: Optional[CountOps] = None  # ours, left under a mode entered in the forward and not left
@@ -208,6 +214,8 @@ class StepReadings:
         if self._mode is not None:
             self._depth += 1
             return None
+        if self.before is not None and module.training and torch.is_grad_enabled():
+            self.before(args, kwargs)
         if not (module.training and torch.is_grad_enabled() and self.wanted()) or counting() is not None:
             return None  # not measured, or a dry run's count reads after every op already
         first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)

@@ -1,0 +1,103 @@
+"""`auto` starting from the plan: the run's first step already runs the choice made from a dry run of that very step.
+
+Without it, `auto` spends step one measuring with every layer recomputed whole (the least memory any policy needs)
+and runs its choice from step two. With it: when the model is wrapped, a twin of it is made on the meta device
+(`twin_of`: its modules and their parameters' shapes, nothing allocated); at the first training forward, before any
+of it runs, the twin trains that step on fake tensors (`planning.dry_run`: the batch's shapes and the run's
+optimizer, gradient accumulation and autocast, every storage counted as CUDA counts it, which is also how the CPU
+counts a real step: `measure.live`), and `auto`'s solver chooses from the dry run's step one. The real step one runs
+that choice, measured; at step two's start the solver chooses again from the real step (`planner`), which is where a
+dry run and the device differ, and the check after it is today's.
+
+Where no dry run can be made (a model whose parameters are sharded or offloaded, an optimizer that is not torch's, a
+forward that reads its inputs' values, anything the fake mode refuses), the reason is written to the plan's file and
+step one measures with every layer recomputed whole, as before: nothing is lost but the step.
+"""
+
+import copy
+import inspect
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .. import _torch_api
+from ..nested import map_tensors
+
+_HOOKS = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+
+
+def twin_of(model: nn.Module) -> nn.Module:
+    """A copy of `model` that holds nothing: every parameter and buffer (and tensor attribute) a meta tensor of its
+    shape, strides, dtype and `requires_grad` (tied ones stay tied), with no hook and no forward set on an instance
+    (accelerate's autocast wrapper of `model.forward`, kept as it is, would run the original model's forward).
+    ValueError where the model's parameters are not plain tensors (a DTensor: sharded) or not all in memory."""
+    memo = {}
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if _torch_api.wrapped_tensors(t) is not None or _torch_api.is_fake(t) or t.is_sparse:
+            raise ValueError(f"a {type(t).__name__} parameter or buffer (sharded, or not a plain tensor)")
+        if t.device.type == "meta":
+            raise ValueError("a parameter on the meta device (offloaded, or not loaded yet)")
+        made = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+        return nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else made
+
+    for module in model.modules():
+        tensors = list(module._parameters.values()) + list(module._buffers.values())
+        tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+        for t in tensors:
+            if t is not None and id(t) not in memo:
+                memo[id(t)] = meta(t)
+    twin = copy.deepcopy(model, memo)
+    for module in twin.modules():
+        vars(module).pop("forward", None)
+        for name in _HOOKS:
+            hooks = getattr(module, name, None)
+            if hooks is not None:
+                hooks.clear()
+    return twin
+
+
+def optimizer_like(optimizer):
+    """A maker of an optimizer like `optimizer` (accelerate's wrapper or torch's) for other parameters: its class with
+    the defaults its constructor takes. ValueError where it is not one of torch's."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise ValueError(f"the optimizer is a {type(inner).__name__}, not one of torch's")
+    kind = type(inner)
+    takes = inspect.signature(kind.__init__).parameters
+    # the defaults it takes (AdamW's hold `decoupled_weight_decay`, which AdamW sets itself and does not take)
+    defaults = {k: v for k, v in inner.defaults.items() if k in takes}
+    return lambda params: kind(params, **defaults)
+
+
+def dry_run_choice(
+    twin: nn.Module, args, kwargs, optimizer, budget_mb: float, grad_accum: int, autocast: Optional[str]
+):
+    """`auto`'s choice from a dry run of the step about to run: `twin` (`twin_of` the model) trained on fake copies of
+    this forward's arguments (their shapes, strides and dtypes: a fake tensor has no values), with `optimizer`'s like,
+    `grad_accum` micro-batches a step and autocast to `autocast` ("bfloat16") or none. The process's random generators
+    are given back as they were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits)."""
+    from ....planning.dry_run import StepSpec, dry_run
+
+    making = optimizer_like(optimizer)
+
+    def batch():
+        def fake(t: torch.Tensor) -> torch.Tensor:
+            made = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
+            return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
+
+        return map_tensors((tuple(args), dict(kwargs)), fake)
+
+    spec = StepSpec(getattr(twin, "config", None), grad_accum=grad_accum, autocast=autocast)
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        return dry_run(spec, plans="auto", budget_mb=budget_mb, model=twin, batch=batch, optimizer_from=making)
