@@ -31,7 +31,10 @@ from .trainer_args import MemoptTrainingArguments
 logger = logging.getLogger(__name__)
 
 
-IN_PROCESS = "step one with every layer recomputed whole, then the budget solver's choice from its measurements"
+IN_PROCESS = (
+    "the budget solver's choice from a dry run of step one, checked by step one (where no dry run can be made, step "
+    "one measures with every layer recomputed whole and the choice runs from step two)"
+)
 
 
 class _StepDone(TrainerCallback):
@@ -267,6 +270,7 @@ class MemoptTrainerMixin(OrtTrainerParts):
             grad_bytes=grads,
             grad_accum=a.gradient_accumulation_steps,
             autocast="bfloat16" if a.bf16 else ("float16" if a.fp16 else None),
+            dry_run=a.memory_auto_dry_run,
         )
 
     def _memopt_plan_summary(self) -> str:

@@ -141,6 +141,7 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     r0, r1 = reports(roomy, 2)
     assert r0["wrapped"] == r1["wrapped"] == "DistributedDataParallel"
     assert r0["configs"] == r1["configs"] == [""]
+    assert r0["planned"] == r1["planned"] == ""  # step one ran rank 0's dry run's choice on both ranks, and kept it
     eager = r0["verified"][0]["measured_peak_mb"]
     assert eager == max(r0["verified"][0]["measured_peak_mb_by_rank"])
     # halfway from the floor to eager's peak (a run's floor once read 60.6 MiB against a budget of 57.7 set from
@@ -148,7 +149,9 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     budget = round((eager + r0["floor_mb"]) / 2, 1)
 
     tight = tmp_path / "tight"
-    res = launch(f"auto:{budget}", tight)
+    res = launch(
+        f"auto-measure:{budget}", tight
+    )  # step one measured with every layer recomputed, as without a dry run
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
     t0, t1 = reports(tight, 2)
     seen = (budget, t0["configs"], t0["verified"])  # said with any failure below

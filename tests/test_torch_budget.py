@@ -431,8 +431,12 @@ def train_decoder(tmp_path, name, steps=4, **memory):
     return trainer
 
 
-def train_auto(tmp_path, budget_mb, name):
-    trainer = train_decoder(tmp_path, name, memory_opt_config="auto", memory_budget_mb=budget_mb)
+def train_auto(tmp_path, budget_mb, name, dry_run=False):
+    """`auto` through the Trainer; `dry_run` False: step one measures with every layer recomputed whole (the path
+    taken wherever no dry run of step one can be made), True: it runs a dry run's choice (`from_plan`)."""
+    trainer = train_decoder(
+        tmp_path, name, memory_opt_config="auto", memory_budget_mb=budget_mb, memory_auto_dry_run=dry_run
+    )
     planner = trainer.memopt_handle.planner
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     return trainer, planner, losses
@@ -487,6 +491,38 @@ def _auto_meets_the_budget(tmp: str) -> None:
         f"the solver chose `--memory_opt_config {planner.fits[0].config()}`, under the budget of {budget:,.1f} MiB"
         in text
     )
+
+
+def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys):
+    """Through the Trainer, `auto` chooses before step one from a dry run of that step on fake tensors (the model's twin
+    on the meta device, the first batch's shapes, the run's optimizer), and step one runs the choice: no step spent
+    with every layer recomputed. The real step one checks it (kept where its own memory with what later steps hold
+    more fits, else the solver chooses again from it), every check after is within the budget, and the losses are
+    those of the run without recompute. The dry run counts as the CPU counts a real step (tensor storages): the
+    choice it predicts to fit is within a few percent of what the step holds."""
+    train_decoder(tmp_path, "warm-up", steps=1)
+    _, roomy, plain_losses = train_auto(tmp_path, 10**6, "roomy", dry_run=True)
+    assert roomy.planned is not None and roomy.planned.config() == "" and roomy.fits[0].source
+    eager, floor = roomy.verified[0]["measured_peak_mb"], roomy.planned.floor.peak_mb
+    assert floor < eager
+    budget = round((eager + floor) / 2, 1)
+    capsys.readouterr()
+    trainer, planner, losses = train_auto(tmp_path, budget, "tight", dry_run=True)
+    out = capsys.readouterr().out
+    planned = planner.planned
+    assert planned is not None and planned.choice and planned.predicted.peak_mb <= budget
+    assert "a dry run of step one in " in out and f"chose `--memory_opt_config {planned.config()}`" in out
+    assert not all(c.whole for c in planned.choice)  # step one ran it (the table's note below), not every layer whole
+    for check in planner.verified:
+        assert check["measured_peak_mb"] <= budget, (budget, planner.verified)
+    first = planner.fits[0]
+    if first.source:  # kept: predicted from step one's own memory, so the check reads it to the block
+        assert first.config() == planned.config() and "step one ran the dry run's choice and keeps it" in out
+        assert abs(planner.verified[0]["measured_peak_mb"] - first.predicted.peak_mb) <= 0.01 * budget
+    assert losses == plain_losses
+    with open(tmp_path / "tight" / "memory_plans.json") as f:
+        notes = " ".join(json.load(f)["notes"])
+    assert f"this first step ran the choice of a dry run of it (`{planned.config()}`)" in notes
 
 
 @pytest.mark.slow

@@ -495,7 +495,15 @@ def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
     budget forces is the solver's, tested against brute force in tests/test_torch_budget.py: the ways measured within
     step one's room peak under its floor here.)"""
     wide_run(tmp_path, "warm-up")
-    roomy = wide_run(tmp_path, "roomy", steps=5, memory_opt_config="auto", memory_budget_mb=10**6, optim="sgd")
+    roomy = wide_run(
+        tmp_path,
+        "roomy",
+        steps=5,
+        memory_opt_config="auto",
+        memory_auto_dry_run=False,
+        memory_budget_mb=10**6,
+        optim="sgd",
+    )
     planner = roomy.memopt_handle.planner
     head = roomy.memopt_handle.profile.head
     assert head.ran == "Loss+:1:-1"  # step one: the least memory, the head chunked too
@@ -504,7 +512,15 @@ def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
     assert floor < peak
     budget = round(floor + 0.5 * (peak - floor), 1)
     capsys.readouterr()
-    tight = wide_run(tmp_path, "tight", steps=5, memory_opt_config="auto", memory_budget_mb=budget, optim="sgd")
+    tight = wide_run(
+        tmp_path,
+        "tight",
+        steps=5,
+        memory_opt_config="auto",
+        memory_auto_dry_run=False,
+        memory_budget_mb=budget,
+        optim="sgd",
+    )
     planner = tight.memopt_handle.planner
     final = planner.fits[-1]
     assert final.head.plan in {h.plan for h in planner.heads} and final.config().endswith(final.head.plan)

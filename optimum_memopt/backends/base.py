@@ -69,6 +69,7 @@ class Budget:
     grad_bytes: int = 0  # gradients held across micro-batches (gradient accumulation), 0 without
     grad_accum: int = 1  # micro-batches a step (`--gradient_accumulation_steps`), for a dry run of the step
     autocast: Optional[str] = None  # "bfloat16" / "float16" under `--bf16` / `--fp16`, for a dry run of the step
+    dry_run: bool = False  # choose before step one from a dry run of it (`--memory_auto_dry_run`)
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
 
 MODE: ddp | zero1 | zero2 | fsdp (`--fsdp full_shard`, which trains as DDP on the CPU) | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
-auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend) | auto-zero2:MIB (the same under ZeRO-2) | decoder:PLANS
+auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend; step one runs a dry run's choice) | auto-measure:MIB (the
+same, step one measuring with every layer recomputed whole) | auto-zero2:MIB (under ZeRO-2) | decoder:PLANS
 (the tiny decoder under DDP with `--memory_opt_config PLANS`, or without the plugin's backend for `none`). BACKEND
 (optional): ort | torch.
 Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
@@ -35,9 +36,12 @@ class SequentialTrainer(LossRecordingTrainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
-def auto(budget_mb: str, out: str, rank: int, zero: str = "") -> None:
-    """Rank 0 chooses from both ranks' step one; both train its choice (under DDP, or DeepSpeed with `zero`)."""
+def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
+    """Rank 0 chooses from both ranks' step one (or its dry run of it); both train its choice (under DDP, or DeepSpeed
+    with `how` a ZeRO stage: `zero2`; `measure`: no dry run)."""
+    zero = how if how.startswith("zero") else ""
     deepspeed = ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{zero}.json")] if zero else []
+    deepspeed += ["--memory_auto_dry_run", "false"] if how == "measure" else []
     args = make_args(
         out, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--ddp_backend", "gloo",
         "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb",
@@ -54,6 +58,7 @@ def auto(budget_mb: str, out: str, rank: int, zero: str = "") -> None:
         "wrapped": type(trainer.model_wrapped).__name__,
         "losses": trainer.losses,
         "param_sum": float(params.sum()),
+        "planned": planner.planned.config() if planner.planned is not None else None,
         "configs": [f.config() for f in planner.fits],
         "predicted_mb": [f.predicted.peak_mb for f in planner.fits],
         "floor_mb": planner.fits[0].floor.peak_mb,

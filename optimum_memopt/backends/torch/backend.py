@@ -198,7 +198,7 @@ class TorchBackend(Backend):
         for note in policy.notes:
             logger.warning("%s", note)
         twin, no_twin = None, None
-        if settings.budget is not None and settings.budget.budget_mb is not None:
+        if settings.budget is not None and settings.budget.budget_mb is not None and settings.budget.dry_run:
             from .decide.from_plan import twin_of
 
             try:  # for `auto` to start from a dry run of step one (made before the backend's hooks are on the model)

@@ -12,7 +12,9 @@ counts a dry run's: one unit on the CPU, on CUDA and in a dry run.
 How: the count starts from every tensor the process holds (`seed`: the garbage collector's objects, each tensor's
 gradient among them), at the first forward the backend measures; from then on a dispatch mode (`LiveCount.ops`)
 counts each op's outputs and first-used inputs (a tensor made where the count was not on is counted at its first use
-under it), in the model's forward, in every node of its backward (`watch.StepReadings`), in the optimizer's step
+under it), in the model's forward, in every node of its backward (`watch.StepReadings`; a gradient autograd's engine
+sums outside any node, a residual's, is counted at the next layer's backward mark or at its first use), in the
+optimizer's step
 (torch's optimizer step hooks) and in the work the levers measure aside. Every storage counted is given back the
 moment it is freed, counted or not. Not seen: what runs outside those (a loss computed outside the model and its
 backward, a tensor made and freed between steps), what one op holds inside itself (as on CUDA) and the storages only
@@ -32,6 +34,11 @@ import torch
 from ....memory import MIB, MemoryMeter, MemoryReading
 from .. import _torch_api
 from .storages import StorageCount, counting, follow_resizes
+
+try:  # private: `torch._subclasses.fake_tensor.FakeTensor`; without it, no fake tensor is made here either
+    from torch._subclasses.fake_tensor import FakeTensor as _FAKE
+except ImportError:  # pragma: no cover
+    _FAKE = None
 
 LIVE_HOW = (
     "the process's tensor storages counted after every op of the model's forward, its backward and the optimizer's "
@@ -71,6 +78,13 @@ class LiveCount(StorageCount):
 
     def __enter__(self):
         raise TypeError("a live count is not entered: its ops are counted under `ops()`")
+
+    def see(self, t: torch.Tensor) -> None:
+        """As `StorageCount.see`, but a fake tensor (a dry run's, made under a count of its own while this one's ops
+        are on below it: `auto` starting from the plan inside a counted run) holds no memory of the process."""
+        if _FAKE is not None and isinstance(t, _FAKE):
+            return
+        super().see(t)
 
     def ops(self) -> CountOps:
         return CountOps(self)
