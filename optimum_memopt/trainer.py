@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 IN_PROCESS = (
-    "the budget solver's choice from a dry run of step one, checked by step one (where no dry run can be made, step "
-    "one measures with every layer recomputed whole and the choice runs from step two)"
+    "the budget solver's choice: from a dry run of step one, checked by step one (`--memory_auto_dry_run true`), or "
+    "from step one measured with every layer recomputed whole, running from step two"
 )
 
 
