@@ -41,7 +41,7 @@ def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
     with `how` a ZeRO stage: `zero2`; `measure`: no dry run)."""
     zero = how if how.startswith("zero") else ""
     deepspeed = ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{zero}.json")] if zero else []
-    deepspeed += ["--memory_auto_dry_run", "false"] if how == "measure" else []
+    deepspeed += ["--memory_auto_dry_run", "false" if how == "measure" else "true"]
     args = make_args(
         out, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--ddp_backend", "gloo",
         "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb",
