@@ -50,13 +50,13 @@ class MeasureCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         device = training_device(args, current_model(self.trainer, model))
-        self.meter = self._storages() if device == "cpu" else None
+        self.meter = self._storages(current_model(self.trainer, model)) if device == "cpu" else None
         if self.meter is None:
             self.meter = MemoryMeter(device)
         self.meter.reset_peak()
         self.baseline = self.meter.read()
 
-    def _storages(self):
+    def _storages(self, model):
         """On the modern stack (the torch backend usable, ORT not the run's backend): a meter of the process's tensor
         storages, counted after every op until training ends (`_counting`); else None."""
         from ..backends.torch import torch_problem
@@ -67,7 +67,7 @@ class MeasureCallback(TrainerCallback):
         from ..backends.torch.measure.live import LiveMeter, live_count
 
         count = live_count()
-        count.seed()
+        count.seed(list(model.parameters()) + list(model.buffers()) if model is not None else [])
         self._counting = count.ops()
         self._counting.__enter__()
         return LiveMeter(count)

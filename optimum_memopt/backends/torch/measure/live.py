@@ -9,8 +9,8 @@ and what step one made once and kept (MKL's buffers) was counted twice by the bu
 and in what later steps hold more). `LiveCount` counts the process's tensor storages instead, as `StorageCount`
 counts a dry run's: one unit on the CPU, on CUDA and in a dry run.
 
-How: the count starts from every tensor the process holds (`seed`: the garbage collector's objects, each tensor's
-gradient among them), at the first forward the backend measures; from then on a dispatch mode (`LiveCount.ops`)
+How: the count starts from the model's tensors (`seed`: its parameters and buffers, each one's gradient among them),
+at the first forward the backend measures; from then on a dispatch mode (`LiveCount.ops`)
 counts each op's outputs and first-used inputs (a tensor made where the count was not on is counted at its first use
 under it), in the model's forward, in every node of its backward (`watch.StepReadings`; a gradient autograd's engine
 sums outside any node, a residual's, is counted at the next layer's backward mark or at its first use), in the
@@ -25,7 +25,6 @@ One count a process (`live_count`), as CUDA has one counter; each reader (the st
 through a meter of its own (`LiveMeter`), with a peak of its own that another's reset does not cut short.
 """
 
-import gc
 import weakref
 from typing import Optional
 
@@ -89,16 +88,14 @@ class LiveCount(StorageCount):
     def ops(self) -> CountOps:
         return CountOps(self)
 
-    def seed(self) -> int:
-        """Count every storage of the process's tensors on this device not counted yet (and each one's gradient,
-        which only C++ may hold); the bytes the count grew by. Garbage in reference cycles is collected first (it
-        would be let go of at a chance moment of the step). A scan of the garbage collector's objects: about 0.2 s
-        in a process of 350,000."""
-        gc.collect()
+    def seed(self, tensors) -> int:
+        """Count the storages of `tensors` on this device not counted yet (a model's parameters and buffers, and each
+        one's gradient, which only C++ may hold); the bytes the count grew by. Any other tensor made before the count
+        began is counted at its first use under it. (A scan of every object the garbage collector holds, with a
+        collection first, was tried: it took seconds a training in the test suite's long-lived process.)"""
         grown = 0
-        for obj in gc.get_objects():
-            if issubclass(type(obj), torch.Tensor):  # not isinstance: a lazy module's proxy would be loaded by it
-                grown += self._seed(obj)
+        for t in tensors:
+            grown += self._seed(t)
         self.peak = max(self.peak, self.current)
         return grown
 

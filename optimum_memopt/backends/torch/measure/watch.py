@@ -16,6 +16,7 @@ go of) cannot be missed and the same step reads the same figures every run. A lo
 its backward are not counted; a temporary inside one op is not seen (as on CUDA).
 """
 
+import itertools
 import logging
 from typing import Callable, List, Optional, Tuple
 
@@ -179,7 +180,7 @@ def count_backward(output, count: LiveCount) -> int:
 class StepReadings:
     """Counts the CPU's tensor storages (`live.LiveCount`) in the steps `wanted()` says are measured: after every op of
     `model`'s training forward, of its backward and of the optimizer's step (see `live`'s docstring); the count is
-    seeded with every tensor the process holds at the first such forward. Elsewhere, under a dry run's count, and on
+    seeded with the model's tensors at the first such forward. Elsewhere, under a dry run's count, and on
     CUDA (whose counter misses nothing) it does nothing. The forward's count is a dispatch mode entered by a forward
     pre-hook and left by a forward hook that runs even when the forward raises: entered and left in the training
     code's own flow; the optimizer's, by torch's optimizer step hooks (every optimizer of the process: the trainer's
@@ -223,7 +224,8 @@ class StepReadings:
             return None
         if self.count is None:
             self.count = live_count()
-            self.count.seed()
+            self.count.seed(itertools.chain(module.parameters(), module.buffers()))
+        self.count.seed(tensors_in(args) + tensors_in(kwargs))  # the batch, there before the forward as on a device
         self._counted = True
         self._mode = self.count.ops()
         self._mode.__enter__()
