@@ -44,8 +44,8 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 # three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
 JOBS = {
     "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers"},
-    "measure": {"watch", "profile", "graph", "aside", "storages"},
-    "decide": {"solver", "budget", "planner", "report"},
+    "measure": {"watch", "profile", "graph", "aside", "storages", "live"},
+    "decide": {"solver", "budget", "planner", "report", "from_plan"},
 }
 SHARED = {"names", "rule", "policy", "nested"}
 GLUE = {"backend", "__init__", "_torch_api", "ranks"}
