@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 IN_PROCESS = (
-    "the budget solver's choice: from a dry run of step one, checked by step one (`--memory_auto_dry_run true`), or "
-    "from step one measured with every layer recomputed whole, running from step two"
+    "the budget solver's choice: from a dry run of step one, checked by step one, or (`--memory_auto_dry_run false`, "
+    "or where no dry run can be made) from step one measured with every layer recomputed whole, running from step two"
 )
 
 
@@ -271,7 +271,15 @@ class MemoptTrainerMixin(OrtTrainerParts):
             grad_accum=a.gradient_accumulation_steps,
             autocast="bfloat16" if a.bf16 else ("float16" if a.fp16 else None),
             dry_run=a.memory_auto_dry_run,
+            ddp=self._memopt_ddp_processes(),
         )
+
+    def _memopt_ddp_processes(self) -> int:
+        """The processes DistributedDataParallel replicates the model over (what accelerate wraps it in with several
+        processes and neither FSDP nor DeepSpeed on), else 1."""
+        a = self.args
+        sharded = getattr(self, "is_deepspeed_enabled", False) or getattr(self, "is_fsdp_enabled", False)
+        return a.world_size if a.world_size > 1 and not sharded else 1
 
     def _memopt_plan_summary(self) -> str:
         if self.memory_plan_reason is None:

@@ -2,6 +2,7 @@
 
 import csv
 import os
+import socket
 import subprocess
 import sys
 
@@ -246,3 +247,10 @@ def end_distributed_worker():
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback nobody listens on now (a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

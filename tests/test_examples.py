@@ -3,12 +3,11 @@
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
-from helpers import BEST_AT_END_IN_GRAPH, load_without_ort
+from helpers import BEST_AT_END_IN_GRAPH, free_port, load_without_ort
 
 pytestmark = [pytest.mark.slow, pytest.mark.ort]
 
@@ -151,9 +150,7 @@ def test_mlm_from_local_text_file(tmp_path):
 
 @pytest.mark.multiprocess
 def test_glue_accelerate_launch_two_processes_zero2(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     cmd = [
         sys.executable,

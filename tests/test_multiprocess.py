@@ -3,12 +3,12 @@ stack: ORTModule on the ORT stack, the torch backend on the modern one."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 from conftest import ORT_STACK  # noqa: E402
+from helpers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 BACKEND = "ort" if ORT_STACK else "torch"
@@ -20,12 +20,6 @@ WORKER = os.path.join(HERE, "multiprocess", "worker_train.py")
 # Two ranks of 4 rows against one process of 8 rows: the same samples, gradients averaged by
 # all-reduce instead of inside one batch, plus ORT's kernel order (measured max diff: docs/STACK.md).
 LOSS_ATOL = 1e-4
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch(mode, out, nproc=2, timeout=600, worker=WORKER, extra=()):
@@ -142,6 +136,7 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     assert r0["wrapped"] == r1["wrapped"] == "DistributedDataParallel"
     assert r0["configs"] == r1["configs"] == [""]
     assert r0["planned"] == r1["planned"] == ""  # step one ran rank 0's dry run's choice on both ranks, and kept it
+    assert r0["ddp"] == 2  # the dry run held DDP's gradient buckets
     eager = r0["verified"][0]["measured_peak_mb"]
     assert eager == max(r0["verified"][0]["measured_peak_mb_by_rank"])
     # halfway from the floor to eager's peak (a run's floor once read 60.6 MiB against a budget of 57.7 set from
@@ -172,7 +167,7 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     res = launch("auto-zero2:1000000", zero)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
     z0, _ = reports(zero, 2)
-    assert z0["wrapped"] == "DeepSpeedEngine" and z0["configs"] == [""]
+    assert z0["wrapped"] == "DeepSpeedEngine" and z0["configs"] == [""] and z0["ddp"] == 1
     budget = round((z0["verified"][0]["measured_peak_mb"] + z0["floor_mb"]) / 2, 1)
     res = launch(f"auto-zero2:{budget}", zero)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"

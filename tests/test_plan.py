@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from helpers import free_port
 from transformers import LlamaConfig
 
 from optimum_memopt.backends.torch.measure.storages import BLOCK, StorageCount, block_bytes
@@ -407,3 +408,51 @@ def test_fsdp2_holds_a_shard_of_the_weights_on_each_process():
     floor = dry_run(StepSpec(wide, batch=1, seq=16, fsdp=8), level=1)
     whole_model = sum(p.numel() * p.element_size() for p in _params(wide))
     assert floor.peak_at.startswith("step 1") and floor.peak_bytes < whole_model, (floor.peak_at, floor.peak_bytes)
+
+
+_DDP_BUCKETS = """
+import os, sys
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from transformers import AutoConfig, AutoModelForCausalLM
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+dist.init_process_group("gloo", rank=0, world_size=1)
+ddp = DistributedDataParallel(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(sys.argv[1])))
+print(sum(int(n) for n in ddp._get_ddp_logging_data()["bucket_sizes"].split(", ")))
+dist.destroy_process_group()
+"""
+
+
+def test_ddp_holds_its_gradient_buckets_beside_the_gradients(tmp_path):
+    """Several processes without `--fsdp` are DDP's: each holds the whole model and, from DDP's start, its gradient
+    buckets (a flat copy of every trained gradient). The dry run's buckets are as big as a real DDP's say they are."""
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    config = tiny(layers=2, vocab=1024)
+    alone = dry_run(StepSpec(config, batch=2, seq=64), backend=False)
+    replicated = dry_run(StepSpec(config, batch=2, seq=64, ddp=2), backend=False)
+    grads = sum(p.numel() * p.element_size() for p in _params(config) if p.requires_grad)
+    buckets = replicated.before_training_bytes - alone.before_training_bytes
+    assert buckets == block_bytes(grads), (buckets, grads)  # one flat bucket of fp32
+    assert replicated.peak_bytes == alone.peak_bytes + buckets and replicated.peak_at == alone.peak_at
+    assert replicated.parts["gradients"] == alone.parts["gradients"] + buckets
+    config.save_pretrained(tmp_path)
+    real = subprocess.run(
+        [sys.executable, "-c", _DDP_BUCKETS, str(tmp_path), str(free_port())], capture_output=True, text=True
+    )
+    assert real.returncode == 0, real.stderr
+    assert block_bytes(int(real.stdout.split()[-1])) == buckets, (real.stdout, buckets)
+    with pytest.raises(ValueError, match="FSDP2 .* or replicates with DDP, not both"):
+        StepSpec(config, fsdp=2, ddp=2)
+
+
+def test_memopt_plan_over_several_processes_without_fsdp_is_ddps(tmp_path):
+    folder = tmp_path / "model"
+    tiny(layers=2, vocab=1024).save_pretrained(folder)
+    common = ["--model_name_or_path", str(folder), "--per_device_train_batch_size", "2", "--block_size", "64",
+              "--memory_budget_mb", "40", "--search", "false"]  # fmt: skip
+    run = _cli(*common, "--num_processes", "4", "--json", str(tmp_path / "ddp.json"))
+    assert run.returncode == 0, run.stderr
+    assert "DDP over 4 processes (each: the whole model and DDP's gradient buckets)" in run.stdout
+    record = json.loads((tmp_path / "ddp.json").read_text())
+    assert record["step"]["ddp"] == 4 and record["step"]["fsdp"] == 1

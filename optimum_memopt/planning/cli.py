@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument(
         "--num_processes", "--nproc_per_node", dest="num_processes", type=int, default=1,
-        help="processes the step is sharded over (accelerate's --num_processes, torchrun's --nproc_per_node)",
+        help="processes the step runs in (accelerate's --num_processes, torchrun's --nproc_per_node): sharded with "
+        "--fsdp, else replicated by DistributedDataParallel, each holding its gradient buckets",
     )  # fmt: skip
     p.add_argument("--deepspeed", default=None, help="not planned yet (refused with the reason)")
     p.add_argument("--memory_opt_config", default=None, help="your plans, compared beside the others; or auto")
@@ -130,8 +131,8 @@ def validate(args) -> None:
     if args.deepspeed:
         raise UsageError(
             f"`--deepspeed {args.deepspeed}`: ZeRO's partitions are DeepSpeed's own code, which a dry run does not run"
-            f" on fake tensors yet; plan without it (what one process holds unsharded) or with FSDP2, as in `--fsdp "
-            f"'full_shard auto_wrap' --num_processes 8`"
+            f" on fake tensors yet; plan without it (DDP: each process holds the whole model) or with FSDP2, as in "
+            f"`--fsdp 'full_shard auto_wrap' --num_processes 8`"
         )
     if args.memory_opt_level not in (0, 1):
         raise UsageError(f"`--memory_opt_level {args.memory_opt_level}` is not the torch backend's; accepted: 0 or 1")
@@ -190,6 +191,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             device=args.device,
             search=args.search,
             fsdp=args.num_processes if args.fsdp.split() else 1,
+            ddp=1 if args.fsdp.split() else args.num_processes,
         )
     except (RuntimeError, ValueError) as e:
         print(f"memopt-plan: the dry run failed: {e}", file=sys.stderr)

@@ -220,6 +220,9 @@ class StepSpec:
     # --fsdp full_shard with this many processes: every decoder layer and the model sharded with FSDP2
     # (`fully_shard`), counted as rank 0 holds it (1: no sharding)
     fsdp: int = 1
+    # several processes without --fsdp or --deepspeed: accelerate's DistributedDataParallel over this many, each
+    # holding the whole model and DDP's gradient buckets (`_ddp_buckets`; 1: no DDP)
+    ddp: int = 1
 
     def __post_init__(self):
         if self.optimizer not in OPTIMIZERS:
@@ -227,9 +230,11 @@ class StepSpec:
                 f"`--optim {self.optimizer}` has no dry run here; accepted: {', '.join(OPTIMIZERS)} "
                 f"(as in `--optim adamw_torch_fused`)"
             )
-        for name in ("batch", "seq", "grad_accum", "fsdp"):
+        for name in ("batch", "seq", "grad_accum", "fsdp", "ddp"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"a dry run's {name} must be at least 1, not {getattr(self, name)!r}")
+        if self.fsdp > 1 and self.ddp > 1:
+            raise ValueError(f"a dry run shards with FSDP2 ({self.fsdp} processes) or replicates with DDP, not both")
 
 
 @dataclass
@@ -440,6 +445,19 @@ def _shard(model, layers, mesh, spec: StepSpec) -> None:
     fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
+def _ddp_buckets(params, device: str) -> List[torch.Tensor]:
+    """DistributedDataParallel's gradient buckets, made as its reducer makes them when DDP wraps the model, and held
+    for the whole run: a flat tensor of each trained parameter's gradient, one per dtype (DDP splits them into
+    `bucket_cap_mb` pieces, which sum to the same). With `gradient_as_bucket_view` off, as the Trainer and accelerate
+    leave it, each gradient is copied into its bucket for the all-reduce and back: the step holds both. DDP's own
+    reducer is C++ that reads every parameter's storage, which a fake tensor has not, so the dry run makes its buckets
+    here (their sizes are what `DistributedDataParallel._get_ddp_logging_data()["bucket_sizes"]` sums to: tested)."""
+    numels: Dict[torch.dtype, int] = {}
+    for p in params:
+        numels[p.dtype] = numels.get(p.dtype, 0) + p.numel()
+    return [torch.empty(n, dtype=dtype, device=device) for dtype, n in numels.items()]
+
+
 def _loss(out) -> torch.Tensor:
     """The loss a model's training forward returned (with the labels given), as the Trainer takes it."""
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
@@ -517,6 +535,9 @@ def dry_run(
             count.from_here()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = optimizer_from(params) if optimizer_from is not None else _optimizer(spec, params)
+        buckets = _ddp_buckets(params, device) if spec.ddp > 1 else []
+        for b in buckets:
+            count.move(b, GRADIENTS)
         handles = _marks(model, layers, count)
         before = count.current
         _prime(optimizer, params, count)
@@ -551,6 +572,7 @@ def dry_run(
         finally:
             for h in handles:
                 h.remove()
+            del buckets
     result = DryRun(
         peak_bytes=count.top,
         before_training_bytes=before,

@@ -100,6 +100,8 @@ def _what(spec: StepSpec, model: str) -> str:
     lora = "" if spec.lora is None else f", LoRA r={spec.lora.get('r', 8)}"
     accum = f" x {spec.grad_accum} accumulated" if spec.grad_accum > 1 else ""
     sharded = f", FSDP2 over {spec.fsdp} processes (what rank 0 holds)" if spec.fsdp > 1 else ""
+    if spec.ddp > 1:
+        sharded = f", DDP over {spec.ddp} processes (each: the whole model and DDP's gradient buckets)"
     return (
         f"{model}: batch {spec.batch}{accum} x {spec.seq:,} tokens, weights {spec.dtype}, {precision}, "
         f"{spec.optimizer}{lora}{sharded}"
@@ -223,6 +225,7 @@ def plan(
     device: Optional[str] = None,
     search: bool = True,
     fsdp: int = 1,
+    ddp: int = 1,
 ) -> Plan:
     """Dry-run the step of `model` (a hub name or a local folder: its config only; or a transformers config) under
     each configuration the table compares, on `device` (the device table: `devices.DEVICES`) or under `budget_mb`.
@@ -231,7 +234,8 @@ def plan(
     load them); `bf16` / `fp16` turn on autocast as the Trainer's flags do. With `search` and a budget, the largest
     batch and the longest sequence `auto` fits are found by dry runs of its floor (`Plan.reach`). `fsdp`: the number
     of processes FSDP2 shards every layer and the model over (`--fsdp full_shard`), each figure what one of them
-    holds (1: no sharding)."""
+    holds (1: no sharding). `ddp`: the number of processes DistributedDataParallel replicates the step over (several
+    processes without `--fsdp`: accelerate's default), each holding the whole model and DDP's gradient buckets."""
     config, found = _config(model)
     name = name or found
     autocast = "bfloat16" if bf16 else ("float16" if fp16 else None)
@@ -247,6 +251,7 @@ def plan(
         grad_accum=gradient_accumulation_steps,
         lora=lora,
         fsdp=fsdp,
+        ddp=ddp,
     )
     target = find(device)
     if budget_mb is None and target is not None:

@@ -228,7 +228,7 @@ class TorchBackend(Backend):
                 given_mb=b.budget_mb,
             )
             state.planner.twin, state.planner.no_dry_run = twin, no_twin
-            state.planner.grad_accum, state.planner.autocast = b.grad_accum, b.autocast
+            state.planner.grad_accum, state.planner.autocast, state.planner.ddp = b.grad_accum, b.autocast, b.ddp
         return model
 
     def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:

@@ -82,6 +82,7 @@ class BudgetPlanner:
         self.no_dry_run: Optional[str] = None
         self.grad_accum = 1
         self.autocast: Optional[str] = None
+        self.ddp = 1  # DistributedDataParallel's processes (the dry run holds its gradient buckets)
         self.planned: Optional[Fit] = None
         self._why_replanned = ""  # why step one did not confirm the dry run's choice (said with the solver's)
         self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
@@ -143,7 +144,7 @@ class BudgetPlanner:
 
             try:
                 dry = dry_run_choice(
-                    twin, args, kwargs, state.optimizer, self.budget_mb, self.grad_accum, self.autocast
+                    twin, args, kwargs, state.optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp
                 )
                 fit = dry.fit
                 if fit is None or fit.choice is None:
