@@ -101,6 +101,39 @@ def test_a_layer_checkpointed_whole_leaves_the_kv_cache_alone(monkeypatch):
         assert torch.equal(a.grad, b.grad), name
 
 
+def test_a_cache_passed_under_any_name_is_dropped_from_a_layer_checkpointed_whole(monkeypatch):
+    """XLM builds its cache whatever `use_cache` says and hands it to each layer as `cache=`: a layer recomputed with
+    it appended its keys and values a second time, and the recompute failed on a mask's shape ("The expanded size of
+    the tensor (32) must match the existing size (16)"). Any transformers cache is dropped, whatever its name: the
+    gradients are then plain XLM's without its cache, bitwise; with it, the cache's copy of the keys and values (a
+    concatenation, contiguous) changes a matmul's order of summation, and plain's differ by float32 rounding."""
+    import transformers.models.xlm.modeling_xlm as xlm
+    from transformers import XLMConfig, XLMWithLMHeadModel
+
+    cfg = XLMConfig(vocab_size=100, emb_dim=32, n_layers=2, n_heads=2, dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    plain = XLMWithLMHeadModel(cfg).train()
+    model = XLMWithLMHeadModel(cfg).train()
+    model.load_state_dict(plain.state_dict())
+    engine(model, RecomputePolicy.from_plans([], 1, 2))
+    ids = torch.randint(0, 100, (2, 8))
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    with_cache = plain(input_ids=ids, labels=ids).loss
+    with_cache.backward()
+    assert torch.equal(loss, with_cache)
+    grads = [p.grad.clone() for p in plain.parameters()]
+    assert all(torch.allclose(a.grad, g, rtol=1e-5, atol=1e-9) for a, g in zip(model.parameters(), grads))
+    attend = xlm.MultiHeadAttention.forward
+    monkeypatch.setattr(
+        xlm.MultiHeadAttention, "forward", lambda self, *a, **k: attend(self, *a, **{**k, "cache": None})
+    )
+    plain.zero_grad(set_to_none=True)
+    plain(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
 # -- whole layers and op plans per layer, in the grammar ------------------------------------------------------------
 def test_whole_layers_and_op_plans_per_layer_from_the_grammar():
     plans = parse_plans("Layer+:1:-1@every2,Gelu+:1:-1@1-4,MatMul+:1:-1@5")

@@ -20,24 +20,30 @@ from ..measure.profile import LayerProfile
 from .hooks import finish, hooked, tracked
 from .tracking import LayerRun
 
-CACHE_KWARGS = ("past_key_values", "layer_past")
+CACHE_KWARGS = ("past_key_values", "layer_past")  # the names of a legacy cache (a tuple of tensors)
+
+try:  # any transformers cache, whatever the argument that passes it is called (XLM's layers take `cache=`)
+    from transformers.cache_utils import Cache as _CACHE
+except ImportError:  # pragma: no cover - transformers is a dependency; a bare torch model has no cache
+    _CACHE = ()
 
 
-def without_cache(layer, kwargs: dict) -> dict:
-    """The layer's keyword arguments with its KV cache dropped (see the module's docstring)."""
+def without_cache(layer, args: tuple, kwargs: dict):
+    """The layer's arguments with its KV cache dropped (see the module's docstring): any transformers `Cache` object,
+    passed by position or by whatever keyword, and a legacy cache by its name."""
     if getattr(type(layer), "_can_checkpoint_with_cache", False):
-        return kwargs
+        return args, kwargs
     kwargs = dict(kwargs)
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
-    for name in CACHE_KWARGS:
-        if kwargs.get(name) is not None:
+    for name, value in kwargs.items():
+        if value is not None and (name in CACHE_KWARGS or isinstance(value, _CACHE)):
             kwargs[name] = None
-    return kwargs
+    return tuple(None if isinstance(a, _CACHE) else a for a in args), kwargs
 
 
 def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs):
-    kwargs = without_cache(layer, kwargs)
+    args, kwargs = without_cache(layer, args, kwargs)
     first = [True]
 
     def guarded(*a, **k):
