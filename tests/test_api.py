@@ -135,6 +135,60 @@ def test_under_gradient_accumulation_the_loop_says_where_steps_end():
     assert memopt.auto["choices"] == 1 and memopt.auto["measured_peak_mb"] is None  # chosen, not yet checked
 
 
+class SequentialGPT(torch.nn.Module):
+    """A GPT written in plain PyTorch whose blocks sit in an `nn.Sequential` (nanoGPT-like scripts, timm's stages):
+    each block a residual attention and MLP."""
+
+    class Block(torch.nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.norm = torch.nn.LayerNorm(width)
+            self.attend = torch.nn.MultiheadAttention(width, 4, batch_first=True)
+            self.mlp = torch.nn.Sequential(
+                torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+            )
+
+        def forward(self, x):
+            h = self.norm(x)
+            x = x + self.attend(h, h, h, need_weights=False)[0]
+            return x + self.mlp(self.norm(x))
+
+    def __init__(self, vocab=64, width=32, layers=3):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.blocks = torch.nn.Sequential(*[self.Block(width) for _ in range(layers)])
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        return self.head(self.blocks(self.embed(ids)))
+
+
+@pytest.mark.parametrize("plans, level", [(None, 1), ("Gelu+:1:-1", 0)])
+def test_blocks_in_an_nn_sequential_are_found_and_train_as_plain(plans, level):
+    def train(handle_of):
+        torch.manual_seed(0)
+        model = SequentialGPT()
+        handle = handle_of(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, 64, (4, 16))
+            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if handle is not None:
+                handle.step_done()
+        return losses, handle
+
+    plain, _ = train(lambda model: None)
+    got, handle = train(lambda model: optimum_memopt.optimize_memory(model, plans, level=level, reports_steps=True))
+    assert got == plain
+    assert len(handle.layers) == 3 and all(type(layer).__name__ == "Block" for layer in handle.layers)
+    assert handle.report().dims["layers"] == 3
+
+
 def test_remove_gives_the_plain_model_back():
     torch.manual_seed(0)
     plain = loop(decoder())

@@ -595,9 +595,14 @@ def test_a_model_without_repeated_layers_is_refused_naming_what_was_looked_for()
         def forward(self, x):
             return self.b(self.a(x))
 
-    with pytest.raises(ValueError, match=r"found no list of repeated layers in TwoLinears \(an nn.ModuleList of "
-                                         r"blocks\); train it with `--memory_opt_backend none`"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"found no list of repeated layers in TwoLinears \(an nn.ModuleList or "
+                                         r"nn.Sequential of blocks\); train it with `--memory_opt_backend none`"):  # fmt: skip
         TorchBackend().wrap(TwoLinears(), WrapSettings(level=1))
+    import optimum_memopt  # through the call: the way out is the call's own
+
+    with pytest.raises(ValueError, match=r"\(an nn.ModuleList or nn.Sequential of blocks\); train it without "
+                                         r"`optimize_memory`$"):  # fmt: skip
+        optimum_memopt.optimize_memory(TwoLinears(), level=1)
 
 
 # -- models the backend must not misread ------------------------------------------------------------------------------

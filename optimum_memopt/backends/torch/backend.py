@@ -183,7 +183,8 @@ class TorchBackend(Backend):
         if not layers:
             raise ValueError(
                 f"the torch backend recomputes inside transformer layers, but found no list of repeated layers in "
-                f"{type(model).__name__} (an nn.ModuleList of blocks); train it with `--memory_opt_backend none`"
+                f"{type(model).__name__} (an nn.ModuleList or nn.Sequential of blocks); train it with "
+                f"`--memory_opt_backend none`"
             )
         twice = checkpointed_elsewhere(model, layers)
         if twice is not None:

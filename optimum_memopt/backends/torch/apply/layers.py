@@ -6,11 +6,22 @@ from typing import Callable, List, Optional
 from torch import nn
 
 
+def _block_list(module: nn.Module) -> bool:
+    """An `nn.ModuleList` of modules, or an `nn.Sequential` of blocks (each a module of modules: a plain `Linear,
+    GELU, Linear` stack is one block's insides, not a list of blocks)."""
+    if isinstance(module, nn.ModuleList):
+        return len(module) > 0
+    if isinstance(module, nn.Sequential):
+        return len(module) > 0 and all(any(True for _ in item.children()) for item in module)
+    return False
+
+
 def find_layers(model: nn.Module) -> List[nn.Module]:
-    """The model's transformer layers, in order: the `nn.ModuleList`s whose items are the model's repeated
-    blocks (`_no_split_modules` where the model names them, else the longest list of one module class)."""
+    """The model's transformer layers, in order: the `nn.ModuleList`s (or `nn.Sequential`s of blocks) whose items
+    are the model's repeated blocks (`_no_split_modules` where the model names them, else the longest list of one
+    module class)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    lists = [m for m in model.modules() if _block_list(m)]
     layers = [item for lst in lists if all(type(i).__name__ in names for i in lst) for item in lst]
     if layers:
         return layers
