@@ -155,8 +155,12 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     assert t0["predicted_mb"][-1] <= budget and t0["verified"] == t1["verified"], seen
     out = res.stdout + res.stderr
     said_on_both_ranks(t0, budget, out)
-    assert t0["losses"] == r0["losses"] and t1["losses"] == r1["losses"], (seen, t0["losses"], r0["losses"])
-    assert t0["param_sum"] == r0["param_sum"], seen
+    # the roomy run recomputed nothing from step one (its dry run's choice): plain DDP's losses. The tight run's step
+    # one measured with the head's loss in chunks (`Loss+`), whose sum rounds in another order (1 ulp of its loss);
+    # within 1e-6, as `auto` is in tests/test_random_streams.py
+    for mine, plain in ((t0, r0), (t1, r1)):
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mine["losses"], plain["losses"])), (seen, mine, plain)
+    assert abs(t0["param_sum"] - r0["param_sum"]) <= 1e-6 * abs(r0["param_sum"]), seen
     assert out.count(f"the solver chose `--memory_opt_config {t0['configs'][0]}` for all 2 processes") == 1
     assert out.count("(rank 0); the rest in ") == 1  # where step one peaked: rank 0's step, said as such
     said = (tight / "memory_plans.txt").read_text()  # rank 0's: the figures behind the choice, in words
