@@ -424,7 +424,7 @@ def train_decoder(tmp_path, name, steps=4, **memory):
     args = MemoptTrainingArguments(
         output_dir=str(tmp_path / name), use_cpu=True, max_steps=steps, per_device_train_batch_size=8,
         learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no", seed=0,
-        memory_opt_backend="torch", **memory,
+        **{"memory_opt_backend": "torch", **memory},
     )  # fmt: skip
     trainer = MemoptTrainer(model=decoder(), args=args, train_dataset=Tokens())
     trainer.train()
@@ -498,10 +498,12 @@ def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys):
     on the meta device, the first batch's shapes, the run's optimizer), and step one runs the choice: no step spent
     with every layer recomputed. The real step one checks it (kept where its own memory with what later steps hold
     more fits, else the solver chooses again from it), every check after is within the budget, and the losses are
-    those of the run without recompute. The dry run counts as the CPU counts a real step (tensor storages): the
-    choice it predicts to fit is within a few percent of what the step holds."""
-    train_decoder(tmp_path, "warm-up", steps=1)
+    those of the run without the plugin, bitwise (a choice that runs the model's own head from step one; the measuring
+    step one runs it in chunks). The dry run counts as the CPU counts a real step (tensor storages): the choice it
+    predicts to fit is within a few percent of what the step holds."""
+    plain = train_decoder(tmp_path, "plain", memory_opt_backend="none")
     _, roomy, plain_losses = train_auto(tmp_path, 10**6, "roomy", dry_run=True)
+    assert plain_losses == [h["loss"] for h in plain.state.log_history if "loss" in h]
     assert roomy.planned is not None and roomy.planned.config() == "" and roomy.fits[0].source
     eager, floor = roomy.verified[0]["measured_peak_mb"], roomy.planned.floor.peak_mb
     assert floor < eager
