@@ -134,7 +134,12 @@ class MemoptHandle:
 
     def step_done(self) -> None:
         """Say an optimizer step ended (with `reports_steps=True`: where several forwards make one step)."""
-        self.backend.step_done(self.model)
+        try:
+            self.backend.step_done(self.model)
+        except (RuntimeError, ValueError) as e:
+            if type(e) not in (RuntimeError, ValueError):
+                raise
+            raise type(e)(_as_keywords(str(e))) from None
 
     def remove(self) -> nn.Module:
         """Take the backend off: the model trains plainly from its next forward. Returns the model. A handle whose
@@ -247,6 +252,8 @@ def _as_keywords(message: str) -> str:
                 parts.append(keyword)
                 continue
             value = tokens.pop(0)
+            if len(value) > 1 and value[0] == value[-1] == "'":  # the shell's quotes around a plan
+                value = value[1:-1]
             if tokens and tokens[0] not in _KEYWORDS:
                 return match.group(0)
             parts.append(f"{keyword}={value!r}" if keyword == "plans" else f"{keyword}={value}")

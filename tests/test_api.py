@@ -189,6 +189,52 @@ def test_blocks_in_an_nn_sequential_are_found_and_train_as_plain(plans, level):
     assert handle.report().dims["layers"] == 3
 
 
+def gemma3_with_its_vision_tower():
+    """Gemma 3 as `AutoModelForCausalLM` builds it (`Gemma3ForConditionalGeneration`), tiny: its layer list starts with
+    the vision tower's two `SiglipEncoderLayer`s, which a text-only step never runs."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gemma3")
+    text, vision = config.text_config, config.vision_config
+    text.num_hidden_layers, text.hidden_size, text.intermediate_size, text.vocab_size = 2, 64, 128, 300
+    text.num_attention_heads, text.num_key_value_heads, text.head_dim = 2, 1, 32
+    vision.num_hidden_layers, vision.hidden_size, vision.intermediate_size, vision.num_attention_heads = 2, 64, 128, 2
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def test_a_layer_list_whose_first_layers_never_run_is_said_and_auto_stops_with_the_layers_that_ran(caplog):
+    """Before, `auto` on Gemma 3 trained without a choice and said nothing (it waits for the list's first layer to
+    start step one), and plans made no table, silently."""
+
+    def train(handle_of, steps=2):
+        model = gemma3_with_its_vision_tower()
+        handle = handle_of(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(steps):
+            ids = torch.randint(0, 300, (2, 16))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+            if handle is not None:
+                handle.step_done()
+        return losses, handle
+
+    said = r"the layer list's first layer \(SiglipEncoderLayer, layer 0 of 4\) did not run in this training step; layers 2, 3 \(Gemma3DecoderLayer\) did"
+    with pytest.raises(RuntimeError, match=rf"^`plans='auto'` measures step one from the first layer on, but {said}.*"
+                                           rf"as in `plans='Layer\+:1:-1@2\+3'`$"):  # fmt: skip
+        train(lambda model: optimum_memopt.optimize_memory(model, "auto", budget_mb=10**6, reports_steps=True))
+    plain, _ = train(lambda model: None)
+    with caplog.at_level("WARNING", logger="optimum_memopt"):
+        got, handle = train(lambda model: optimum_memopt.optimize_memory(model, "Layer+:1:-1@2+3", reports_steps=True))
+    assert got == plain and handle.report() is None
+    warned = [r.getMessage() for r in caplog.records if "did not run in this training step" in r.getMessage()]
+    assert len(warned) == 1 and "no plan table is made" in warned[0], warned
+
+
 def test_remove_gives_the_plain_model_back():
     torch.manual_seed(0)
     plain = loop(decoder())

@@ -1,6 +1,7 @@
 """The engine: each layer's forward run under its `LayerPolicy` (kept, planned ops recomputed from recipes, or the
 whole layer checkpointed), and the first training step profiled into a `ModelProfile`."""
 
+import logging
 from functools import partial
 from typing import List, Optional
 
@@ -16,8 +17,10 @@ from ..nested import tensors_in
 from ..policy import LAYER, OPS, RecomputePolicy
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
-from .layers import LayerForwards
+from .layers import LayerForwards, whole_layers_flag
 from .tracking import LayerRun
+
+logger = logging.getLogger(__name__)
 
 
 class RecomputeState:
@@ -46,6 +49,8 @@ class RecomputeState:
         self.lever_problems: dict = {}  # why a lever could not run or measure, by name (said in the table's notes)
         self._levers_measured = False
         self.optimizer = None  # the trainer's, where it says (`TorchBackend.on_optimizer_ready`): `auto`'s dry run
+        self._ran: set = set()  # the layers whose training forward ran in the first step (`_check_layers_ran`)
+        self._ran_checked = False
 
     @property
     def originals(self):
@@ -83,11 +88,42 @@ class RecomputeState:
         """The trainer's word that an optimizer step ended: the next training forward starts a new step, and step
         one's memory, watched since its first layer, is complete (`profile.memory`)."""
         self._step_ended = True
+        self._check_layers_ran()
         self._close_watch()
         if self.profile is not None and not self._levers_measured:
             self._levers_measured = True  # after step one, between steps: each lever measures what it would do
             for lever in self.levers.values():
                 lever.after_step_one(self.profile, self.reset_peaks)
+
+    def _check_layers_ran(self) -> None:
+        """After the first step: the layer list is the model's, and a step may not run all of it. Where its first
+        layer did not run (a vision or audio tower listed before the language layers, which a text-only step leaves
+        out), step one was not measured from its start: `auto` cannot choose (it stops here, naming the layers that
+        ran), and plans run on the layers that ran with no table (said once)."""
+        if self._ran_checked or not self._ran:
+            return
+        self._ran_checked = True
+        ran, self._ran = sorted(self._ran), set()
+        if 0 in ran:
+            return
+        n = len(self.layers)
+        first = type(self.layers[0]).__name__
+        kinds = sorted({type(self.layers[i]).__name__ for i in ran})
+        where = (
+            f"the layer list's first layer ({first}, layer 0 of {n}) did not run in this training step; layers "
+            f"{', '.join(map(str, ran))} ({', '.join(kinds)}) did. The list holds modules this step does not run (a "
+            f"vision or audio tower listed before the language layers, which a text-only step leaves out)"
+        )
+        if self.planner is not None and self.planner.stage == "start":
+            raise RuntimeError(
+                f"`--memory_opt_config auto` measures step one from the first layer on, but {where}; nothing could be "
+                f"measured or chosen. Pass plans for the layers that run instead, as in {whole_layers_flag(ran, n)}"
+            )
+        logger.warning(
+            "optimum-memopt: %s. The plans run on the layers that run; no plan table is made (step one is measured "
+            "from the first layer on)",
+            where,
+        )
 
     def _close_watch(self) -> None:
         watch, self.watch = self.watch, None
@@ -104,6 +140,8 @@ class RecomputeState:
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         _check_alone(layer, index)
+        if not self._ran_checked:
+            self._ran.add(index)
         if index == 0 and self.watch is not None and self.watch.backward_ended and not self.steps_reported:
             self._close_watch()  # step two of a loop that does not report steps: step one ended before it
         if index == 0 and self._backward_ended and not self.steps_reported:

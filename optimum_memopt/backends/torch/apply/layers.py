@@ -69,7 +69,7 @@ class LayerForwards:
                 vars(layer).pop("forward", None)
 
 
-def _as_flag(indexes: List[int], n_layers: int) -> str:
+def whole_layers_flag(indexes: List[int], n_layers: int) -> str:
     """Our flag for whole-layer recompute of these layers."""
     if indexes == list(range(n_layers)):
         return "`--memory_opt_level 1`"
@@ -90,7 +90,7 @@ def checkpointed_elsewhere(model: nn.Module, layers: List[nn.Module]) -> Optiona
             f"`checkpoint_wrapper` (FSDP's `activation_checkpointing`, `fsdp_config={{'activation_checkpointing': "
             f"True}}` or `fsdp_activation_checkpointing: true` in accelerate's config, or a script's own "
             f"`apply_activation_checkpointing`), so with the torch backend they would be recomputed twice over; "
-            f"turn it off and pass {_as_flag(wrapped, len(layers))} for the same recompute, or pass "
+            f"turn it off and pass {whole_layers_flag(wrapped, len(layers))} for the same recompute, or pass "
             f"`--memory_opt_backend none` to keep it"
         )
     on = [i for i, layer in enumerate(layers) if getattr(layer, "gradient_checkpointing", False) is True]
@@ -101,6 +101,6 @@ def checkpointed_elsewhere(model: nn.Module, layers: List[nn.Module]) -> Optiona
         f"(`model.activation_checkpointing_enable()` or `gradient_checkpointing_enable()` was called on it: by the "
         f"script, by PEFT's `prepare_model_for_kbit_training`, or by a trainer given `gradient_checkpointing=True`), "
         f"so with the torch backend they would be recomputed twice over; call `model.activation_checkpointing_"
-        f"disable()` and pass {_as_flag(on, len(layers))} for the same recompute, or pass `--memory_opt_backend none` "
-        f"to keep transformers' checkpointing"
+        f"disable()` and pass {whole_layers_flag(on, len(layers))} for the same recompute, or pass "
+        f"`--memory_opt_backend none` to keep transformers' checkpointing"
     )
