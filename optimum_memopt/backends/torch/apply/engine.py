@@ -22,6 +22,9 @@ from .tracking import LayerRun
 
 logger = logging.getLogger(__name__)
 
+# steps a layer list's first layer may be missing from before it is said (`RecomputeState._check_layers_ran`)
+FIRST_LAYER_STEPS = 3
+
 
 class RecomputeState:
     """Attached to the model as `_memopt_recompute`: the layers, the policy they run under, what step one measured."""
@@ -49,8 +52,9 @@ class RecomputeState:
         self.lever_problems: dict = {}  # why a lever could not run or measure, by name (said in the table's notes)
         self._levers_measured = False
         self.optimizer = None  # the trainer's, where it says (`TorchBackend.on_optimizer_ready`): `auto`'s dry run
-        self._ran: set = set()  # the layers whose training forward ran in the first step (`_check_layers_ran`)
+        self._ran: set = set()  # the layers whose training forward ran in the first steps (`_check_layers_ran`)
         self._ran_checked = False
+        self._steps_without_first = 0
 
     @property
     def originals(self):
@@ -96,27 +100,33 @@ class RecomputeState:
                 lever.after_step_one(self.profile, self.reset_peaks)
 
     def _check_layers_ran(self) -> None:
-        """After the first step: the layer list is the model's, and a step may not run all of it. Where its first
+        """After the first steps: the layer list is the model's, and a step may not run all of it. Where its first
         layer did not run (a vision or audio tower listed before the language layers, which a text-only step leaves
-        out), step one was not measured from its start: `auto` cannot choose (it stops here, naming the layers that
-        ran), and plans run on the layers that ran with no table (said once)."""
+        out), no step was measured from its start: `auto` cannot choose (it stops, naming the layers that ran), and
+        plans run on the layers that ran with no table (said once). Three steps are given: a model that drops layers
+        at random in training (LayerDrop) skips its first one in a step now and then."""
         if self._ran_checked or not self._ran:
+            return
+        if 0 in self._ran:
+            self._ran_checked, self._ran = True, set()
+            return
+        self._steps_without_first += 1
+        if self._steps_without_first < FIRST_LAYER_STEPS:
             return
         self._ran_checked = True
         ran, self._ran = sorted(self._ran), set()
-        if 0 in ran:
-            return
         n = len(self.layers)
         first = type(self.layers[0]).__name__
         kinds = sorted({type(self.layers[i]).__name__ for i in ran})
         where = (
-            f"the layer list's first layer ({first}, layer 0 of {n}) did not run in this training step; layers "
-            f"{', '.join(map(str, ran))} ({', '.join(kinds)}) did. The list holds modules this step does not run (a "
-            f"vision or audio tower listed before the language layers, which a text-only step leaves out)"
+            f"the layer list's first layer ({first}, layer 0 of {n}) did not run in the first {FIRST_LAYER_STEPS} "
+            f"training steps; layers {', '.join(map(str, ran))} ({', '.join(kinds)}) did. The list holds modules "
+            f"these steps do not run (a vision or audio tower listed before the language layers, which a text-only "
+            f"step leaves out)"
         )
         if self.planner is not None and self.planner.stage == "start":
             raise RuntimeError(
-                f"`--memory_opt_config auto` measures step one from the first layer on, but {where}; nothing could be "
+                f"`--memory_opt_config auto` measures step one from the first layer on, but {where}; nothing was "
                 f"measured or chosen. Pass plans for the layers that run instead, as in {whole_layers_flag(ran, n)}"
             )
         logger.warning(
