@@ -135,6 +135,23 @@ def test_under_gradient_accumulation_the_loop_says_where_steps_end():
     assert memopt.auto["choices"] == 1 and memopt.auto["measured_peak_mb"] is None  # chosen, not yet checked
 
 
+def random_token_steps(model, loss_of, vocab, shape, handle=None, steps=3):
+    """`steps` plain AdamW steps of `model` on random tokens of `shape` (`loss_of(model, ids)` the loss), telling
+    `handle` each step's end; the losses. Seeded by the caller."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, shape)
+        loss = loss_of(model, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if handle is not None:
+            handle.step_done()
+    return losses
+
+
 class SequentialGPT(torch.nn.Module):
     """A GPT written in plain PyTorch whose blocks sit in an `nn.Sequential` (nanoGPT-like scripts, timm's stages):
     each block a residual attention and MLP."""
@@ -169,18 +186,8 @@ def test_blocks_in_an_nn_sequential_are_found_and_train_as_plain(plans, level):
         torch.manual_seed(0)
         model = SequentialGPT()
         handle = handle_of(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, 64, (4, 16))
-            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-            if handle is not None:
-                handle.step_done()
-        return losses, handle
+        next_token = lambda m, ids: torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())  # noqa: E731
+        return random_token_steps(model, next_token, 64, (4, 16), handle), handle
 
     plain, _ = train(lambda model: None)
     got, handle = train(lambda model: optimum_memopt.optimize_memory(model, plans, level=level, reports_steps=True))
@@ -208,21 +215,11 @@ def test_a_layer_list_whose_first_layers_never_run_is_said_and_auto_stops_with_t
     start step one), and plans made no table, silently. Said after three steps (LayerDrop skips a first layer now and
     then)."""
 
-    def train(handle_of, steps=3):
+    def train(handle_of):
         model = gemma3_with_its_vision_tower()
         handle = handle_of(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for _ in range(steps):
-            ids = torch.randint(0, 300, (2, 16))
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.item())
-            if handle is not None:
-                handle.step_done()
-        return losses, handle
+        causal = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
+        return random_token_steps(model, causal, 300, (2, 16), handle), handle
 
     said = (
         r"the layer list's first layer \(SiglipEncoderLayer, layer 0 of 4\) did not run in the first 3 training steps; "

@@ -77,6 +77,16 @@ def test_a_policy_swapped_between_steps_applies_from_the_next_step():
         state.set_policy(RecomputePolicy([LayerPolicy()]))
 
 
+def plain_and_level1(cls, config):
+    """Two models of `cls` with the same weights: one plain, one whose two layers are recomputed whole."""
+    torch.manual_seed(0)
+    plain = cls(config).train()
+    model = cls(config).train()
+    model.load_state_dict(plain.state_dict())
+    engine(model, RecomputePolicy.from_plans([], 1, 2))
+    return plain, model
+
+
 def test_a_layer_checkpointed_whole_leaves_the_kv_cache_alone(monkeypatch):
     """In training a Llama builds a KV cache (config.use_cache); a checkpointed layer recomputed in backward would
     append its keys a second time. Whole layers run without the cache, as transformers' checkpointing runs them."""
@@ -88,11 +98,7 @@ def test_a_layer_checkpointed_whole_leaves_the_kv_cache_alone(monkeypatch):
         cache_utils.DynamicLayer, "update", lambda self, *a, **k: updates.append(1) or real(self, *a, **k)
     )
     cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-    torch.manual_seed(0)
-    plain = LlamaForCausalLM(cfg).train()
-    model = LlamaForCausalLM(cfg).train()
-    model.load_state_dict(plain.state_dict())
-    engine(model, RecomputePolicy.from_plans([], 1, 2))
+    plain, model = plain_and_level1(LlamaForCausalLM, cfg)
     ids = torch.randint(0, 100, (2, 8))
     model(input_ids=ids, labels=ids).loss.backward()
     assert updates == []  # neither in forward nor in the recompute
@@ -111,11 +117,7 @@ def test_a_cache_passed_under_any_name_is_dropped_from_a_layer_checkpointed_whol
     from transformers import XLMConfig, XLMWithLMHeadModel
 
     cfg = XLMConfig(vocab_size=100, emb_dim=32, n_layers=2, n_heads=2, dropout=0.0, attention_dropout=0.0)
-    torch.manual_seed(0)
-    plain = XLMWithLMHeadModel(cfg).train()
-    model = XLMWithLMHeadModel(cfg).train()
-    model.load_state_dict(plain.state_dict())
-    engine(model, RecomputePolicy.from_plans([], 1, 2))
+    plain, model = plain_and_level1(XLMWithLMHeadModel, cfg)
     ids = torch.randint(0, 100, (2, 8))
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
