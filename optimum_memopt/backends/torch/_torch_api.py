@@ -238,6 +238,16 @@ def compiled_by(model) -> Optional[str]:
     return None
 
 
+def dispatch_modes() -> list:
+    """The Python dispatch modes on now, outermost first (private
+    `torch.utils._python_dispatch._get_current_dispatch_mode_stack`); without it, none."""
+    try:
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
+        return []
+    return list(_get_current_dispatch_mode_stack())
+
+
 def dispatch_mode_on_top(mode) -> bool:
     """Whether `mode` is the innermost Python dispatch mode now (private
     `torch.utils._python_dispatch._get_current_dispatch_mode`); without it, True (the caller's own bookkeeping)."""

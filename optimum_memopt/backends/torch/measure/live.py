@@ -32,7 +32,7 @@ import torch
 
 from ....memory import MIB, MemoryMeter, MemoryReading
 from .. import _torch_api
-from .storages import StorageCount, counting, follow_resizes
+from .storages import StorageCount, counting, watch_resizes
 
 try:  # private: `torch._subclasses.fake_tensor.FakeTensor`; without it, no fake tensor is made here either
     from torch._subclasses.fake_tensor import FakeTensor as _FAKE
@@ -46,19 +46,25 @@ LIVE_HOW = (
 
 
 class CountOps(_torch_api.TorchDispatchMode):
-    """A dispatch mode counting each op into `count` (`StorageCount.after_op`), storages resized in place included."""
+    """A dispatch mode counting each op into `count` (`StorageCount.after_op`), and storages resized in place while it
+    is on the dispatch stack (`storages.watch_resizes` finds it there: a mode autograd drops without leaving it
+    follows nothing after)."""
+
+    follows_resizes = True
 
     def __init__(self, count: StorageCount):
         super().__init__()
         self.count = count
 
     def __enter__(self):
-        follow_resizes(self.count, True)
-        return super().__enter__()
+        out = super().__enter__()
+        watch_resizes()
+        return out
 
     def __exit__(self, *exc):
-        follow_resizes(self.count, False)
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        watch_resizes()
+        return out
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -36,7 +36,7 @@ BLOCK = 512  # CUDA's caching allocator rounds every block up to a multiple of t
 HOW = "tensor storages counted after every op, in CUDA's 512-byte blocks"
 
 _ACTIVE: list = []  # the counts on now as dispatch modes (dry runs), innermost last
-_FOLLOWING: list = []  # counts following storages resized in place now (`follow_resizes`): those above, and live ones
+_FOLLOWING: list = []  # counts following storages resized in place now (`follow_resizes`): those above
 
 
 def block_bytes(nbytes: int) -> int:
@@ -44,9 +44,23 @@ def block_bytes(nbytes: int) -> int:
     return 0 if nbytes <= 0 else -(-nbytes // BLOCK) * BLOCK
 
 
+def _following() -> list:
+    """The counts a storage resized now is told to: those following (`follow_resizes`), and those whose op-counting
+    modes are on the dispatch stack now (`follows_resizes`: `live.CountOps`), each once."""
+    counts = list(_FOLLOWING) + [m.count for m in _torch_api.dispatch_modes() if getattr(m, "follows_resizes", False)]
+    return list({id(c): c for c in counts}.values())
+
+
 def _resized(storage) -> None:
-    for count in list(_FOLLOWING):
+    for count in _following():
         count.resized(storage)
+
+
+def watch_resizes() -> None:
+    """Wrap `UntypedStorage.resize_` while any count follows (`_following`), and give torch's back when none does.
+    Called where a count starts or stops following. A mode autograd drops from its stack without leaving it (one a
+    node entered and did not leave) stops following with it: it is no longer on the stack to be found."""
+    _torch_api.watch_storage_resizes(_resized if _following() else None)
 
 
 def follow_resizes(count: "StorageCount", on: bool) -> None:
@@ -55,7 +69,7 @@ def follow_resizes(count: "StorageCount", on: bool) -> None:
         _FOLLOWING.append(count)
     elif count in _FOLLOWING:
         _FOLLOWING.remove(count)
-    _torch_api.watch_storage_resizes(_resized if _FOLLOWING else None)
+    watch_resizes()
 
 
 def counting() -> Optional["StorageCount"]:

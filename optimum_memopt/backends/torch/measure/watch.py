@@ -29,7 +29,7 @@ from .. import _torch_api
 from ..nested import tensors_in
 from .live import CountOps, LiveCount, live_count
 from .profile import HEAD_SEGMENT, Segment, StepMemory
-from .storages import counting
+from .storages import counting, watch_resizes
 
 logger = logging.getLogger(__name__)
 
@@ -260,3 +260,4 @@ class StepReadings:
         mode, self._optimizer_mode = self._optimizer_mode, None
         if mode is not None and _torch_api.dispatch_mode_on_top(mode):
             mode.__exit__(None, None, None)
+        watch_resizes()  # a backward node's mode that autograd dropped unleft follows nothing now: torch's back
