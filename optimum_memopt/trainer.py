@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 IN_PROCESS = (
-    "the budget solver's choice: from a dry run of step one, checked by step one, or (`--memory_auto_dry_run false`, "
-    "or where no dry run can be made) from step one measured with every layer recomputed whole, running from step two"
+    "the budget solver's choice: from a dry run of step one, checked by step one (`--memory_auto_dry_run true`), or "
+    "from step one measured with every layer recomputed whole, running from step two"
 )
 
 
