@@ -143,6 +143,12 @@ class PartsCount(StorageCount):
             # layer's forward (or the model's, or a backward) begins, and they are weights from their first use on
             self._to_part(_torch_api.storage_identity(t.untyped_storage()), WEIGHTS)
 
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` held on the device outside the step, in `other`, from now on (no storage of the run's)."""
+        self.current += nbytes
+        self.parts[OTHER] += nbytes
+        self.peak = max(self.peak, self.current)
+
     def from_here(self) -> None:
         """Count the run's highest from now on: what came before never reached the device (a model built whole on
         the host and sharded before it is moved to the device, as accelerate prepares FSDP2)."""
@@ -487,6 +493,7 @@ def dry_run(
     model=None,
     batch: Optional[Callable[[], tuple]] = None,
     optimizer_from: Optional[Callable] = None,
+    held_bytes: int = 0,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -500,7 +507,9 @@ def dry_run(
     A training run's own step (`auto` starting from the plan: `backends.torch.decide.from_plan`) gives its `model` (on
     the meta device, built in place of `spec.config`'s), its `batch` (called under the fake mode: one micro-batch's
     positional and keyword arguments, fake copies of the real ones) and `optimizer_from` (the trained parameters to
-    an optimizer like the run's); the planner then chooses for this process alone, whatever process group is up."""
+    an optimizer like the run's); the planner then chooses for this process alone, whatever process group is up.
+    `held_bytes` is what that process holds on its device outside the step (another model, tensors kept from before:
+    `measure.live.held_outside`), counted from the start in `other`, as the device counts it in every reading."""
     import optimum_memopt
 
     began = time.perf_counter()
@@ -515,6 +524,7 @@ def dry_run(
     handle = None
     handles = []
     model = _build(spec) if model is None else model
+    count.hold(held_bytes)
     with _sharding(spec) as mesh, mode, unpacked, count:
         torch.manual_seed(0)
         _materialize(model, fake, device)

@@ -75,7 +75,7 @@ class RecomputeState:
         """Before a training forward of the model runs (and before it is counted): the run's first is where `auto`
         may start from a dry run of it (`planner.before_step_one`)."""
         if self.planner is not None and self.planner.stage == "start" and self.profile is None:
-            self.planner.before_step_one(self, args, kwargs)
+            self.planner.before_step_one(self, self._model, args, kwargs)
 
     def measuring(self) -> bool:
         """Whether the training step about to start may have its memory measured: step one (profiled and watched),

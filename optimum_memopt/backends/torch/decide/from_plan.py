@@ -80,13 +80,22 @@ def optimizer_like(optimizer):
 
 
 def dry_run_choice(
-    twin: nn.Module, args, kwargs, optimizer, budget_mb: float, grad_accum: int, autocast: Optional[str], ddp: int = 1
+    twin: nn.Module,
+    args,
+    kwargs,
+    optimizer,
+    budget_mb: float,
+    grad_accum: int,
+    autocast: Optional[str],
+    ddp: int = 1,
+    held_bytes: int = 0,
 ):
     """`auto`'s choice from a dry run of the step about to run: `twin` (`twin_of` the model) trained on fake copies of
     this forward's arguments (their shapes, strides and dtypes: a fake tensor has no values), with `optimizer`'s like,
     `grad_accum` micro-batches a step and autocast to `autocast` ("bfloat16") or none, and with DistributedDataParallel
-    over `ddp` processes, its gradient buckets. The process's random generators are given back as they were. The dry
-    run's `DryRun` (its `fit`: the choice, None where nothing fits)."""
+    over `ddp` processes, its gradient buckets, and `held_bytes` the process holds on the device outside the step
+    (`measure.live.held_outside`) counted from the start. The process's random generators are given back as they
+    were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits)."""
     from ....planning.dry_run import StepSpec, dry_run
 
     making = optimizer_like(optimizer)
@@ -101,4 +110,6 @@ def dry_run_choice(
     spec = StepSpec(getattr(twin, "config", None), grad_accum=grad_accum, autocast=autocast, ddp=ddp)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        return dry_run(spec, plans="auto", budget_mb=budget_mb, model=twin, batch=batch, optimizer_from=making)
+        return dry_run(
+            spec, "auto", budget_mb=budget_mb, model=twin, batch=batch, optimizer_from=making, held_bytes=held_bytes
+        )

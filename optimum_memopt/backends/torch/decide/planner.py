@@ -27,7 +27,7 @@ from typing import Callable, List, Optional
 
 from ....callbacks.base import atomic_write
 from ....memory import MIB, READABLE_DEVICES, MemoryMeter
-from ..measure.live import meter_for
+from ..measure.live import held_outside, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
@@ -126,10 +126,12 @@ class BudgetPlanner:
         elif self.stage == "verify":
             self._verify(state)
 
-    def before_step_one(self, state, args, kwargs) -> None:
-        """At the first training forward, before any of it runs: the choice from a dry run of this step, which step one
-        then runs (`from_plan`); where there is none, why, in the plan's file, and step one measures with every layer
-        recomputed whole. Once; every rank takes rank 0's choice."""
+    def before_step_one(self, state, model, args, kwargs) -> None:
+        """At the first training forward of `model`, before any of it runs: the choice from a dry run of this step,
+        which step one then runs (`from_plan`), with what the process holds on the device outside the step counted
+        from its start (`live.held_outside`: every reading of the step counts it); where there is none, why, in the
+        plan's file, and step one measures with every layer recomputed whole. Once; every rank takes rank 0's
+        choice."""
         twin, self.twin = self.twin, None
         why = self.no_dry_run
         if why is None and self.budget_bytes is None:
@@ -138,13 +140,15 @@ class BudgetPlanner:
             return
         if why is None and getattr(state, "optimizer", None) is None:
             why = "the run's optimizer is not known here (a loop of one's own, or DeepSpeed's)"
-        fit, dry = None, None
+        fit, dry, held = None, None, 0
         if why is None:
             from .from_plan import dry_run_choice
 
             try:
+                device = next(iter(model.parameters())).device
+                held = held_outside(model, (args, kwargs), device)
                 dry = dry_run_choice(
-                    twin, args, kwargs, state.optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp
+                    twin, args, kwargs, state.optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held
                 )
                 fit = dry.fit
                 if fit is None or fit.choice is None:
@@ -160,10 +164,11 @@ class BudgetPlanner:
         self._run(state, fit)
         config = f"`--memory_opt_config {fit.config()}`" if fit.config() else "to recompute nothing"
         took = f" in {dry.seconds:,.1f} s" if dry is not None else ""
+        outside = f", with {held / MIB:,.1f} MiB the process held outside the step" if held >= MIB / 10 else ""
         self.say(
             f"memory_opt_config auto: a dry run of step one{took} chose {config}, under the budget of "
-            f"{self.budget_mb:,.1f} MiB: predicted peak {fit.predicted.peak_mb:,.1f} MiB ({fit.predicted.where}); "
-            f"step one runs it and is measured to check it"
+            f"{self.budget_mb:,.1f} MiB: predicted peak {fit.predicted.peak_mb:,.1f} MiB ({fit.predicted.where}"
+            f"{outside}); step one runs it and is measured to check it"
         )
 
     def _choose(self, state, budget_bytes: Optional[int] = None) -> None:

@@ -32,7 +32,8 @@ import torch
 
 from ....memory import MIB, MemoryMeter, MemoryReading
 from .. import _torch_api
-from .storages import StorageCount, counting, watch_resizes
+from ..nested import tensors_in
+from .storages import StorageCount, block_bytes, counting, watch_resizes
 
 try:  # private: `torch._subclasses.fake_tensor.FakeTensor`; without it, no fake tensor is made here either
     from torch._subclasses.fake_tensor import FakeTensor as _FAKE
@@ -165,6 +166,39 @@ def live_count() -> LiveCount:
     if _LIVE is None:
         _LIVE = LiveCount()
     return _LIVE
+
+
+def held_outside(model: torch.nn.Module, inputs, device: torch.device) -> int:
+    """The bytes the process holds on `device` outside a training step about to run on `model` with `inputs` (its
+    forward's arguments): what the device's count reads, less the model's parameters, buffers and gradients and the
+    inputs, which a dry run of the step counts itself. Another model, an optimizer's state kept from an earlier run,
+    tensors a notebook keeps: every reading of the step counts them too. On the CPU, the storages the process's
+    live count has seen that are alive (none in a process that counted nothing before); on CUDA,
+    `torch.cuda.memory_allocated`'s figure."""
+    mine = {}
+
+    def add(t) -> None:
+        inner = _torch_api.wrapped_tensors(t)
+        if inner is not None:
+            for part in inner:
+                add(part)
+            return
+        if t.device != device or _torch_api.is_fake(t):
+            return
+        storage = t.untyped_storage()
+        mine[_torch_api.storage_identity(storage)] = storage
+        grad = t.grad if t.is_leaf and t.requires_grad else None
+        if grad is not None:
+            add(grad)
+
+    for t in list(model.parameters()) + list(model.buffers()) + tensors_in(inputs):
+        add(t)
+    if device.type == "cpu":
+        return live_count().held_except(mine)
+    if device.type == "cuda":
+        own = sum(block_bytes(s.nbytes()) for s in mine.values())
+        return max(0, torch.cuda.memory_allocated(device) - own)
+    return 0
 
 
 def meter_for(device: str):

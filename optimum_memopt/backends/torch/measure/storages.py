@@ -157,6 +157,10 @@ class StorageCount(_torch_api.TorchDispatchMode):
         self.count(storage)
         self.peak = max(self.peak, self.current)
 
+    def held_except(self, identities) -> int:
+        """The bytes counted now for storages other than those `identities` (`_torch_api.storage_identity`) name."""
+        return sum(nbytes for key, nbytes in self._live.items() if key not in identities)
+
     def _gone(self, key: int, _ref) -> None:
         self.current -= self._live.pop(key, 0)
         self._refs.pop(key, None)

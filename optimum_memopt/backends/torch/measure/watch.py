@@ -18,6 +18,7 @@ its backward are not counted; a temporary inside one op is not seen (as on CUDA)
 
 import itertools
 import logging
+import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
@@ -177,6 +178,23 @@ def count_backward(output, count: LiveCount) -> int:
     return len(seen)
 
 
+def _called_weakly(method: Callable) -> Callable:
+    """A function calling `method` through a weak reference to its object (nothing once the object is gone): a hook
+    registered for the whole process keeps no model alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args, **kwargs):
+        bound = ref()
+        return None if bound is None else bound(*args, **kwargs)
+
+    return call
+
+
+def _remove_all(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
 class StepReadings:
     """Counts the CPU's tensor storages (`live.LiveCount`) in the steps `wanted()` says are measured: after every op of
     `model`'s training forward, of its backward and of the optimizer's step (see `live`'s docstring); the count is
@@ -195,12 +213,17 @@ class StepReadings:
         self._depth = 0  # the model's forward called inside itself
         self._counted = False  # a forward of this step was counted: its optimizer step is counted too
         self._optimizer_mode: Optional[CountOps] = None
+        # torch's optimizer step hooks are the process's: they hold this weakly, and go with it (a trained model,
+        # its trainer and its optimizer's state are not kept for the rest of the process, nor read by later steps)
+        hooks = [
+            register_optimizer_step_pre_hook(_called_weakly(self._before_optimizer)),
+            register_optimizer_step_post_hook(_called_weakly(self._after_optimizer)),
+        ]
+        weakref.finalize(self, _remove_all, list(hooks))
         self._handles = [
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
-            register_optimizer_step_pre_hook(self._before_optimizer),
-            register_optimizer_step_post_hook(self._after_optimizer),
-        ]
+        ] + hooks
 
     def remove(self) -> None:
         self._after_optimizer()
