@@ -32,8 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 IN_PROCESS = (
-    "the budget solver's choice: from a dry run of step one, checked by step one (`--memory_auto_dry_run true`), or "
-    "from step one measured with every layer recomputed whole, running from step two"
+    "the budget solver's choice: from a dry run of step one, checked by step one (`--memory_auto_dry_run`, the "
+    "default), or from step one measured with every layer recomputed whole, running from step two"
 )
 
 
@@ -271,8 +271,19 @@ class MemoptTrainerMixin(OrtTrainerParts):
             grad_accum=a.gradient_accumulation_steps,
             autocast="bfloat16" if a.bf16 else ("float16" if a.fp16 else None),
             dry_run=a.memory_auto_dry_run,
+            no_dry_run=self._memopt_no_dry_run(),
             ddp=self._memopt_ddp_processes(),
         )
+
+    def _memopt_no_dry_run(self) -> Optional[str]:
+        """Why `auto` cannot start from a dry run of this run's own step (None where it can): the model it would copy
+        is the whole one, which FSDP and DeepSpeed shard after this point (`memopt-plan --fsdp` plans a sharded
+        step)."""
+        if getattr(self, "is_fsdp_enabled", False):
+            return "FSDP shards the model after the plugin wraps it (`memopt-plan --fsdp` plans a sharded step)"
+        if getattr(self, "is_deepspeed_enabled", False):
+            return "DeepSpeed partitions the model and owns its optimizer"
+        return None
 
     def _memopt_ddp_processes(self) -> int:
         """The processes DistributedDataParallel replicates the model over (what accelerate wraps it in with several

@@ -81,10 +81,11 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             With `--memory_opt_config auto` on the torch backend, instead of `--memory_budget_mb`: the share (0 to 1)
             of the bytes the layers keep for backward without recompute that the chosen plans may keep (as
             `torch.compile`'s `activation_memory_budget`); the least recompute time that keeps no more.
-        memory_auto_dry_run (`bool`, defaults to `False`):
+        memory_auto_dry_run (`bool`, defaults to `True`):
             With `--memory_opt_config auto --memory_budget_mb` on the torch backend: choose before step one from a
             dry run of it on fake tensors (`backends/torch/decide/from_plan.py`), step one checking the choice;
-            `false`: step one measures with every layer recomputed whole and the choice runs from step two.
+            `false`: step one measures with every layer recomputed whole and the choice runs from step two (also
+            what runs where no dry run of the run's own step can be made: FSDP, DeepSpeed, a loop of one's own).
         memory_probe_max_plans (`int`, defaults to 6), memory_probe_steps (`int`, defaults to 6):
             With `--memory_opt_config auto`: how many plans to measure, and for how many steps each.
         ort_log_level (`str`, defaults to `"WARNING"`):
@@ -163,11 +164,11 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
         },
     )
     memory_auto_dry_run: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "With --memory_opt_config auto --memory_budget_mb on the torch backend: choose before step one "
-            "from a dry run of it on fake tensors, and check the choice in step one (true); step one measures with "
-            "every layer recomputed whole and the choice runs from step two (false, the default for now)."
+            "from a dry run of it on fake tensors, and check the choice in step one (true, the default); false: step "
+            "one measures with every layer recomputed whole and the choice runs from step two."
         },
     )
     memory_probe_max_plans: int = field(

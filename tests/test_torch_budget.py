@@ -366,8 +366,6 @@ def test_step_one_is_read_after_every_op_and_misses_no_peak():
     64 MiB spike lasting microseconds is in its layer's forward and backward segments every time (the 2 ms sampler
     of the C allocator used before missed it). Nothing is left on once the step is over, or in a step that is not
     measured; a forward or a backward that raises leaves it all as it found it."""
-    import gc
-
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     from optimum_memopt.backends.torch.measure.live import LIVE_HOW, CountOps
@@ -409,6 +407,24 @@ def test_step_one_is_read_after_every_op_and_misses_no_peak():
     assert _get_current_dispatch_mode() is None
     step(model, x)
     assert _get_current_dispatch_mode() is None and held.grad_fn is not None
+
+    # an optimizer step that raises runs no post-hook: its count is left at the model's next forward
+    class Raising(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("step raised")
+
+    _, stepped = pair(gated_mlp, n=2)
+    engine(stepped, keep(2))
+    failing_optimizer = Raising(stepped.parameters(), lr=0.1)
+    step(stepped, x)  # step one, counted
+    with pytest.raises(RuntimeError, match="step raised"):
+        failing_optimizer.step()
+    assert isinstance(_get_current_dispatch_mode(), CountOps)  # torch ran the pre-hook only
+    stepped.layers[0].register_forward_pre_hook(lambda m, a: modes.append(_get_current_dispatch_mode()))
+    stepped.train()
+    with torch.no_grad():
+        stepped(x)
+    assert modes[-1] is None and _get_current_dispatch_mode() is None
 
 
 def test_layers_run_out_of_order_stop_the_planner_with_the_reason():
@@ -508,10 +524,15 @@ def test_a_trained_model_let_go_is_freed_with_its_trainer_and_optimizer(tmp_path
     import weakref
 
     trainer, _, _ = train_auto(tmp_path, 10**6, "let-go", dry_run=True)
-    gone = [weakref.ref(trainer.model), weakref.ref(trainer.optimizer.optimizer), weakref.ref(trainer)]
+    model = trainer.model  # kept: the optimizer and its state go all the same (the dry run held it until it ran)
+    gone = [weakref.ref(trainer.optimizer.optimizer), weakref.ref(trainer)]
     del trainer
     gc.collect()
-    assert [ref() is None for ref in gone] == [True, True, True]
+    assert [ref() is None for ref in gone] == [True, True]
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_dry_run_counts_what_the_process_holds_outside_the_step(tmp_path):

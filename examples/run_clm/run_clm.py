@@ -42,7 +42,6 @@ OFFLINE_DEFAULT_ARGS = [
     "--max_steps", "30", "--per_device_train_batch_size", "8", "--learning_rate", "5e-4", "--logging_steps", "5",
     "--report_to", "none", "--save_strategy", "no", "--block_size", "128",
     "--memory_opt_backend", "torch", "--use_peft", "--memory_opt_config", "auto", "--memory_budget_mb", "150",
-    "--memory_auto_dry_run", "true",
     "--print_memory_stats", "--disable_tqdm", "true",
 ]  # fmt: skip
 

@@ -70,6 +70,7 @@ class Budget:
     grad_accum: int = 1  # micro-batches a step (`--gradient_accumulation_steps`), for a dry run of the step
     autocast: Optional[str] = None  # "bfloat16" / "float16" under `--bf16` / `--fp16`, for a dry run of the step
     dry_run: bool = False  # choose before step one from a dry run of it (the Trainer's `--memory_auto_dry_run`)
+    no_dry_run: Optional[str] = None  # why no dry run of the run's own step can be made (FSDP, DeepSpeed), said
     # the processes DistributedDataParallel replicates the model over (1: none), for a dry run of the step: each holds
     # DDP's gradient buckets
     ddp: int = 1

@@ -526,7 +526,9 @@ def dry_run(
     model = _build(spec) if model is None else model
     count.hold(held_bytes)
     with _sharding(spec) as mesh, mode, unpacked, count:
-        torch.manual_seed(0)
+        # real tensors are made alike every run; fake ones draw nothing, and a run's own dry run (`from_plan`) must not
+        # reseed its devices' generators (`torch.manual_seed` seeds every CUDA device, lazily where none is up yet)
+        torch.manual_seed(0) if not fake else torch.default_generator.manual_seed(0)
         _materialize(model, fake, device)
         model.train()
         if checkpointing:

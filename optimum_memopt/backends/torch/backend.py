@@ -199,7 +199,10 @@ class TorchBackend(Backend):
         for note in policy.notes:
             logger.warning("%s", note)
         twin, no_twin = None, None
-        if settings.budget is not None and settings.budget.budget_mb is not None and settings.budget.dry_run:
+        budget = settings.budget
+        if budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
+            no_twin = budget.no_dry_run
+        elif budget is not None and budget.budget_mb is not None and budget.dry_run:
             from .decide.from_plan import twin_of
 
             try:  # for `auto` to start from a dry run of step one (made before the backend's hooks are on the model)
@@ -233,10 +236,12 @@ class TorchBackend(Backend):
         return model
 
     def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:
-        """The trainer's optimizer, for `auto`'s dry run of step one to train with one like it (not DeepSpeed's)."""
+        """The trainer's optimizer, for `auto`'s dry run of step one to train with one like it (not DeepSpeed's): held
+        only where that dry run is still to come, and let go of once it has run (`BudgetPlanner.before_step_one`)."""
         if not deepspeed:
             for state in list(self._mine):
-                state.optimizer = optimizer
+                if state.planner is not None and state.planner.twin is not None:
+                    state.optimizer = optimizer
         return None
 
     def auto_choice(self, wrapped: nn.Module) -> Optional[dict]:

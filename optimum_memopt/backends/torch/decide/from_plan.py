@@ -51,6 +51,12 @@ def twin_of(model: nn.Module) -> nn.Module:
         return nn.Parameter(made, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else made
 
     for module in model.modules():
+        for name in _HOOKS:  # copied empty: a hook bound to an outside object (a cache, accelerate's) is not copied
+            hooks = getattr(module, name, None)
+            if hooks is not None:
+                memo[id(hooks)] = type(hooks)()
+        if getattr(module, "_hf_hook", None) is not None:  # accelerate's (device maps, offload): its weights map too
+            memo[id(module._hf_hook)] = None
         tensors = list(module._parameters.values()) + list(module._buffers.values())
         tensors += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
         for t in tensors:
@@ -108,7 +114,8 @@ def dry_run_choice(
         return map_tensors((tuple(args), dict(kwargs)), fake)
 
     spec = StepSpec(getattr(twin, "config", None), grad_accum=grad_accum, autocast=autocast, ddp=ddp)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    devices = list(range(torch.cuda.device_count())) if cuda else []  # every device's generator given back
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         return dry_run(
             spec, "auto", budget_mb=budget_mb, model=twin, batch=batch, optimizer_from=making, held_bytes=held_bytes

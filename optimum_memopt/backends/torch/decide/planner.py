@@ -19,6 +19,7 @@ them (the budget is per device: a peak predicted on any rank counts) and the oth
 process trains under one policy and stops with the same message when nothing fits.
 """
 
+import gc
 import json
 import logging
 import os
@@ -118,7 +119,11 @@ class BudgetPlanner:
 
     def at_step_start(self, state, device: str) -> None:
         """Called by the engine as the first layer's forward starts the run's first step and each step after one
-        ended (`RecomputeState.step_done`)."""
+        ended (`RecomputeState.step_done`). The step about to run is measured (step one, then each check): the
+        process's garbage is collected first, so that nothing an earlier computation left in a reference cycle is
+        freed by chance inside it, which would lower its readings and the prediction made from them."""
+        if self.stage in ("start", "measure", "verify"):
+            gc.collect()
         if self.stage == "start":
             self.arm(state, device)
         elif self.stage == "measure":
@@ -130,32 +135,34 @@ class BudgetPlanner:
         """At the first training forward of `model`, before any of it runs: the choice from a dry run of this step,
         which step one then runs (`from_plan`), with what the process holds on the device outside the step counted
         from its start (`live.held_outside`: every reading of the step counts it); where there is none, why, in the
-        plan's file, and step one measures with every layer recomputed whole. Once; every rank takes rank 0's
-        choice."""
+        plan's file, and step one measures with every layer recomputed whole. Once, on rank 0 (the others wait for
+        its choice, which every rank runs: a dry run on each would cost every process its CPU time for nothing)."""
         twin, self.twin = self.twin, None
+        optimizer, state.optimizer = getattr(state, "optimizer", None), None  # not kept past the dry run
         why = self.no_dry_run
         if why is None and self.budget_bytes is None:
             return
         if why is None and twin is None:
             return
-        if why is None and getattr(state, "optimizer", None) is None:
-            why = "the run's optimizer is not known here (a loop of one's own, or DeepSpeed's)"
+        if why is None and optimizer is None:
+            why = "the run's optimizer is not known here (a loop of one's own)"
         fit, dry, held = None, None, 0
-        if why is None:
+        ranks = Ranks(alone=self.alone)
+        if why is None and ranks.rank == 0:
             from .from_plan import dry_run_choice
 
             try:
+                gc.collect()  # what the process holds outside the step, with no garbage waiting to be freed in it
                 device = next(iter(model.parameters())).device
-                held = held_outside(model, (args, kwargs), device)
+                held = held_outside(model, (args, kwargs), device, optimizer, self.ddp)
                 dry = dry_run_choice(
-                    twin, args, kwargs, state.optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held
+                    twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held
                 )
                 fit = dry.fit
                 if fit is None or fit.choice is None:
                     why = f"nothing fits {self.asked} in the dry run{': ' + fit.why_not if fit is not None else ''}"
             except Exception as e:  # the dry run's own failure costs the run nothing but the step
                 why = f"the dry run of step one failed ({type(e).__name__}: {e})"
-        ranks = Ranks(alone=self.alone)
         fit, why = ranks.from_rank0((fit if why is None else None, why))
         if fit is None:
             self.detail(f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}")

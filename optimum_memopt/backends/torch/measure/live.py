@@ -168,12 +168,14 @@ def live_count() -> LiveCount:
     return _LIVE
 
 
-def held_outside(model: torch.nn.Module, inputs, device: torch.device) -> int:
+def held_outside(model: torch.nn.Module, inputs, device: torch.device, optimizer=None, ddp: int = 1) -> int:
     """The bytes the process holds on `device` outside a training step about to run on `model` with `inputs` (its
-    forward's arguments): what the device's count reads, less the model's parameters, buffers and gradients and the
-    inputs, which a dry run of the step counts itself. Another model, an optimizer's state kept from an earlier run,
-    tensors a notebook keeps: every reading of the step counts them too. On the CPU, the storages the process's
-    live count has seen that are alive (none in a process that counted nothing before); on CUDA,
+    forward's arguments): what the device's count reads, less what a dry run of the step counts itself: the model's
+    parameters, buffers and gradients, the inputs, `optimizer`'s state (loaded before step one where a run resumes)
+    and, under DistributedDataParallel over `ddp` processes, its gradient buckets (made on the device when DDP wraps
+    the model: as many bytes as the trained parameters). Another model, tensors a notebook keeps: every reading of the
+    step counts them too. On the CPU, the storages the process's live count has seen that are alive (none in a
+    process that counted nothing before; DDP's buckets are first seen in backward); on CUDA,
     `torch.cuda.memory_allocated`'s figure."""
     mine = {}
 
@@ -191,12 +193,16 @@ def held_outside(model: torch.nn.Module, inputs, device: torch.device) -> int:
         if grad is not None:
             add(grad)
 
-    for t in list(model.parameters()) + list(model.buffers()) + tensors_in(inputs):
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper's
+    state = list(getattr(inner, "state", {}).values())
+    for t in list(model.parameters()) + list(model.buffers()) + tensors_in(inputs) + tensors_in(state):
         add(t)
     if device.type == "cpu":
         return live_count().held_except(mine)
     if device.type == "cuda":
         own = sum(block_bytes(s.nbytes()) for s in mine.values())
+        if ddp > 1:
+            own += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return max(0, torch.cuda.memory_allocated(device) - own)
     return 0
 

@@ -213,6 +213,7 @@ class StepReadings:
         self._depth = 0  # the model's forward called inside itself
         self._counted = False  # a forward of this step was counted: its optimizer step is counted too
         self._optimizer_mode: Optional[CountOps] = None
+        self._model = weakref.ref(model)  # whose optimizer's step is counted (another model's optimizer is not)
         # torch's optimizer step hooks are the process's: they hold this weakly, and go with it (a trained model,
         # its trainer and its optimizer's state are not kept for the rest of the process, nor read by later steps)
         hooks = [
@@ -235,6 +236,8 @@ class StepReadings:
         if self._stale is not None and _torch_api.dispatch_mode_on_top(self._stale):
             self._stale.__exit__(None, None, None)
             self._stale = None
+        if self._optimizer_mode is not None:  # an optimizer step that raised runs no post-hook: its count is left here
+            self._after_optimizer()
         if self._mode is not None:
             self._depth += 1
             return None
@@ -273,12 +276,23 @@ class StepReadings:
             count_backward(output, self.count)
         return None
 
+    def _steps_mine(self, optimizer) -> bool:
+        """Whether `optimizer` (one of torch's: the hooks are given the inner one of accelerate's wrapper) steps any
+        of the model's parameters: only its step belongs to the model's counted step."""
+        model = self._model()
+        if model is None or optimizer is None:
+            return optimizer is None
+        mine = {id(p) for p in model.parameters()}
+        return any(id(p) in mine for group in getattr(optimizer, "param_groups", []) for p in group["params"])
+
     def _before_optimizer(self, optimizer=None, args=None, kwargs=None):
-        if self._counted and self._optimizer_mode is None and counting() is None:
+        if self._counted and self._optimizer_mode is None and counting() is None and self._steps_mine(optimizer):
             self._optimizer_mode = self.count.ops()
             self._optimizer_mode.__enter__()
 
     def _after_optimizer(self, optimizer=None, args=None, kwargs=None):
+        if optimizer is not None and not self._steps_mine(optimizer):
+            return  # another model's optimizer: this model's counted step is not over
         self._counted = False
         mode, self._optimizer_mode = self._optimizer_mode, None
         if mode is not None and _torch_api.dispatch_mode_on_top(mode):
