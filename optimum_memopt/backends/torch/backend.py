@@ -201,7 +201,7 @@ class TorchBackend(Backend):
         twin, no_twin = None, None
         budget = settings.budget
         if budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
-            no_twin = budget.no_dry_run
+            no_twin = budget.no_dry_run  # FSDP, DeepSpeed: the model copied here is not the one that trains
         elif budget is not None and budget.budget_mb is not None and budget.dry_run:
             from .decide.from_plan import twin_of
 

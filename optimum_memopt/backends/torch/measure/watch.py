@@ -291,8 +291,9 @@ class StepReadings:
             self._optimizer_mode.__enter__()
 
     def _after_optimizer(self, optimizer=None, args=None, kwargs=None):
-        if optimizer is not None and not self._steps_mine(optimizer):
-            return  # another model's optimizer: this model's counted step is not over
+        waiting = self._counted and self._optimizer_mode is None  # a counted step whose optimizer has not stepped
+        if waiting and optimizer is not None and not self._steps_mine(optimizer):
+            return  # another model's optimizer: this model's step is not over (asked in counted steps only)
         self._counted = False
         mode, self._optimizer_mode = self._optimizer_mode, None
         if mode is not None and _torch_api.dispatch_mode_on_top(mode):
