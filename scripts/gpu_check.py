@@ -137,7 +137,8 @@ def interleaved(rounds: int, runs) -> list:
     return rows
 
 
-def benchmarks(a, device: str) -> dict:
+def benchmarks(a, device: str, save) -> dict:
+    """`save(out)` is called after each part, so that a run stopped midway leaves the parts it finished."""
     base = [DECODER, "--seed", "42", *SIZES[device]]
     if device == "cpu":
         base.append("--use_cpu")
@@ -151,9 +152,11 @@ def benchmarks(a, device: str) -> dict:
     ]
     print("benchmark a: whole-layer recompute", flush=True)
     out = {"whole_layers": {"decoder": " ".join(base[1:] + half), "rows": interleaved(a.rounds, whole)}}
+    save(out)
     print("benchmark c: the dry run of benchmark a's decoder beside the device", flush=True)
     measured = {r["config"]: r.get("peak_mib") for r in out["whole_layers"]["rows"]}
     out["dry_run"] = dry_run_check(device, a.batch, measured)
+    save(out)
 
     hidden = int(SIZES[device][SIZES[device].index("--hidden") + 1])
     vocab_script = base + ["--vocab", str(32 * hidden)]
@@ -185,6 +188,7 @@ def benchmarks(a, device: str) -> dict:
             if "peak_mib" in row:
                 row["fits"] = row["peak_mib"] <= budget
     out["loss_in_the_solve"] = result
+    save(out)
     return out
 
 
@@ -247,7 +251,8 @@ def markdown(report: dict) -> str:
         + f"; Python {env['python']}; "
         + ", ".join(f"{k} {v}" for k, v in env["packages"].items())
         + (f"; missing: {', '.join(env['missing'])}" if env["missing"] else "")
-        + f". {report['seconds']:.0f} s in all.",
+        + f". {report['seconds']:.0f} s in all"
+        + ("." if report.get("finished", True) else ", and not finished: the parts below are those that ended."),
         "",
     ]
     tests = report.get("tests")
@@ -272,7 +277,9 @@ def markdown(report: dict) -> str:
     if bench is not None:
         lines += ["## Benchmarks", "", "Peak: the device's peak over the run (MiB); s/step: the median step.", ""]
         for key, title in (("whole_layers", "Whole-layer recompute"), ("loss_in_the_solve", "The loss in the solve")):
-            part = bench[key]
+            part = bench.get(key)
+            if part is None:
+                continue
             lines += [f"### {title}", "", f"`benchmarks/decoder.py {part['decoder']}`", ""]
             if key == "loss_in_the_solve":
                 e = part["eager_at_base"]
@@ -356,15 +363,24 @@ def main(argv=None) -> int:
         "device": device,
         "environment": environment(device),
     }
+    path = os.path.join(a.out, "gpu_check.md")
+
+    def save(part=None, done=False):
+        """The report so far (each part as it ends, so a run stopped midway leaves what it finished)."""
+        if part is not None:
+            report["benchmarks"] = part
+        report["seconds"] = time.perf_counter() - began
+        report["finished"] = done
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(markdown(report))
+
     if not a.skip_tests:
         print("gpu_check: the GPU tests", flush=True)
         report["tests"] = run_tests(a.out, a.tests if a.tests is not None else GPU_TESTS, a.test_timeout)
+        save()
     if not a.skip_benchmarks:
-        report["benchmarks"] = benchmarks(a, device)
-    report["seconds"] = time.perf_counter() - began
-    path = os.path.join(a.out, "gpu_check.md")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(markdown(report))
+        benchmarks(a, device, save)
+    save(done=True)
     print(f"gpu_check: the report is in {path}", flush=True)
     failed = report.get("tests", {}).get("exit") not in (None, 0, 5)
     return 1 if failed else 0
