@@ -139,7 +139,7 @@ def interleaved(rounds: int, runs) -> list:
 
 def benchmarks(a, device: str, save) -> dict:
     """`save(out)` is called after each part, so that a run stopped midway leaves the parts it finished."""
-    base = [DECODER, "--seed", "42", *SIZES[device]]
+    base = [DECODER, "--seed", "42", *SIZES["gpu" if device == "cuda" else "cpu"]]
     if device == "cpu":
         base.append("--use_cpu")
     half = ["--bf16", "true"] if device == "cuda" else []
@@ -158,7 +158,7 @@ def benchmarks(a, device: str, save) -> dict:
     out["dry_run"] = dry_run_check(device, a.batch, measured)
     save(out)
 
-    hidden = int(SIZES[device][SIZES[device].index("--hidden") + 1])
+    hidden = int(dict(zip(base[3::2], base[4::2]))["--hidden"])
     vocab_script = base + ["--vocab", str(32 * hidden)]
     print("benchmark b: the loss in the solve (eager's peak at the base batch is the budget)", flush=True)
     eager = measure(vocab_script, "eager", plain, a.base_batch, a.steps)
@@ -196,9 +196,9 @@ def dry_run_check(device: str, batch: int, measured: dict) -> dict:
     """Benchmark a's decoder dry-run on fake tensors (on the CPU, counted as CUDA counts) beside what the device
     measured; and, on CUDA, the same steps on real tensors under the same count beside CUDA's own peak counter: what
     the count cannot see (the libraries' workspaces, an op's scratch) is their difference."""
-    import torch
     from transformers import LlamaConfig
 
+    from optimum_memopt.planning.devices import WORKSPACES_MIB
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
     size = dict(
@@ -222,19 +222,79 @@ def dry_run_check(device: str, batch: int, measured: dict) -> dict:
         ("ours: level 1", dict(level=1)),
     ):
         row = {"config": label, "measured_mib": measured.get(label)}
-        fake = dry_run(spec, **kw)
+        fake = dry_run(spec, **kw, held_bytes=int(WORKSPACES_MIB * 2**20) if device == "cuda" else 0)
         row["dry_run_mib"] = fake.peak_bytes / 2**20
         row["dry_run_seconds"] = fake.seconds
         if device == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            start = torch.cuda.memory_allocated()
-            real = dry_run(spec, fake=False, device="cuda", **kw)
-            row["real_count_mib"] = real.peak_bytes / 2**20
-            row["cuda_peak_mib"] = (torch.cuda.max_memory_allocated() - start) / 2**20
+            row.update(beside_the_allocator(spec, kw))
         rows.append(row)
         print(f"  {label}: {row}", flush=True)
     return {"decoder": f"{size} batch {batch}", "rows": rows}
+
+
+def beside_the_allocator(spec, kw) -> dict:
+    """The dry run's steps on CUDA's real tensors under the dry run's count, CUDA's caching allocator read around every
+    op: its peak over the run beside the count's (what the count cannot see is their difference), the count when the
+    device was at its highest, and the ops that allocate most inside themselves and free it before they return
+    (workspaces and scratch: the count sees an op's outputs only)."""
+    import torch
+
+    from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch.measure.live import make_library_workspaces
+    from optimum_memopt.planning import dry_run as module
+
+    class AllocatorBeside(module.PartsCount):
+        def __init__(self, device: str = "cpu"):
+            super().__init__(device)
+            self.inside = {}  # op -> (the most it held inside itself past its inputs and outputs, its inputs then)
+            self.device_top, self.counted_then, self.op_then, self.where_then = 0, 0, "", ""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            before, counted = torch.cuda.memory_allocated(), self.current
+            torch.cuda.reset_peak_memory_stats()
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            top, after = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
+            name = _torch_api.op_name(func)
+            held = top - max(before, after)
+            if held > self.inside.get(name, (0, ""))[0]:
+                shapes = [f"{str(t.dtype)[6:]}{list(t.shape)}" for t in module.tensors_in(args)]
+                self.inside[name] = (held, f"{', '.join(shapes)} {kwargs or ''}".strip())
+            if top > self.device_top:
+                self.device_top, self.counted_then = top, max(counted, self.current)
+                self.op_then, self.where_then = name, f"step {self.step}, {self.where}"
+            return out
+
+    seen = {}
+
+    class Kept(AllocatorBeside):
+        def __init__(self, device: str = "cpu"):
+            super().__init__(device)
+            seen["count"] = self
+
+    torch.cuda.empty_cache()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # made again below, and measured
+    if clear is not None:
+        clear()
+    start = torch.cuda.memory_allocated()
+    made = make_library_workspaces(torch.device("cuda"))
+    original, module.PartsCount = module.PartsCount, Kept
+    try:
+        real = module.dry_run(spec, fake=False, device="cuda", held_bytes=made, **kw)
+    finally:
+        module.PartsCount = original
+    count = seen["count"]
+    mib = 2**20
+    inside = sorted(((n, b, a) for n, (b, a) in count.inside.items() if b > 0), key=lambda x: -x[1])[:6]
+    return {
+        "workspaces_mib": made / mib,
+        "real_count_mib": real.peak_bytes / mib,
+        "cuda_peak_mib": (count.device_top - start) / mib,
+        "count_at_cuda_peak_mib": count.counted_then / mib,
+        "unseen_at_cuda_peak_mib": (count.device_top - start - count.counted_then) / mib,
+        "op_at_cuda_peak": f"{count.op_then} ({count.where_then})",
+        "scratch_inside_ops_mib": {name: round(b / mib, 2) for name, b, _ in inside},
+        "scratch_inside_ops_inputs": {name: inputs for name, _, inputs in inside},
+    }
 
 
 def markdown(report: dict) -> str:
@@ -313,20 +373,29 @@ def markdown(report: dict) -> str:
             "### The dry run beside the device",
             "",
             "Benchmark a's decoder. Dry run: fake tensors on the CPU, storages counted as CUDA counts them (the whole "
-            "run's peak, weights included). Real count: the same steps on CUDA under the same count; CUDA's peak: "
-            "`max_memory_allocated` over them, the level before taken off. Measured: benchmark a's peak.",
+            "run's peak, weights included), with cuBLAS's workspaces as a plan for a card counts them "
+            "(`devices.WORKSPACES_MIB`, on CUDA only). Real count: the same steps on CUDA under the same count, with "
+            "the workspaces made and measured before them; CUDA's peak: `max_memory_allocated` over them, the level "
+            "before the workspaces taken off; unseen: CUDA's peak less the count at that moment (an op's scratch, the "
+            "allocator's whole blocks). Measured: benchmark a's peak.",
             "",
-            "| configuration | measured MiB | dry run MiB | dry vs measured | real count MiB | CUDA's peak MiB |",
-            "|---|---|---|---|---|---|",
+            "| configuration | measured MiB | dry run MiB | dry vs measured | real count MiB | CUDA's peak MiB "
+            "| unseen at CUDA's peak MiB | the op then | most scratch inside one op |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for row in dry["rows"]:
             m = row.get("measured_mib")
             diff = f"{100 * (row['dry_run_mib'] - m) / m:+.1f}%" if m else "-"
             real = row.get("real_count_mib")
             cuda = row.get("cuda_peak_mib")
+            unseen = row.get("unseen_at_cuda_peak_mib")
+            scratch = row.get("scratch_inside_ops_mib") or {}
+            top = next(iter(scratch.items()), None)
             lines.append(
                 f"| {row['config']} | {m or 0:,.1f} | {row['dry_run_mib']:,.1f} | {diff} | "
-                f"{'-' if real is None else f'{real:,.1f}'} | {'-' if cuda is None else f'{cuda:,.1f}'} |"
+                f"{'-' if real is None else f'{real:,.1f}'} | {'-' if cuda is None else f'{cuda:,.1f}'} | "
+                f"{'-' if unseen is None else f'{unseen:,.1f}'} | {row.get('op_at_cuda_peak', '-')} | "
+                f"{'-' if top is None else f'{top[0]}: {top[1]:,.1f} MiB'} |"
             )
         lines.append("")
     lines += ["## Raw figures", "", "```json", json.dumps(report, indent=1, default=str), "```", ""]

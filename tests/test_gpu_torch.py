@@ -13,6 +13,9 @@ import torch
 from helpers import ClsData, LossRecordingTrainer, Tokens, make_args, tiny_decoder
 from test_backend_torch import build_model
 
+from optimum_memopt.backends.torch.measure.live import held_outside, make_library_workspaces
+from optimum_memopt.backends.torch.names import canonical_ops
+
 pytestmark = [pytest.mark.torch_backend, pytest.mark.gpu]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -44,12 +47,38 @@ def test_cuda_dropout_replays_its_random_state(tmp_path):
     found = _found(tmp_path / "probe")
     assert any(p.startswith("Dropout+") for p in found), found
     eager = _train(tmp_path / "eager", "--memory_opt_backend", "none", dropout=0.1).losses
+    plans, claimed = [], set()
+    for plan in sorted(
+        found, key=lambda p: not p.startswith("Dropout+")
+    ):  # each op in one plan (the flag refuses one named twice)
+        names = set(canonical_ops(plan.split(":")[0])[0])
+        if not names & claimed:
+            plans.append(plan)
+            claimed |= names
     run = _train(
-        tmp_path / "run", "--memory_opt_backend", "torch", "--memory_opt_config", ",".join(found), dropout=0.1
+        tmp_path / "run", "--memory_opt_backend", "torch", "--memory_opt_config", ",".join(plans), dropout=0.1
     )
     assert max(abs(a - b) for a, b in zip(run.losses, eager)) <= 1e-5, (run.losses, eager)
     on = {p["config"] for p in _report(tmp_path / "run")["plans"] if p["enabled"]}
     assert any(p.startswith("Dropout+") for p in on), on
+
+
+@needs_cuda
+def test_cuda_library_workspaces_are_made_once_and_counted_as_held():
+    """cuBLAS's workspaces (one for this thread, one for autograd's) are blocks CUDA's counter reads and no storage
+    shows: `auto` makes them before its dry run of step one, so that what the process holds outside the step counts
+    them (else step one's check reads them over the prediction)."""
+    device = torch.device("cuda")
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
+    model = torch.nn.Linear(64, 64).to(device)
+    before = held_outside(model, (), device)
+    made = make_library_workspaces(device)
+    if clear is not None:
+        assert made >= 2**20, made  # 65 MiB on an H200: 32 a thread, and 1 more
+    assert make_library_workspaces(device) == 0  # made once
+    assert held_outside(model, (), device) == before + made
 
 
 @needs_cuda

@@ -131,7 +131,8 @@ def validate(args) -> None:
     if args.deepspeed:
         raise UsageError(
             f"`--deepspeed {args.deepspeed}`: ZeRO's partitions are DeepSpeed's own code, which a dry run does not run"
-            f" on fake tensors yet; plan without it (DDP: each process holds the whole model) or with FSDP2, as in "
+            f" on fake tensors; plan without it (DDP: each process holds the whole model) or with FSDP2, which shards "
+            f"weights, gradients and optimizer state over the processes as ZeRO-3 does, as in "
             f"`--fsdp 'full_shard auto_wrap' --num_processes 8`"
         )
     if args.memory_opt_level not in (0, 1):

@@ -1,10 +1,18 @@
 """The devices a plan is made for: each card's memory and its rates, as NVIDIA's data sheets give them (dense, no
 sparsity: BF16/FP16 tensor-core FLOP/s with FP32 accumulation, FP32 FLOP/s without tensor cores, memory bandwidth).
 
-What a step can hold on a card is less than its memory: the CUDA context and the libraries' workspaces take some
-(`CONTEXT_GIB`, a round figure: about 0.5 GiB for the context on an H100 plus cuBLAS's and the attention kernels'
-workspaces), and the caching allocator's fragmentation takes a share of the rest (`FRAGMENTATION`). Both are
-stated beside every plan that uses them, and a budget given in MiB replaces them.
+What a step can hold on a card is less than its memory: the CUDA context takes some, with what an op holds inside
+itself (`CONTEXT_GIB`, a round figure: about 0.5 GiB for the context on an H100, and an attention backward's or a
+reduction's scratch: 65 and 128 MiB in the GPU kit's decoder), and the caching allocator's fragmentation takes a
+share of the rest (`FRAGMENTATION`). Both are stated beside every plan that uses them, and a budget given in MiB
+replaces them.
+
+cuBLAS's workspaces are tensors' blocks in the caching allocator, counted by CUDA's `memory_allocated` from a
+thread's first matmul on, one for each thread that runs them (a training step's forward and autograd's backward):
+`WORKSPACES_MIB`, which a dry run for a card counts in `other` from the start. Measured on an H200 (torch 2.11, CUDA
+13.0, the default `CUBLAS_WORKSPACE_CONFIG`; docs/GPU.md): 32 MiB a thread, 65 MiB made in all by a small product
+with and without a bias, forward and backward (`measure.live.make_library_workspaces`); counted for every card here
+(torch's default is smaller before Hopper: an upper figure there).
 """
 
 from dataclasses import dataclass
@@ -13,6 +21,7 @@ from typing import Dict, Optional
 GIB_MIB = 1024.0
 CONTEXT_GIB = 1.0
 FRAGMENTATION = 0.05
+WORKSPACES_MIB = 65.0  # cuBLAS's, the forward's thread and autograd's: measured on an H200 (docs/GPU.md)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Union
 
-from .devices import Device, find
+from .devices import WORKSPACES_MIB, Device, find
 from .dry_run import NOT_SEEN, PARTS, DryRun, StepSpec, dry_run
 
 MIB = float(1024 * 1024)
@@ -71,6 +71,7 @@ class Plan:
             "budget_mb": self.budget_mb,
             "unit": "MiB of tensor storages as CUDA's caching allocator counts them (512-byte blocks)",
             "not_seen": NOT_SEEN,
+            "workspaces_mb": WORKSPACES_MIB if self.device is not None else 0.0,
             "step_seconds_are": ROOFLINE,
             "configurations": [asdict(c) for c in self.configurations],
             "reach": self.reach,
@@ -157,6 +158,8 @@ def format_plan(plan: Plan) -> str:
             ways.append("shard it over several cards (`--fsdp 'full_shard auto_wrap' --num_processes 8`)")
         ways.append("a card with more memory")
         lines.append(f"nothing fits: {', or '.join(ways)}")
+    if plan.device is not None:
+        lines.append(f"counted in other: cuBLAS's workspaces, {WORKSPACES_MIB:g} MiB (as measured on an H200)")
     lines.append(f"not seen by a dry run (leave room for them): {NOT_SEEN}")
     lines.append(ROOFLINE)
     return "\n".join(lines)
@@ -256,13 +259,15 @@ def plan(
     target = find(device)
     if budget_mb is None and target is not None:
         budget_mb = target.budget_mb
+    # a card's cuBLAS workspaces (the forward's thread and autograd's), which its counter reads and no storage shows
+    held = int(WORKSPACES_MIB * MIB) if target is not None else 0
     causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ["ForCausalLM"]))
     out = Plan(name, spec, target, budget_mb, [])
     for label, flags, kwargs in _configurations(causal, plans, level, budget_mb):
         conf = Configuration(label, flags)
         try:
             with _quiet():
-                result = dry_run(spec, **kwargs, cost_device=target)
+                result = dry_run(spec, **kwargs, cost_device=target, held_bytes=held)
         except (RuntimeError, ValueError) as e:
             conf.problem = _short(str(e))
         else:
@@ -274,7 +279,7 @@ def plan(
         out.configurations.append(conf)
     floor = next((c for c in out.configurations if c.name == ("level 1 + Loss+" if causal else _LEVEL1)), None)
     if search and budget_mb is not None and floor is not None and floor.peak_mb is not None:
-        out.reach = _reach(spec, causal, budget_mb, floor)
+        out.reach = _reach(spec, causal, budget_mb, floor, held)
     return out
 
 
@@ -330,8 +335,9 @@ def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known
     return (fits or None), runs
 
 
-def _reach(spec: StepSpec, causal: bool, budget_mb: float, floor: Configuration) -> dict:
+def _reach(spec: StepSpec, causal: bool, budget_mb: float, floor: Configuration, held: int = 0) -> dict:
     kwargs = dict(plans="Layer+:1:-1,Loss+:1:-1") if causal else dict(level=1)
+    kwargs["held_bytes"] = held
     budget = budget_mb * MIB
     known = int((floor.peak_mb or 0) * MIB)
     most_tokens = getattr(spec.config.get_text_config(), "max_position_embeddings", None) or 1 << 20

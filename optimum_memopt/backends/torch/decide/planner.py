@@ -28,7 +28,7 @@ from typing import Callable, List, Optional
 
 from ....callbacks.base import atomic_write
 from ....memory import MIB, READABLE_DEVICES, MemoryMeter
-from ..measure.live import held_outside, meter_for
+from ..measure.live import held_outside, make_library_workspaces, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
@@ -146,7 +146,7 @@ class BudgetPlanner:
             return
         if why is None and optimizer is None:
             why = "the run's optimizer is not known here (a loop of one's own)"
-        fit, dry, held = None, None, 0
+        fit, dry, held, libraries = None, None, 0, 0
         ranks = Ranks(alone=self.alone)
         if why is None and ranks.rank == 0:
             from .from_plan import dry_run_choice
@@ -154,6 +154,7 @@ class BudgetPlanner:
             try:
                 gc.collect()  # what the process holds outside the step, with no garbage waiting to be freed in it
                 device = next(iter(model.parameters())).device
+                libraries = make_library_workspaces(device)  # before step one, so that what is held counts them
                 held = held_outside(model, (args, kwargs), device, optimizer, self.ddp)
                 dry = dry_run_choice(
                     twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held
@@ -172,6 +173,8 @@ class BudgetPlanner:
         config = f"`--memory_opt_config {fit.config()}`" if fit.config() else "to recompute nothing"
         took = f" in {dry.seconds:,.1f} s" if dry is not None else ""
         outside = f", with {held / MIB:,.1f} MiB the process held outside the step" if held >= MIB / 10 else ""
+        if outside and libraries:
+            outside += f" ({libraries / MIB:,.1f} MiB of it cuBLAS's workspaces, made before the dry run)"
         self.say(
             f"memory_opt_config auto: a dry run of step one{took} chose {config}, under the budget of "
             f"{self.budget_mb:,.1f} MiB: predicted peak {fit.predicted.peak_mb:,.1f} MiB ({fit.predicted.where}"

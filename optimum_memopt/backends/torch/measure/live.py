@@ -168,6 +168,24 @@ def live_count() -> LiveCount:
     return _LIVE
 
 
+def make_library_workspaces(device: torch.device) -> int:
+    """On CUDA, make the workspaces cuBLAS keeps on `device` for a training step's two threads (this one, which runs
+    the forward, and autograd's, which runs the backward), as the step's first matmuls would, and give the bytes made:
+    blocks of the caching allocator that CUDA's counter reads from then on and that no tensor storage shows (65 MiB
+    on an H200 with torch's defaults: 32 a thread, and 1 more), so that `held_outside`, read after, counts them. A
+    small product with and without a bias, forward and backward; nothing is made where they exist already.
+    Elsewhere 0: the CPU's libraries keep no tensor."""
+    if device.type != "cuda":
+        return 0
+    with torch.cuda.device(device):
+        before = torch.cuda.memory_allocated(device)
+        x = torch.ones(16, 16, device=device, requires_grad=True)
+        bias = torch.zeros(16, device=device, requires_grad=True)
+        (torch.addmm(bias, x, x) + x @ x).sum().backward()
+        del x, bias
+        return torch.cuda.memory_allocated(device) - before
+
+
 def held_outside(model: torch.nn.Module, inputs, device: torch.device, optimizer=None, ddp: int = 1) -> int:
     """The bytes the process holds on `device` outside a training step about to run on `model` with `inputs` (its
     forward's arguments): what the device's count reads, less what a dry run of the step counts itself: the model's
