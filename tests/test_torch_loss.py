@@ -1,28 +1,18 @@
 """The loss lever (`Loss+`): a causal LM's head and cross-entropy over chunks of tokens, each chunk's logits made
 again in backward. Same losses and gradients as the model's own forward (bitwise with one chunk), on Llama, Qwen2,
-Qwen3 and Gemma 2 (tied embeddings, soft-capped logits); with ignored labels, `num_items_in_batch`, `shift_labels`,
-label smoothing, a LoRA on `lm_head` and bf16 autocast; whole logits never made in training; the forward untouched
-in evaluation; refusals by name; the families' forwards held to the form the lever knows."""
+Qwen3, Gemma 2 (tied embeddings, soft-capped logits), Cohere (a logit scale), Granite (logits divided), Mixtral and
+Qwen3-MoE (the aux loss added after the loss); with ignored labels, `num_items_in_batch`, `shift_labels`, label
+smoothing, a LoRA on `lm_head` and bf16 autocast; whole logits never made in training; the forward untouched in
+evaluation; refusals by name with the statement that differs; every causal LM of the installed transformers read."""
 
-import ast
-import inspect
 import json
-import textwrap
 
 import pytest
 import torch
 import transformers
 
-from optimum_memopt.backends.torch.levers.loss import (
-    KNOWN,
-    PLAIN_HEAD,
-    SOFT_CAPPED,
-    ChunkedLoss,
-    Chunking,
-    causal_lm,
-    loss_problem,
-    plan_of,
-)
+from optimum_memopt.backends.torch.levers.head_form import HeadForm
+from optimum_memopt.backends.torch.levers.loss import ChunkedLoss, Chunking, causal_lm, loss_problem, plan_of
 
 pytestmark = pytest.mark.torch_backend
 
@@ -32,14 +22,22 @@ VOCAB, SEQ, BATCH = 256, 24, 3
 def decoder(arch: str, seed: int = 0):
     # imported here: the ORT stack's transformers (where these tests are skipped) has no Qwen3 or Gemma 2
     from transformers import (
+        CohereConfig,
+        CohereForCausalLM,
         Gemma2Config,
         Gemma2ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
         LlamaConfig,
         LlamaForCausalLM,
+        MixtralConfig,
+        MixtralForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
     )
 
     torch.manual_seed(seed)
@@ -58,7 +56,24 @@ def decoder(arch: str, seed: int = 0):
         assert model.lm_head.weight is model.model.embed_tokens.weight
         assert model.config.final_logit_softcapping
         return model
+    if arch == "cohere":  # the logits scaled before the loss (`logits * self.logit_scale`)
+        return CohereForCausalLM(CohereConfig(logit_scale=0.5, **common))
+    if arch == "granite":  # the logits divided before the loss (`logits / config.logits_scaling`)
+        return GraniteForCausalLM(GraniteConfig(logits_scaling=4.0, **common))
+    # MoE, the router's aux loss on and weighted up so that it counts: `loss += coef * aux_loss` after the loss
+    moe = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+    if arch == "mixtral":
+        return MixtralForCausalLM(MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **moe, **common))
+    if arch == "qwen3_moe":
+        return Qwen3MoeForCausalLM(
+            Qwen3MoeConfig(
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, head_dim=16, **moe, **common
+            )
+        )
     raise ValueError(arch)
+
+
+FORMS = ["llama", "qwen2", "qwen3", "gemma2", "cohere", "granite", "mixtral", "qwen3_moe"]
 
 
 def batch(step: int, ignore_from: int = 5):
@@ -95,7 +110,7 @@ def train(model, steps: int, chunking=None, step_kwargs=None, smoothing=None):
     return losses, grads, lever
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
+@pytest.mark.parametrize("arch", FORMS)
 def test_one_chunk_is_bitwise_the_models_own_loss(arch):
     plain, plain_grads, _ = train(decoder(arch), 3)
     one, one_grads, lever = train(decoder(arch), 3, Chunking(chunks=1))
@@ -105,8 +120,11 @@ def test_one_chunk_is_bitwise_the_models_own_loss(arch):
     assert all(torch.equal(plain_grads[n], one_grads[n]) for n in plain_grads)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma2"])
-@pytest.mark.parametrize("chunking", [Chunking(chunks=5), Chunking(tokens=16), Chunking()])
+@pytest.mark.parametrize(
+    "arch,chunking",
+    [(a, c) for a in FORMS[:4] for c in (Chunking(chunks=5), Chunking(tokens=16), Chunking())]
+    + [(a, Chunking(chunks=5)) for a in FORMS[4:]],
+)
 def test_chunks_give_the_models_own_losses_and_gradients_over_20_steps(arch, chunking):
     plain, plain_grads, _ = train(decoder(arch), 20)
     chunked, grads, lever = train(decoder(arch), 20, chunking)
@@ -235,11 +253,38 @@ def test_no_whole_logits_in_training_and_the_forward_untouched_elsewhere():
     assert "forward" not in vars(model)
 
 
-def test_models_it_cannot_chunk_are_refused_by_name():
-    from transformers import GPT2Config, GPT2LMHeadModel
+def scaled_by_a_batch_tensor():
+    """A Llama whose forward multiplies the logits by a tensor the batch passes: not row-wise in what the lever can
+    know (it reads more than the logits), so refused."""
+    from transformers import LlamaForCausalLM
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
-    assert "GPT2LMHeadModel (model_type 'gpt2')" in loss_problem(gpt2)
+    class Scaled(LlamaForCausalLM):
+        def forward(self, input_ids=None, labels=None, logits_to_keep=0, temperature=None, **kwargs):
+            outputs = self.model(input_ids=input_ids, **kwargs)
+            hidden_states = outputs.last_hidden_state
+            hidden_states = slice_logits_to_keep(hidden_states, logits_to_keep)  # noqa: F821 (read, never run)
+            logits = self.lm_head(hidden_states)
+            logits = logits / temperature
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits, labels, self.vocab_size, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)  # noqa: F821
+
+    torch.manual_seed(0)
+    return Scaled(decoder("llama").config)
+
+
+def test_models_it_cannot_chunk_are_refused_by_name():
+    from transformers import BertConfig, BertLMHeadModel
+
+    bert = BertLMHeadModel(BertConfig(num_hidden_layers=1, hidden_size=16, num_attention_heads=2, is_decoder=True))
+    assert "BertLMHeadModel (model_type 'bert')" in loss_problem(bert)
+    assert "its output embeddings are not one of its own modules" in loss_problem(bert)
+    scaled = loss_problem(scaled_by_a_batch_tensor())
+    assert "Scaled (model_type 'llama')" in scaled
+    assert (
+        "between the head and the loss its forward reads ['temperature'] (`logits = logits / temperature`)" in scaled
+    )
     custom = decoder("llama")
     custom.loss_function = lambda logits, labels, vocab_size, **kw: logits.sum()
     assert "not transformers' causal-LM loss (`ForCausalLMLoss`)" in loss_problem(custom)
@@ -247,41 +292,44 @@ def test_models_it_cannot_chunk_are_refused_by_name():
     assert loss_problem(decoder("qwen3")) is None
 
 
-def _statements(cls) -> list:
-    fn = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
-    return [ast.unparse(s) for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+def _every_causal_lm():
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        for kind, name in mapping.items():
+            cls = getattr(transformers, name if isinstance(name, str) else name[0], None)
+            if cls is not None:
+                yield kind, cls
 
 
-def _form(cls) -> list:
-    """A forward's statements with what differs without a change of meaning made equal: the output class, the
-    backbone's output annotation, and the loss's arguments given by keyword or by position."""
-    out = []
-    for s in _statements(cls):
-        s = s.replace("outputs: BaseModelOutputWithPast = ", "outputs = ")
-        s = s.replace("self.loss_function(logits, labels, self.vocab_size, **kwargs)", "LOSS")
-        s = s.replace(
-            "self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)", "LOSS"
-        )
-        out.append(s)
-    return out
+def test_every_causal_lm_of_transformers_is_read_and_chunked_or_refused_with_its_reason():
+    """Each causal LM (and image-text-to-text model) class of the installed transformers: its forward read into a form
+    or refused with a reason, never an error; the families people fine-tune now among those chunked, each MoE with its
+    aux loss added after the loss as its forward adds it, each scaled or soft-capped head with what it does."""
+    from optimum_memopt.backends.torch.levers.head_form import _form_of
 
-
-@pytest.mark.parametrize("kind", sorted(KNOWN))
-def test_each_known_familys_forward_is_the_form_the_lever_runs(kind):
-    """Backbone, slice, head, (soft-cap), loss, output: what the lever runs around; a release that changes one of
-    these forwards fails here."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    llama = _form(transformers.LlamaForCausalLM)
-    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[kind])
-    form = _form(cls)
-    if kind in PLAIN_HEAD:
-        assert form == llama, "\n".join(form)
-    else:
-        assert kind in SOFT_CAPPED
-        capped = [s for s in form if "final_logit_softcapping" in s]
-        assert [s for s in form if s not in capped] == llama, "\n".join(form)
-        assert capped and "logits = self.lm_head(hidden_states)" in form[form.index(capped[0]) - 1]
+    forms = {}
+    for kind, cls in _every_causal_lm():
+        form = _form_of(cls, "lm_head", getattr(cls, "base_model_prefix", "model"))
+        assert isinstance(form, (HeadForm, str)), kind
+        forms.setdefault(kind, form)
+    chunked = {k for k, f in forms.items() if isinstance(f, HeadForm)}
+    dense = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2", "smollm3"}
+    moe = {"mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "olmoe", "dbrx", "jetmoe", "granitemoe"}
+    vlm = {"qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3", "paligemma"}
+    assert dense | moe | vlm <= chunked, sorted((dense | moe | vlm) - chunked)
+    for kind in moe - {"deepseek_v3"}:  # DeepSeek-V3's forward has no aux loss: its router is aux-loss-free
+        assert len(forms[kind].added) == 1 and "aux_loss" in forms[kind].added[0], (kind, forms[kind].added)
+    assert not forms["deepseek_v3"].added and not forms["llama"].added
+    assert forms["llama"].bare and not forms["gemma2"].bare
+    assert forms["cohere"].between == ["logits = logits * self.logit_scale"]
+    assert forms["granite"].between == ["logits = logits / self.config.logits_scaling"]
+    refused = {k: f for k, f in forms.items() if isinstance(f, str)}
+    assert "takes no `logits_to_keep`" in refused["musicgen"]
+    assert len(chunked) > 3 * len(refused), (len(chunked), len(refused))
 
 
 # -- through the Trainer -----------------------------------------------------------------------------------------
@@ -367,19 +415,18 @@ def test_a_second_trainer_under_bf16_takes_the_loss_lever_over(tmp_path):
     assert second.losses == plain.losses
 
 
-def test_a_loss_computed_outside_the_model_or_an_unknown_family_is_refused_at_train(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+def test_a_loss_computed_outside_the_model_or_a_forward_of_another_form_is_refused_at_train(tmp_path):
     flags = ("--memory_opt_backend", "torch", "--memory_opt_config", "Loss+:1:-1")
     with pytest.raises(ValueError) as e:
         trainer_run(tmp_path, "func", *flags, compute_loss_func=lambda outputs, labels, num_items_in_batch=None: 0)
     assert "has 'Loss+:1:-1', but the Trainer's `compute_loss_func` computes the loss from the model's logits" in str(
         e.value
     )
-    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB))
     with pytest.raises(ValueError) as e:
-        trainer_run(tmp_path, "gpt2", *flags, model=gpt2)
-    assert "GPT2LMHeadModel (model_type 'gpt2'): `Loss+` knows the forwards of gemma, gemma2" in str(e.value)
+        trainer_run(tmp_path, "scaled", *flags, model=scaled_by_a_batch_tensor())
+    assert "Scaled (model_type 'llama'): `Loss+` runs a forward whose head's logits go from the backbone's" in str(
+        e.value
+    )
     assert "drop `Loss+` to train with the head whole" in str(e.value)
 
 

@@ -11,9 +11,12 @@ transformers divides it: by `num_items_in_batch` where the Trainer passes it, el
 `ignore_index`.
 
 Kept from transformers' loss: the shift (or the caller's `shift_labels`), `ignore_index`, the fp32 upcast,
-`num_items_in_batch`, the family's final-logit soft-capping, and the head module as the model calls it (tied
-embeddings, a LoRA on `lm_head`, ZeRO-3's and FSDP's gathering hooks and autocast all see the same calls); the
-Trainer's label smoothing is `LabelSmoother`'s formula, chunk by chunk (`smoothing`, set by the trainer).
+`num_items_in_batch`, and the head as the model's forward runs it, with what it does to the logits before the loss
+(a soft cap, a scale, `.float()`) and adds to the loss after (an MoE's aux loss, with its gradient): both read from
+the forward's own source (`head_form`), so any causal LM whose forward has that form is chunked, whatever its family.
+The head module sees the same calls (tied embeddings, a LoRA on `lm_head`, ZeRO-3's and FSDP's gathering hooks and
+autocast); the Trainer's label smoothing is `LabelSmoother`'s formula, chunk by chunk (`smoothing`, set by the
+trainer), with no aux loss added (the Trainer's smoother adds none).
 
 A training output carries no logits (`None`), said once; evaluation, `predict`, generation, and any forward without
 labels or without grad run the model's forward untouched. A model whose forward this lever does not know is refused
@@ -36,17 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .head_form import head_form
+
 logger = logging.getLogger(__name__)
 
-# Families whose `*ForCausalLM.forward` is: the backbone, the hidden states sliced by `logits_to_keep`, the head, the
-# loss (`self.loss_function`) on the logits, and an output with the logits. tests/test_torch_loss.py holds the
-# installed transformers' forwards to these forms, so a release that changes one fails CI, not a user's run.
-PLAIN_HEAD = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "gemma", "olmo", "olmo2", "phi", "phi3", "smollm3", "starcoder2"}
-)
-# ... the same, with the logits soft-capped before the loss (`config.final_logit_softcapping`).
-SOFT_CAPPED = frozenset({"gemma2", "gemma3_text"})
-KNOWN = PLAIN_HEAD | SOFT_CAPPED
 REPEATS = 3  # each way of running the head is timed this many times (interleaved), its median taken
 BOUND_MARGIN = 0.25  # a way of running the head is run only where its bound, this much higher, fits (`measure`)
 
@@ -109,11 +105,12 @@ def loss_problem(model: nn.Module) -> Optional[str]:
     if lm is None:
         return f"{name} has no LM head (no `get_output_embeddings()`): `Loss+` chunks a causal LM's head and its loss"
     kind = getattr(lm.config, "model_type", None)
-    if kind not in KNOWN:
+    form = head_form(lm)
+    if isinstance(form, str):
         return (
-            f"{type(lm).__name__} (model_type {kind!r}): `Loss+` knows the forwards of {', '.join(sorted(KNOWN))} "
-            f"(the backbone, the head, the loss, nothing else between); this one may do more between the head and "
-            f"the loss, so its head is not chunked"
+            f"{type(lm).__name__} (model_type {kind!r}): `Loss+` runs a forward whose head's logits go from the "
+            f"backbone's last hidden states to `self.loss_function`, with only row-wise statements between; {form}, "
+            f"so its head is not chunked"
         )
     if fused_by_trl(lm):
         return None  # said by the lever: the head is chunked already
@@ -186,8 +183,12 @@ class ChunkedLoss:
         self.installed = False
         self.signature = inspect.signature(type(lm).forward)
         text = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
-        self.softcap = getattr(text, "final_logit_softcapping", None) if text.model_type in SOFT_CAPPED else None
         self.vocab = text.vocab_size
+        form = head_form(lm)
+        if isinstance(form, str):
+            raise ValueError(f"`Loss+` cannot chunk {type(lm).__name__}'s head: {form}")
+        self.form = form
+        self.logits_of = functools.partial(form.logits, lm)  # the head and what the forward does to its logits
 
     def install(self) -> None:
         if self.installed or self.trl:
@@ -291,8 +292,8 @@ class ChunkedLoss:
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         if self.chunking is None:  # read after the backbone: `auto` may choose as the step's first layer starts
             loss, logits = self._whole(hidden, labels, kwargs)
-            return type(out)(loss=loss, logits=logits, **fields)
-        loss = self.loss(hidden, labels, kwargs)
+            return type(out)(loss=self._added(loss, out), logits=logits, **fields)
+        loss = self._added(self.loss(hidden, labels, kwargs), out)
         self._once(
             "logits",
             f"`Loss+`: {type(lm).__name__}'s training forwards return no logits (`outputs.logits` is None): the head "
@@ -301,12 +302,17 @@ class ChunkedLoss:
         )
         return type(out)(loss=loss, logits=None, **fields)
 
+    def _added(self, loss, out):
+        """What the forward adds to its loss after it (an MoE's aux loss), from the output of the forward run without
+        labels, as the forward adds it; none under the Trainer's label smoothing, whose smoother adds none."""
+        return loss if self.smoothing is not None else self.form.add_to(self.lm, loss, out)
+
     def _whole(self, hidden, labels, kwargs):
         """The model's own head and loss, as its forward runs them (the form tests/test_torch_loss.py holds each
-        known family's forward to): the head on every position, soft-capped where the family does, the model's
-        loss function given the forward's extra keywords; with the Trainer's label smoothing, its `LabelSmoother`
-        on the logits."""
-        logits = _logits(self.lm.get_output_embeddings(), hidden, self.softcap)
+        family's forward to): the head on every position with what the forward does to its logits, the model's loss
+        function given the forward's extra keywords; with the Trainer's label smoothing, its `LabelSmoother` on the
+        logits."""
+        logits = self.logits_of(hidden)
         named = {p.name for p in self.signature.parameters.values() if p.kind is not p.VAR_KEYWORD}
         extra = {k: v for k, v in kwargs.items() if k not in named}
         if self.smoothing is not None:
@@ -327,7 +333,7 @@ class ChunkedLoss:
         flat = hidden.reshape(-1, hidden.shape[-1])
         target = shifted.reshape(-1).to(flat.device)
         rows = self.chunking.rows(flat.shape[0], flat.shape[1], self.vocab)
-        parts = _chunked(self.lm.get_output_embeddings(), flat, target, rows, ignore, self.softcap, self.smoothing)
+        parts = _chunked(self.logits_of, flat, target, rows, ignore, self.smoothing)
         self.calls += 1
         self.last = {"tokens": flat.shape[0], "rows": rows, "chunks": len(parts)}
         count = kwargs.get("num_items_in_batch")
@@ -352,24 +358,18 @@ def _smoother_counts_items() -> bool:
     return "num_items_in_batch" in inspect.signature(LabelSmoother.__call__).parameters
 
 
-def _logits(head: nn.Module, hidden, softcap: Optional[float]):
-    """The head's logits, soft-capped where the family does (before the loss's fp32 upcast, as its forward does)."""
-    logits = head(hidden)
-    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
-
-
-def _chunked(head: nn.Module, hidden, target, rows: int, ignore: int, softcap, smoothing) -> list:
+def _chunked(logits_of: Callable, hidden, target, rows: int, ignore: int, smoothing) -> list:
     """Each chunk of `rows` tokens' loss sums (`_chunk_sums`), its logits let go after and made again in backward."""
     return [
-        checkpoint(_chunk_sums, head, h, y, ignore, softcap, smoothing, use_reentrant=False)
+        checkpoint(_chunk_sums, logits_of, h, y, ignore, smoothing, use_reentrant=False)
         for h, y in zip(hidden.split(rows), target.split(rows))
     ]
 
 
-def _chunk_sums(head: nn.Module, hidden, target, ignore: int, softcap: Optional[float], smoothing: Optional[float]):
+def _chunk_sums(logits_of: Callable, hidden, target, ignore: int, smoothing: Optional[float]):
     """One chunk: the sum of its tokens' loss (with smoothing: the two sums of `LabelSmoother`, the labels' and the
-    whole vocabulary's)."""
-    logits = _logits(head, hidden, softcap)
+    whole vocabulary's); `logits_of`: the head and what the forward does to its logits (`HeadForm.logits`)."""
+    logits = logits_of(hidden)
     if smoothing is None:
         return F.cross_entropy(logits.float(), target, ignore_index=ignore, reduction="sum")
     minus = -F.log_softmax(logits, dim=-1)
@@ -458,7 +458,7 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     # what the allocator rounds.
     fixed = 2 * sum(p.numel() * p.element_size() for p in params) + 2 * tokens * hidden * weight.element_size()
     upcast = 8 if itemsize != 4 else 4  # in fp32 the loss's upcast is the logits themselves
-    per_row = vocab * (2 * itemsize + upcast + (2 * itemsize if lever.softcap else 0))
+    per_row = vocab * (2 * itemsize + upcast + (0 if lever.form.bare else 2 * itemsize))
     if autocast is not None:
         fixed += 2 * weight.numel() * itemsize
         per_row += hidden * (itemsize + 4)
@@ -473,12 +473,12 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     def run(chunking: Optional[Chunking]) -> None:
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             if chunking is None:
-                logits = _logits(head, hidden_states, lever.softcap)
+                logits = lever.logits_of(hidden_states)
                 loss = F.cross_entropy(logits.float(), labels, reduction="sum")
                 del logits
             else:
                 rows = chunking.rows(tokens, hidden, vocab)
-                parts = _chunked(head, hidden_states, labels, rows, -100, lever.softcap, None)
+                parts = _chunked(lever.logits_of, hidden_states, labels, rows, -100, None)
                 loss = functools.reduce(torch.add, parts)
                 del parts
         grads = torch.autograd.grad(loss, [hidden_states, *params])
