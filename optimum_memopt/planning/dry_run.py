@@ -221,7 +221,7 @@ class StepSpec:
     optimizer: str = "adamw_torch_fused"  # --optim
     grad_accum: int = 1  # --gradient_accumulation_steps
     lora: Optional[dict] = None  # --use_peft: LoraConfig's r, lora_alpha, lora_dropout, target_modules
-    attention: str = "sdpa"
+    attention: Optional[str] = None  # attn_implementation; None: transformers' default for it (SDPA where it has it)
     # --use_cache: the Trainer sets the model's `config.use_cache` to it (False by default); a model that keeps its
     # KV cache in training holds every layer's keys and values until the step's outputs are let go of
     use_cache: bool = False
@@ -282,6 +282,34 @@ def _autocast(dtype: Optional[str], device: str) -> Iterator[None]:
         return
     with torch.autocast(device, dtype=getattr(torch, dtype)):
         yield
+
+
+@contextmanager
+def _experts_kernel() -> Iterator[None]:
+    """transformers' MoE experts run `torch.nn.functional.grouped_mm` where torch has it, and on the CPU its kernel
+    takes fp32; torch's fake (meta) rule for it takes bf16 only (torch 2.13: "Expected inputs of BF16 type"), so a
+    dry run of an fp32 MoE failed there. On fake tensors that are not bf16 the experts take transformers' own
+    fallback (a custom op with a fake rule of its own), which keeps the same tensors for backward (its inputs)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # pragma: no cover - a transformers without MoE kernels has nothing to patch
+        yield
+        return
+    chosen = getattr(moe, "_can_use_grouped_mm", None)
+    if chosen is None:
+        yield
+        return
+
+    def can_use(input, weight, offs) -> bool:
+        if _torch_api.is_fake(weight) and weight.dtype != torch.bfloat16:
+            return False
+        return chosen(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = chosen
 
 
 @contextmanager
@@ -523,11 +551,12 @@ def dry_run(
         raise ValueError(f"a dry run's fake tensors are on the CPU device (counted as CUDA counts), not {device!r}")
     mode = _torch_api.fake_mode() if fake else contextlib.nullcontext()
     unpacked = _unpacked() if fake else contextlib.nullcontext()
+    experts = _experts_kernel() if fake else contextlib.nullcontext()
     handle = None
     handles = []
     model = _build(spec) if model is None else model
     count.hold(held_bytes)
-    with _sharding(spec) as mesh, mode, unpacked, count:
+    with _sharding(spec) as mesh, mode, unpacked, experts, count:
         # real tensors are made alike every run; fake ones draw nothing, and a run's own dry run (`from_plan`) must not
         # reseed its devices' generators (`torch.manual_seed` seeds every CUDA device, lazily where none is up yet)
         torch.manual_seed(0) if not fake else torch.default_generator.manual_seed(0)

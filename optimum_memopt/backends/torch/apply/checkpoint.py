@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import _torch_api
 from ..measure.profile import LayerProfile
 from .hooks import finish, hooked, tracked
+from .routing import selective_context
 from .tracking import LayerRun
 
 CACHE_KWARGS = ("past_key_values", "layer_past")  # the names of a legacy cache (a tuple of tensors)
@@ -42,7 +43,9 @@ def without_cache(layer, args: tuple, kwargs: dict):
     return tuple(None if isinstance(a, _CACHE) else a for a in args), kwargs
 
 
-def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs):
+def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs, keep_routing: bool = False):
+    """`layer` recomputed whole in backward; with `keep_routing` (an MoE layer) its routing saved in the forward and
+    handed back in the recompute (`routing.selective_context`), so every token goes where the forward sent it."""
     args, kwargs = without_cache(layer, args, kwargs)
     first = [True]
 
@@ -59,4 +62,6 @@ def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs):
         finish(run, out, (a, k))
         return out
 
+    if keep_routing:
+        return checkpoint(guarded, *args, use_reentrant=False, context_fn=selective_context, **kwargs)
     return checkpoint(guarded, *args, use_reentrant=False, **kwargs)

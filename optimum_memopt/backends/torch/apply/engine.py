@@ -18,6 +18,7 @@ from ..policy import LAYER, OPS, RecomputePolicy
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
 from .layers import LayerForwards, whole_layers_flag
+from .routing import Routing
 from .tracking import LayerRun
 
 logger = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ class RecomputeState:
         self.profile: Optional[ModelProfile] = None  # filled by the first training forward
         self._recording: Optional[List[LayerProfile]] = None
         self._forwards = LayerForwards(layers)
+        self.routing = Routing(layers)  # an MoE's routing, kept under every plan (`routing`)
         self.watch: Optional[StepWatch] = None  # reads step one's memory at each layer's marks
         self.planner = None  # told when a new step starts (`planner.BudgetPlanner`)
         self.reset_peaks = True  # False: CUDA's peak counter is the Trainer's (`--skip_memory_metrics false`)
@@ -62,11 +64,13 @@ class RecomputeState:
 
     def install(self) -> None:
         self._forwards.install(lambda i: partial(self.layer_forward, i))
+        self.routing.install()
         if self._model is not None:
             self._readings = StepReadings(self._model, self.measuring, self._before_training_forward)
 
     def uninstall(self) -> None:
         self._forwards.uninstall()
+        self.routing.remove()
         if self._readings is not None:
             self._readings.remove()
             self._readings = None
@@ -175,7 +179,7 @@ class RecomputeState:
             record.shape = tuple(first.shape) if first is not None else ()
         policy = self.policy.layers[index]
         if policy.mode == LAYER:
-            out = checkpointed(layer, original, record, args, kwargs)
+            out = checkpointed(layer, original, record, args, kwargs, self.routing.layers[index])
         elif policy.mode == OPS or record is not None:
             run = LayerRun(policy.ops, record, outer_hooks=_torch_api.top_saved_tensors_hooks())
             with tracked(run):

@@ -27,7 +27,7 @@ import torch
 
 from .. import _torch_api
 from ..measure.graph import PARAM, LayerGraph, Node
-from ..measure.profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE
+from ..measure.profile import CHANGED_IN_PLACE, INPUT_NOT_KEPT, OTHER_DTYPE, ROUTING
 from ..nested import tensors_in
 from ..rule import KEPT, RecomputeRule
 from .recipe import Recipe, StandIn, Stashed, changed_in_place
@@ -116,7 +116,9 @@ def pack(run: LayerRun, x: torch.Tensor):
         run.counted.append(made)
         # Changed in place since (dropout's mask on CPU: `bernoulli_` on `empty_like`'s output) or seen through
         # another dtype: the op alone does not give it back.
-        if made.version != _torch_api.version(x):
+        if made.routing:
+            made.why_not = ROUTING
+        elif made.version != _torch_api.version(x):
             made.why_not = CHANGED_IN_PLACE
         elif x.dtype != made.dtype:
             made.why_not = OTHER_DTYPE
@@ -255,7 +257,7 @@ def layer_graph(run: LayerRun, boundary: set) -> LayerGraph:
         index[id(made)] = len(graph.nodes)
         graph.nodes.append(
             Node(made.plan, made.nbytes, made.op, made.seconds, own=made.own,
-                 boundary=made.key in boundary and not made.storage.expired())
+                 boundary=made.key in boundary and not made.storage.expired(), routing=made.routing)
         )  # fmt: skip
     for made in run.all_made:
         edges = []

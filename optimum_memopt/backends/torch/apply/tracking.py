@@ -20,6 +20,7 @@ from ..measure.storages import counting
 from ..names import plan_name
 from ..nested import map_tensors, tensors_in
 from .recipe import Recipe, rng_state
+from .routing import routing_op
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -122,6 +123,7 @@ class Made:
     key: int = 0  # the storage's identity (its address while alive)
     dtype: object = None
     own: bool = True  # at its first save: as the op made it (same version and dtype)
+    routing: bool = False  # an MoE's routing (`routing.routing_op`): never planned, kept
 
 
 class LayerRun:
@@ -159,7 +161,8 @@ class LayerRun:
                 if made is not None and made.recipe is not None and not made.storage.expired():
                     made.recipe.changed.setdefault(made.index, str(func))
         name = plan_name(_torch_api.op_name(func))
-        applying = name in self.apply
+        routing = routing_op(func)
+        applying = name in self.apply and not routing
         if not (applying or self.record is not None):
             return
         if _torch_api.returns_alias(func):
@@ -178,7 +181,7 @@ class LayerRun:
             if call is not None:
                 call.outlived_by(t)
             made.seconds = seconds
-            made.op, made.key, made.dtype = self.ops, ptr, t.dtype
+            made.op, made.key, made.dtype, made.routing = self.ops, ptr, t.dtype, routing
             self.made[ptr] = made
             if self.record is not None:
                 self.all_made.append(made)
@@ -205,7 +208,8 @@ class TrackingMode(_torch_api.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        rng = rng_state(func, args, kwargs) if plan_name(_torch_api.op_name(func)) in self.run.apply else None
+        planned = plan_name(_torch_api.op_name(func)) in self.run.apply and not routing_op(func)
+        rng = rng_state(func, args, kwargs) if planned else None
         if self.run.record is None:
             out = func(*args, **kwargs)
             self.run.on_op(func, args, kwargs, out, rng)

@@ -8,7 +8,7 @@ from ....plans import LAYER as LAYER_PLAN
 from ....plans import LOSS as LOSS_PLAN
 from ....plans import FoundPlan, PlanReport, Unmatched, match_requests
 from ..measure.graph import effect, frontier
-from ..measure.profile import ModelProfile
+from ..measure.profile import ROUTING, ModelProfile
 from ..policy import LAYER, LayerPolicy, RecomputePolicy
 from .budget import freed_bytes, predict, predict_range
 
@@ -60,6 +60,14 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
     head_plans = [] if policy.loss is None else [f"{LOSS_PLAN}:1:-1" + (f"@{policy.loss}" if policy.loss else "")]
     level = policy.level
     notes = list(policy.notes)
+    routed = [i for i, rec in enumerate(profile.layers) if any(ROUTING in why for why in rec.why_not.values())]
+    if routed:
+        kept = {name for i in routed for name, why in profile.layers[i].why_not.items() if ROUTING in why}
+        notes.append(
+            f"an MoE's routing is kept, never recomputed, in {len(routed)} layer(s): what its routers make and the "
+            f"indices made from them ({', '.join(sorted(kept))}), under every plan and in whole layers (a recompute "
+            f"could send a near-tie token to another expert than the forward did)"
+        )
     if level == 1:
         notes.append(
             "level 1: every layer is checkpointed whole (torch.utils.checkpoint); the table shows what the layers "

@@ -28,6 +28,7 @@ class Node:
     inputs: Tuple[Tuple[int, bool], ...] = ()  # (node, read as it was made) per tensor input; node PARAM for params
     own: bool = True  # saved as the op made it (not changed in place, same dtype): its op alone gives it back
     boundary: bool = False  # the layer's input or output: kept whatever the layer does, never counted as freed
+    routing: bool = False  # an MoE's routing (`apply/routing.py`): never planned, kept as it is
 
 
 @dataclass
@@ -37,16 +38,17 @@ class LayerGraph:
 
     def signature(self) -> tuple:
         """Equal for layers whose graphs differ only in op times (a model's repeated blocks)."""
-        return (tuple((n.plan, n.nbytes, n.call, n.inputs, n.own, n.boundary) for n in self.nodes), tuple(self.saved))
+        nodes = tuple((n.plan, n.nbytes, n.call, n.inputs, n.own, n.boundary, n.routing) for n in self.nodes)
+        return nodes, tuple(self.saved)
 
     def plans(self) -> List[str]:
         """The plan names whose outputs autograd saved here or that lead to them, most bytes saved first."""
         saved_bytes: Dict[str, int] = {}
         for i in self.saved:
             n = self.nodes[i]
-            if n.plan and not n.boundary:
+            if n.plan and not n.boundary and not n.routing:
                 saved_bytes[n.plan] = saved_bytes.get(n.plan, 0) + n.nbytes
-        others = {n.plan for n in self.nodes if n.plan and n.plan not in saved_bytes}
+        others = {n.plan for n in self.nodes if n.plan and not n.routing and n.plan not in saved_bytes}
         return sorted(saved_bytes, key=lambda p: (-saved_bytes[p], p)) + sorted(others)
 
 
@@ -78,7 +80,7 @@ class _GraphRule(RecomputeRule):
 
     def planned(self, i: int) -> bool:
         n = self.nodes[i]
-        return n.call >= 0 and n.plan in self.ops
+        return n.call >= 0 and n.plan in self.ops and not n.routing
 
     def sources(self, i: int):
         for j, fresh in self.nodes[i].inputs:

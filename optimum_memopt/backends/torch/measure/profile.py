@@ -11,6 +11,7 @@ from .graph import LayerGraph
 INPUT_NOT_KEPT = "an input of the op that made it is not kept"
 CHANGED_IN_PLACE = "it was changed in place since"
 OTHER_DTYPE = "it is saved through another dtype"
+ROUTING = "it is an MoE's routing, kept: never recomputed (`apply/routing.py`)"
 
 
 @dataclass
