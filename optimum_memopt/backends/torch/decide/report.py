@@ -26,9 +26,10 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         whole = layer_policy.mode == LAYER
         # A layer checkpointed whole frees everything it keeps, recomputable alone or not.
         kept = dict(rec.recomputable)
-        if whole:
+        if whole:  # but an MoE's routing, which a whole layer keeps too
             for name, b in rec.not_recomputable.items():
-                kept[name] = kept.get(name, 0) + b
+                if b - rec.routing.get(name, 0) > 0:
+                    kept[name] = kept.get(name, 0) + b - rec.routing.get(name, 0)
         else:
             for name, b in rec.not_recomputable.items():
                 blocked[name] = blocked.get(name, 0) + b

@@ -122,9 +122,14 @@ def effect(graph: LayerGraph, ops: Iterable[str]) -> Effect:
 
 
 def whole_layer(graph: LayerGraph, op_seconds: float) -> Effect:
-    """Checkpointing the layer whole: every saved storage but its input and output freed, its forward run again."""
-    freed = frozenset(i for i in graph.saved if graph.nodes[i].call >= 0 and not graph.nodes[i].boundary)
-    return Effect(sum(graph.nodes[i].nbytes for i in freed), op_seconds, freed, frozenset())
+    """Checkpointing the layer whole: every saved storage but its input and output freed, its forward run again; an
+    MoE's routing kept (`apply/routing.py`: the selective checkpoint saves every storage its routing makes, those
+    autograd would not have kept too, which the bytes freed are net of)."""
+    nodes = graph.nodes
+    freed = frozenset(i for i in graph.saved if nodes[i].call >= 0 and not nodes[i].boundary and not nodes[i].routing)
+    saved = set(graph.saved)
+    routing_more = sum(n.nbytes for i, n in enumerate(nodes) if n.routing and not n.boundary and i not in saved)
+    return Effect(sum(nodes[i].nbytes for i in freed) - routing_more, op_seconds, freed, frozenset())
 
 
 def saved_bytes(graph: LayerGraph) -> int:

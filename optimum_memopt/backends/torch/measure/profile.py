@@ -27,10 +27,13 @@ class LayerProfile:
     # tensors autograd kept whose storage could not be read (tensor subclasses without one), by type: their bytes are
     # in no figure, and said so (`report`)
     unread: Dict[str, int] = field(default_factory=dict)
+    routing: Dict[str, int] = field(default_factory=dict)  # plan -> bytes kept as an MoE's routing (in every policy)
 
     def add(self, plan: str, nbytes: int, seconds: float, recomputable: bool, why: str = "") -> None:
         bucket = self.recomputable if recomputable else self.not_recomputable
         bucket[plan] = bucket.get(plan, 0) + nbytes
+        if why == ROUTING:
+            self.routing[plan] = self.routing.get(plan, 0) + nbytes
         self.seconds[plan] = self.seconds.get(plan, 0.0) + seconds
         if why and why not in self.why_not.setdefault(plan, []):
             self.why_not[plan].append(why)
