@@ -1,0 +1,162 @@
+"""Vision-language models under the torch backend, trained with images: LLaVA, Qwen2-VL and Gemma 3 at tiny size
+(`pixel_values` and what each family's forward takes with them). Their vision tower's blocks are found beside the
+language model's layers; level 1 trains bitwise as the run without the plugin; the loss lever chunks their language
+head (read from each forward's source) to the plain run's losses."""
+
+import pytest
+import torch
+
+import optimum_memopt
+from optimum_memopt.backends.torch.levers.loss import ChunkedLoss, Chunking, causal_lm, loss_problem
+
+pytestmark = pytest.mark.torch_backend
+
+TEXT = dict(
+    num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, vocab_size=256, max_position_embeddings=512,
+)  # fmt: skip
+IMAGE = 200  # the image token of every family here
+
+
+def _shrink(config, values: dict) -> None:
+    for key, value in values.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+
+
+def _build(config):
+    from transformers import AutoModelForImageTextToText
+
+    torch.manual_seed(0)
+    return AutoModelForImageTextToText.from_config(config)
+
+
+def llava():
+    """LLaVA: a CLIP tower's patches projected into the prompt at the image tokens (16 patches of a 32x32 image)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("llava")
+    _shrink(config.text_config, TEXT)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    _shrink(config.vision_config, dict(vision, image_size=32, patch_size=8))
+    config.image_token_id = config.image_token_index = IMAGE
+    config.vision_feature_layer = -1
+
+    def batch(step: int) -> dict:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, IMAGE - 1, (2, 40), generator=g)
+        ids[:, 2:18] = IMAGE
+        labels = ids.clone()
+        labels[:, :18] = -100
+        return dict(input_ids=ids, labels=labels, pixel_values=torch.randn(2, 3, 32, 32, generator=g))
+
+    return _build(config), batch
+
+
+def qwen2_vl():
+    """Qwen2-VL: 16 patches of 4x4 pixels (two frames each) merged 2x2 into 4 image tokens, multimodal RoPE."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("qwen2_vl")
+    _shrink(config.text_config, TEXT)
+    config.text_config.rope_parameters = {"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 3, 3]}
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=4)
+    _shrink(config.vision_config, dict(vision, spatial_merge_size=2, temporal_patch_size=2))
+    config.image_token_id, config.video_token_id, config.vision_start_token_id = IMAGE, IMAGE + 1, IMAGE + 2
+    config.vision_end_token_id = IMAGE + 3
+
+    def batch(step: int) -> dict:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 150, (2, 30), generator=g)
+        ids[:, 3:7] = IMAGE
+        labels = ids.clone()
+        labels[:, :7] = -100
+        pixels = torch.randn(2 * 16, 3 * 2 * 4 * 4, generator=g)
+        grid = torch.tensor([[1, 4, 4]]).repeat(2, 1)
+        return dict(
+            input_ids=ids,
+            labels=labels,
+            pixel_values=pixels,
+            image_grid_thw=grid,
+            mm_token_type_ids=(ids == IMAGE).long(),
+        )
+
+    return _build(config), batch
+
+
+def gemma3():
+    """Gemma 3: a SigLIP tower pooled to 4 tokens an image, sliding-window and global attention, soft-capped head."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model("gemma3")
+    _shrink(config.text_config, dict(TEXT, sliding_window=16))
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    _shrink(config.vision_config, dict(vision, image_size=32, patch_size=8))
+    config.mm_tokens_per_image = 4
+    config.image_token_id = config.image_token_index = IMAGE
+    config.boi_token_index, config.eoi_token_index = IMAGE + 1, IMAGE + 2
+
+    def batch(step: int) -> dict:
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, IMAGE - 1, (2, 30), generator=g)
+        ids[:, 3:7] = IMAGE
+        labels = ids.clone()
+        labels[:, :7] = -100
+        pixels = torch.randn(2, 3, 32, 32, generator=g)
+        return dict(input_ids=ids, labels=labels, pixel_values=pixels, token_type_ids=(ids == IMAGE).long())
+
+    return _build(config), batch
+
+
+FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "gemma3": gemma3}
+
+
+def train(family: str, steps: int = 3, level: int = 0, chunks=None):
+    """Each step's loss, and the layers the backend found (with `level`)."""
+    model, batch = FAMILIES[family]()
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, None, level=level, say=lambda text: None) if level else None
+    lever = None
+    if chunks is not None:
+        lever = ChunkedLoss(causal_lm(model), Chunking(chunks=chunks), say=lambda text: None)
+        lever.install()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for step in range(steps):
+        out = model(**batch(step))
+        out.loss.backward()
+        losses.append(out.loss.detach().clone())
+        opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            handle.step_done()
+    names = {id(m): n for n, m in model.named_modules()}
+    layers = [names[id(layer)] for layer in handle.layers] if handle is not None else []
+    if handle is not None:
+        handle.remove()
+    if lever is not None:
+        lever.remove()
+    return losses, layers
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def plain(request):
+    return request.param, train(request.param)[0]
+
+
+def test_level_1_finds_both_towers_and_trains_bitwise(plain):
+    family, losses = plain
+    ran, layers = train(family, level=1)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ran)), (family, losses, ran)
+    vision = [n for n in layers if "vision" in n or "visual" in n]
+    language = [n for n in layers if "language_model" in n]
+    assert len(vision) == 2 and len(language) == 2, layers
+
+
+def test_the_language_head_is_chunked_to_the_plain_losses(plain):
+    family, losses = plain
+    model, _ = FAMILIES[family]()
+    assert loss_problem(model) is None
+    chunked, _ = train(family, chunks=3)
+    for a, b in zip(losses, chunked):
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (family, losses, chunked)
