@@ -43,14 +43,14 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 # deciding what to recompute (what any plan would do, the solver, the planner, the table); beside them the words the
 # three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
 JOBS = {
-    "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers"},
+    "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers", "routing"},
     "measure": {"watch", "profile", "graph", "aside", "storages", "live"},
     "decide": {"solver", "budget", "planner", "report", "from_plan"},
 }
 SHARED = {"names", "rule", "policy", "nested"}
 GLUE = {"backend", "__init__", "_torch_api", "ranks"}
 # Levers beyond a layer's recompute, one module each (mechanism, what-if, candidates): above the three jobs.
-LEVERS = {"loss"}
+LEVERS = {"loss", "head_form"}
 PACKAGES = [*JOBS, "levers"]
 
 
