@@ -1,6 +1,6 @@
 """TRL's `SFTTrainer` with the mixin (`class T(MemoptTrainerMixin, SFTTrainer)`), models built in code: plain SFT and
 SFT with a `peft_config` train with plans and layer recompute as the same SFT run without the plugin (TRL's
-defaults otherwise: bf16 autocast); TRL's `gradient_checkpointing` default is refused naming SFTConfig; TRL's
+defaults otherwise: bf16 autocast), a Qwen3-MoE with its aux loss on among them (with `Loss+` in one chunk too); TRL's `gradient_checkpointing` default is refused naming SFTConfig; TRL's
 activation offloading composes (its hooks receive every tensor the backend keeps as it is). The installed
 `sft.py` script itself: tests/test_trl_sft_script.py."""
 
@@ -51,7 +51,12 @@ def sft(tmp_path, text, arch, ours, *, lora=False, offload=False, **flags):
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True, seed=0,
         gradient_checkpointing=False, activation_offloading=offload, **memory,
     )  # fmt: skip
-    model = small_decoder(arch)  # 128 tokens: the tokenizer's 120 fit
+    if arch == "qwen3_moe":  # its routers' aux loss on, as TRL turns it on for MoE configs
+        from test_moe import moe
+
+        model = moe(arch, coef=0.01)
+    else:
+        model = small_decoder(arch)  # 128 tokens: the tokenizer's 120 fit
     trainer = (MemoptSFT if ours else PlainSFT)(
         model=model, args=args, processing_class=tokenizer, train_dataset=data,
         peft_config=peft.LoraConfig(task_type="CAUSAL_LM", **LORA) if lora else None,
@@ -67,8 +72,10 @@ def sft(tmp_path, text, arch, ours, *, lora=False, offload=False, **flags):
         ("qwen2", False, dict(memory_opt_level=1)),
         ("llama", True, dict(memory_opt_level=1)),
         ("qwen2", True, dict(memory_opt_config="Layer+:1:-1@0,MatMul+silu+Mul+:1:-1@1")),
+        ("qwen3_moe", False, dict(memory_opt_level=1)),
+        ("qwen3_moe", True, dict(memory_opt_config="Layer+:1:-1@0,MatMul+:1:-1@1,Loss+:1:-1@chunks1")),
     ],
-    ids=["llama-chain", "qwen2-level1", "llama-lora-level1", "qwen2-lora-mixed"],
+    ids=["llama-chain", "qwen2-level1", "llama-lora-level1", "qwen2-lora-mixed", "moe-level1", "moe-lora-mixed"],
 )
 def test_sft_trainer_with_the_mixin_trains_as_plain_sft(tmp_path, text, arch, lora, flags):
     plain = sft(tmp_path / "plain", text, arch, False, lora=lora)
