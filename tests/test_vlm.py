@@ -160,3 +160,27 @@ def test_the_language_head_is_chunked_to_the_plain_losses(plain):
     chunked, _ = train(family, chunks=3)
     for a, b in zip(losses, chunked):
         assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (family, losses, chunked)
+
+
+def test_on_text_alone_a_plan_on_the_towers_layer_is_said_to_recompute_nothing(caplog):
+    """Gemma 3 trained on text alone runs its language layers (2, 3) and not its vision tower's (0, 1): a plan that
+    names layer 0 recomputes nothing, and the warning says so with the flag for the layers that run."""
+    model, batch = gemma3()
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, "Layer+:1:-1@0", say=lambda text: None)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with caplog.at_level("WARNING", logger="optimum_memopt"):
+        for step in range(3):
+            inputs = batch(step)
+            del inputs["pixel_values"], inputs["token_type_ids"]
+            inputs["input_ids"][inputs["input_ids"] == IMAGE] = 5
+            model(**inputs).loss.backward()
+            opt.step()
+            opt.zero_grad()
+            handle.step_done()
+    handle.remove()
+    said = [r.getMessage() for r in caplog.records if "did not run" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "The plans on layers 0 (whole) recompute nothing: those layers did not run" in said[0]
+    assert "no layer that ran has a plan, so nothing is recomputed" in said[0]
+    assert "`--memory_opt_config 'Layer+:1:-1@2+3'`" in said[0]

@@ -14,7 +14,7 @@ from ..measure.live import meter_for
 from ..measure.profile import LayerProfile, ModelProfile
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
 from ..nested import tensors_in
-from ..policy import LAYER, OPS, RecomputePolicy
+from ..policy import KEEP, LAYER, OPS, RecomputePolicy
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
 from .layers import LayerForwards, whole_layers_flag
@@ -135,9 +135,27 @@ class RecomputeState:
             )
         logger.warning(
             "optimum-memopt: %s. The plans run on the layers that run; no plan table is made (step one is measured "
-            "from the first layer on)",
+            "from the first layer on)%s",
             where,
+            self._idle_plans(set(ran)),
         )
+
+    def _idle_plans(self, ran: set) -> str:
+        """What the policy asks of layers that did not run, which recomputes nothing (said after the layer list's
+        warning), and whether any layer that ran has a plan at all."""
+        idle = [i for i, p in enumerate(self.policy.layers) if p.mode != KEEP and i not in ran]
+        if not idle:
+            return ""
+        asked = sorted({"whole" if self.policy.layers[i].mode == LAYER else "+".join(sorted(self.policy.layers[i].ops))
+                        for i in idle})  # fmt: skip
+        text = (
+            f". The plans on layers {', '.join(map(str, idle))} ({'; '.join(asked)}) recompute nothing: those layers "
+            f"did not run"
+        )
+        if all(self.policy.layers[i].mode == KEEP for i in ran):
+            flag = whole_layers_flag(sorted(ran), len(self.layers))
+            text += f"; no layer that ran has a plan, so nothing is recomputed: name the layers that run, as in {flag}"
+        return text
 
     def _close_watch(self) -> None:
         watch, self.watch = self.watch, None
