@@ -184,3 +184,31 @@ def test_on_text_alone_a_plan_on_the_towers_layer_is_said_to_recompute_nothing(c
     assert "The plans on layers 0 (whole) recompute nothing: those layers did not run" in said[0]
     assert "no layer that ran has a plan, so nothing is recomputed" in said[0]
     assert "`--memory_opt_config 'Layer+:1:-1@2+3'`" in said[0]
+
+
+def test_auto_on_text_alone_refuses_before_step_one_naming_the_layers_that_run(tmp_path):
+    """Through the Trainer, `auto`'s dry run of step one finds that the tower's layers do not run on text alone: it
+    stops before any step is trained, with the reason and the flag for the layers that run (it used to measure three
+    steps first, and before that said "nothing fits" in the dry run)."""
+    from helpers import LossRecordingTrainer, make_args
+
+    class Text(torch.utils.data.Dataset):
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            ids = torch.randint(0, IMAGE - 1, (30,), generator=torch.Generator().manual_seed(i))
+            return {"input_ids": ids, "labels": ids.clone()}
+
+    auto = ("--memory_opt_backend", "torch", "--memory_opt_config", "auto", "--memory_budget_mb", "1000")
+    args = make_args(tmp_path, "--max_steps", "3", "--per_device_train_batch_size", "2", *auto)
+    trainer = LossRecordingTrainer(model=gemma3()[0], args=args, train_dataset=Text())
+    with pytest.raises(RuntimeError) as e:
+        trainer.train()
+    said = str(e.value)
+    assert said.startswith(
+        "`--memory_opt_config auto` measures step one from the first layer on, but the layer list's"
+    )
+    assert "(SiglipEncoderLayer, layer 0 of 4) did not run in a dry run of step one; layers 2, 3" in said
+    assert "no step was trained" in said and "`--memory_opt_config 'Layer+:1:-1@2+3'`" in said
+    assert trainer.state.global_step == 0 and not trainer.losses

@@ -28,6 +28,7 @@ from typing import Callable, Dict, Iterator, List, Optional
 import torch
 
 from ..backends.torch import _torch_api
+from ..backends.torch.backend import STATE
 from ..backends.torch.measure.storages import StorageCount
 from ..backends.torch.nested import tensors_in
 from .devices import DEFAULT_DEVICE, DEVICES
@@ -263,6 +264,9 @@ class DryRun:
     problem: Optional[str] = None
     step_peaks: List[int] = field(default_factory=list)  # each step's highest count
     step_seconds: Optional[float] = None  # the last step on the cost device's roofline
+    # where the step ran layers but not the layer list's first (a VLM's tower on text alone): what to say, the flag
+    # for the layers that ran (`RecomputeState.first_layer_idle`)
+    first_layer_idle: Optional[tuple] = None
 
 
 @contextmanager
@@ -630,6 +634,8 @@ def dry_run(
     if handle is not None:
         result.profile = handle.profile
         result.report = handle.report()
+        state = getattr(model, STATE, None)
+        result.first_layer_idle = state.first_layer_idle() if state is not None else None
         if plans == "auto":
             result.auto = handle.auto
             result.solver = handle.solver_figures()

@@ -3,7 +3,7 @@ whole layer checkpointed), and the first training step profiled into a `ModelPro
 
 import logging
 from functools import partial
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -120,14 +120,7 @@ class RecomputeState:
         self._ran_checked = True
         ran, self._ran = sorted(self._ran), set()
         n = len(self.layers)
-        first = type(self.layers[0]).__name__
-        kinds = sorted({type(self.layers[i]).__name__ for i in ran})
-        where = (
-            f"the layer list's first layer ({first}, layer 0 of {n}) did not run in the first {FIRST_LAYER_STEPS} "
-            f"training steps; layers {', '.join(map(str, ran))} ({', '.join(kinds)}) did. The list holds modules "
-            f"these steps do not run (a vision or audio tower listed before the language layers, which a text-only "
-            f"step leaves out)"
-        )
+        where = self._idle_first(ran, f"in the first {FIRST_LAYER_STEPS} training steps")
         if self.planner is not None and self.planner.stage == "start":
             raise RuntimeError(
                 f"`--memory_opt_config auto` measures step one from the first layer on, but {where}; nothing was "
@@ -139,6 +132,23 @@ class RecomputeState:
             where,
             self._idle_plans(set(ran)),
         )
+
+    def _idle_first(self, ran: List[int], when: str) -> str:
+        first = type(self.layers[0]).__name__
+        kinds = sorted({type(self.layers[i]).__name__ for i in ran})
+        return (
+            f"the layer list's first layer ({first}, layer 0 of {len(self.layers)}) did not run {when}; layers "
+            f"{', '.join(map(str, ran))} ({', '.join(kinds)}) did. The list holds modules these steps do not run (a "
+            f"vision or audio tower listed before the language layers, which a text-only step leaves out)"
+        )
+
+    def first_layer_idle(self) -> Optional[Tuple[str, str]]:
+        """Where the steps run so far ran layers but not the list's first (a dry run's step, which `auto` reads
+        before step one): what to say, and the flag for the layers that ran; else None."""
+        if self._ran_checked or not self._ran or 0 in self._ran:
+            return None
+        ran = sorted(self._ran)
+        return self._idle_first(ran, "in a dry run of step one"), whole_layers_flag(ran, len(self.layers))
 
     def _idle_plans(self, ran: set) -> str:
         """What the policy asks of layers that did not run, which recomputes nothing (said after the layer list's

@@ -38,6 +38,7 @@ from .solver import candidates
 logger = logging.getLogger(__name__)
 
 
+REFUSED = "refused: "  # a dry run's reason that stops the run before step one (not a fallback to measuring)
 MARGIN = 0.005  # of the budget, kept by a re-plan after a check over its prediction
 
 
@@ -160,11 +161,20 @@ class BudgetPlanner:
                     twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held
                 )
                 fit = dry.fit
-                if fit is None or fit.choice is None:
+                if dry.first_layer_idle is not None:
+                    where, flag = dry.first_layer_idle
+                    why = (
+                        f"{REFUSED}`--memory_opt_config auto` measures step one from the first layer on, but {where}; "
+                        f"nothing was measured or chosen, and no step was trained. Pass plans for the layers that run "
+                        f"instead, as in {flag}"
+                    )
+                elif fit is None or fit.choice is None:
                     why = f"nothing fits {self.asked} in the dry run{': ' + fit.why_not if fit is not None else ''}"
             except Exception as e:  # the dry run's own failure costs the run nothing but the step
                 why = f"the dry run of step one failed ({type(e).__name__}: {e})"
         fit, why = ranks.from_rank0((fit if why is None else None, why))
+        if why is not None and why.startswith(REFUSED):  # every rank stops, before step one
+            raise RuntimeError(why[len(REFUSED) :])
         if fit is None:
             self.detail(f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}")
             return
