@@ -74,7 +74,11 @@ def train(model, steps=3, plans=None, level=0, checkpointing=False, chunks=None)
             out.loss.backward()
         topk.append(ops.ran.get("topk", 0))
         losses.append(out.loss.detach().clone())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if "gate" in n or "router" in n}
+        grads = {
+            n: p.grad.clone()
+            for n, p in model.named_parameters()
+            if p.grad is not None and ("gate" in n or "router" in n or "lora_" in n)
+        }
         opt.step()
         opt.zero_grad()
         if handle is not None:
@@ -191,3 +195,23 @@ class Tokens(torch.utils.data.Dataset):
     def __getitem__(self, i):
         ids = torch.randint(0, VOCAB, (self.seq,), generator=torch.Generator().manual_seed(100 + i))
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+@pytest.mark.parametrize("mode", ["level 1", "the router's ops planned"])
+def test_a_lora_on_the_experts_parameters_trains_bitwise(mode):
+    """PEFT's LoRA on the experts' parameters (`target_parameters`: the delta added to each expert's weight in every
+    forward, and in every recompute) beside a LoRA on the attention: bitwise as without the plugin."""
+    peft = pytest.importorskip("peft")
+
+    def lora():
+        adapter = peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        )  # fmt: skip
+        return peft.get_peft_model(moe("qwen3_moe"), adapter)
+
+    losses, grads, _, _ = train(lora())
+    ran, ran_grads, topk, _ = train(lora(), **MODES[mode])
+    assert topk == [0, 0, 0] and any("experts" in n for n in grads), sorted(grads)
+    assert all(torch.equal(a, b) for a, b in zip(losses, ran)), (losses, ran)
+    assert all(torch.equal(grads[n], ran_grads[n]) for n in grads)
