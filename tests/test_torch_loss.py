@@ -329,6 +329,8 @@ def test_every_causal_lm_of_transformers_is_read_and_chunked_or_refused_with_its
     assert forms["granite"].between == ["logits = logits / self.config.logits_scaling"]
     refused = {k: f for k, f in forms.items() if isinstance(f, str)}
     assert "takes no `logits_to_keep`" in refused["musicgen"]
+    # its labels build the decoder's inputs: run without them (as the lever runs it) it is another forward
+    assert "its forward reads `labels` besides its loss" in refused["t5gemma2"]
     assert len(chunked) > 3 * len(refused), (len(chunked), len(refused))
 
 

@@ -74,13 +74,37 @@ def _form_of(cls: type, head: str, backbone: str) -> Union[HeadForm, str]:
     except (OSError, TypeError) as e:
         return f"the source of its forward cannot be read ({e})"
     fn = ast.parse(source).body[0]
-    return _Reader(fn, head, backbone, forward.__globals__).read()
+    return _Reader(fn, head, backbone, forward.__globals__, _backbone_class(cls, backbone)).read()
+
+
+def _backbone_class(cls: type, backbone: str) -> Optional[type]:
+    """The class `cls.__init__` builds its backbone from (`self.model = Gemma3Model(config)`), read from its source
+    and looked up in its module, or None."""
+    try:
+        init = inspect.unwrap(cls.__init__)
+        fn = ast.parse(textwrap.dedent(inspect.getsource(init))).body[0]
+    except (OSError, TypeError, SyntaxError):
+        return None
+    for node in ast.walk(fn):
+        if (
+            isinstance(node, ast.Assign)
+            and len(node.targets) == 1
+            and isinstance(node.targets[0], ast.Attribute)
+            and node.targets[0].attr == backbone
+            and _is_name(node.targets[0].value, "self")
+            and isinstance(node.value, ast.Call)
+            and isinstance(node.value.func, ast.Name)
+        ):
+            found = init.__globals__.get(node.value.func.id)
+            return found if isinstance(found, type) else None
+    return None
 
 
 class _Reader:
-    def __init__(self, fn: ast.FunctionDef, head: str, backbone: str, module_globals: dict):
+    def __init__(self, fn: ast.FunctionDef, head: str, backbone: str, module_globals: dict, backbone_cls=None):
         self.body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         self.head, self.backbone, self.globals = head, backbone, module_globals
+        self.backbone_cls = backbone_cls  # the backbone's class, where known (`_backbone_class`)
         self.known = set(module_globals) | set(dir(builtins))
 
     def read(self) -> Union[HeadForm, str]:
@@ -107,7 +131,7 @@ class _Reader:
                 return problem
             made |= _assigned(s)
         check = self.body[ends + 1] if ends + 1 < len(self.body) else None
-        problem = self._loss_call(check, logits)
+        problem = self._loss_call(check, logits) or self._labels_for_the_loss_only(ends + 1)
         if problem:
             return problem
         additions, added = [], []
@@ -219,6 +243,37 @@ class _Reader:
             return f"its loss is `{ast.unparse(s.body[0])}`, not {expected}"
         return None
 
+    def _labels_for_the_loss_only(self, loss_at: int) -> Optional[str]:
+        """The lever calls the forward without labels: where the forward reads them for more than its loss (and the
+        additions to it, under `if labels is not None`), that forward would not be the one the model runs."""
+        for i, s in enumerate(self.body):
+            if i == loss_at:
+                continue
+            for node in _outside_label_guards(s):
+                if "labels" in _reads(node) and not self._labels_to_a_backbone_that_ignores_them(node):
+                    return f"its forward reads `labels` besides its loss (`{ast.unparse(node).splitlines()[0]}`)"
+        return None
+
+    def _labels_to_a_backbone_that_ignores_them(self, node: ast.AST) -> bool:
+        """`outputs = self.model(..., labels=labels, ...)` where the backbone's forward takes them and reads them
+        nowhere (Gemma 3's): without labels that forward is the same."""
+        value = getattr(node, "value", None)
+        if not (isinstance(node, (ast.Assign, ast.AnnAssign)) and _calls_self(value, self.backbone)):
+            return False
+        if any("labels" in _reads(a) for a in value.args) or any(
+            "labels" in _reads(k.value) and not (k.arg == "labels" and _is_name(k.value, "labels"))
+            for k in value.keywords
+        ):
+            return False
+        backbone = self.backbone_cls
+        if backbone is None:
+            return False
+        try:
+            fn = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(backbone.forward)))).body[0]
+        except (OSError, TypeError, SyntaxError):
+            return False
+        return not any("labels" in _reads(s) for s in fn.body)
+
     def _output_fields(self) -> Set[str]:
         """The names the forward's return passes to its output by the same name (`aux_loss=aux_loss`)."""
         fields = set()
@@ -302,6 +357,27 @@ def _assigned(node: ast.AST) -> Set[str]:
         if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
             out.add(n.id)
     return out
+
+
+def _outside_label_guards(s: ast.stmt):
+    """`s`'s parts outside any `if labels is not None` (its test and its body left out), each a node to read."""
+    if isinstance(s, ast.If) and ast.unparse(s.test) == "labels is not None":
+        for child in s.orelse:
+            yield from _outside_label_guards(child)
+        return
+    if isinstance(s, ast.If):
+        yield s.test
+        for child in s.body + s.orelse:
+            yield from _outside_label_guards(child)
+        return
+    if isinstance(s, (ast.For, ast.While, ast.With, ast.Try)):
+        for child in ast.iter_child_nodes(s):
+            if isinstance(child, ast.stmt):
+                yield from _outside_label_guards(child)
+            else:
+                yield child
+        return
+    yield s
 
 
 def _loss_changes(s: ast.stmt, guarded: bool = False):
