@@ -13,7 +13,7 @@ from ...plans import LOSS as LOSS_PLAN
 from ...plans import PlanError, PlanReport, to_inline
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
-from .apply.layers import checkpointed_elsewhere, distinct, find_layers, repeated
+from .apply.layers import checkpointed_elsewhere, distinct, find_layers, repeated, towers
 from .policy import LayerPolicy, RecomputePolicy, check_requests
 
 logger = logging.getLogger(__name__)
@@ -304,6 +304,9 @@ class TorchBackend(Backend):
         if state.profile is None:
             return None
         report = plan_report(state.policy, state.profile)
+        lists = towers(wrapped, state.layers)
+        if lists:
+            report.notes.append("the layers come from several lists (numbered in this order): " + "; ".join(lists))
         for lever in state.levers.values():
             note = lever.note()
             if note:

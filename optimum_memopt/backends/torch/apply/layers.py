@@ -31,6 +31,27 @@ def find_layers(model: nn.Module) -> List[nn.Module]:
     return list(max(uniform, key=len))
 
 
+def towers(model: nn.Module, layers: List[nn.Module]) -> List[str]:
+    """Where the layer list comes from, where it comes from more than one list (a vision tower's blocks beside the
+    language model's layers): one line a list, `layers 0-1: model.vision_tower.encoder.layers (SiglipEncoderLayer)`.
+    Nothing for one list: its layers are the model's, in order."""
+    names = {id(m): n for n, m in model.named_modules()}
+    groups: List[list] = []  # [parent path, first, last, class names]
+    for i, layer in enumerate(layers):
+        path = names.get(id(layer), "").rpartition(".")[0] or "?"
+        if groups and groups[-1][0] == path and groups[-1][2] == i - 1:
+            groups[-1][2] = i
+            groups[-1][3].add(type(layer).__name__)
+        else:
+            groups.append([path, i, i, {type(layer).__name__}])
+    if len(groups) < 2:
+        return []
+    return [
+        f"layer{'s' if b > a else ''} {a}{f'-{b}' if b > a else ''}: {path} ({', '.join(sorted(kinds))})"
+        for path, a, b, kinds in groups
+    ]
+
+
 def repeated(layers: List[nn.Module]) -> List[List[int]]:
     """The positions of each module found at several positions of the layer list (`nn.ModuleList([block] * 2)`:
     one module run twice a step)."""
