@@ -61,6 +61,11 @@ def shrink(config) -> None:
                 setattr(c, key, value)
         if hasattr(c, "qk_rope_head_dim") and "head_dim" in vars(c):
             c.head_dim = c.qk_rope_head_dim
+        vocab = getattr(c, "vocab_size", None)
+        for key in ("pad_token_id", "bos_token_id", "eos_token_id"):  # ids past the small vocabulary
+            value = getattr(c, key, None)
+            if isinstance(vocab, int) and isinstance(value, int) and value >= vocab:
+                setattr(c, key, vocab - 1)
         for value in list(vars(c).values()):
             if hasattr(value, "to_dict") and hasattr(value, "model_type"):
                 visit(value)
