@@ -1,6 +1,7 @@
 """The breadth sweep (`scripts/families.py`) on a representative subset, inside CI's time: a dense decoder (Llama),
-an MoE (Qwen3-MoE), a hybrid of convolutions and attention (LFM2), an encoder-decoder's causal LM (BART's), and a
-vision-language model trained on text alone (Gemma 3, whose layer list starts with its vision tower). Each mode trains
+an MoE (Qwen3-MoE), a hybrid of convolutions and attention (LFM2), an encoder-decoder's causal LM (BART's), a
+vision-language model trained on text alone (Gemma 3, whose layer list starts with its vision tower), and ELECTRA's
+generator (its head projects the hidden states before its output embeddings, another width). Each mode trains
 as the plain run (bitwise where its plans are exact, within 1e-5 where the head's loss is summed in chunks) or is
 refused with its reason; the table is written between its markers."""
 
@@ -17,7 +18,7 @@ import families  # noqa: E402
 EXACT = ("level 1", "Layer+@0")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "lfm2", "bart", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "lfm2", "bart", "gemma3", "electra"])
 def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
     row = families.family(kind, steps=3, seconds=120)
     assert row["plain"] == "trains", row

@@ -178,6 +178,9 @@ class ChunkedLoss:
         self.smoothing: Optional[float] = None  # the Trainer's label smoothing, where it is on (set per step)
         self.trl = fused_by_trl(lm)
         self.last: Optional[dict] = None  # the last chunked forward: tokens, rows a chunk, chunks
+        # the width of the hidden states the head is given (the backbone's output: ELECTRA's head projects them
+        # before its output embeddings, whose input is another width), read at the last training forward
+        self.width: Optional[int] = None
         self.calls = 0  # training forwards whose loss was chunked
         self._said = set()
         self.installed = False
@@ -289,6 +292,7 @@ class ChunkedLoss:
         finally:
             hook.remove()
         hidden = captured[-1].last_hidden_state if hasattr(captured[-1], "last_hidden_state") else captured[-1][0]
+        self.width = hidden.shape[-1]
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         if self.chunking is None:  # read after the backbone: `auto` may choose as the step's first layer starts
             loss, logits = self._whole(hidden, labels, kwargs)
@@ -441,7 +445,7 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
             "step one's peak is not known"
         )
     weight = head.weight
-    tokens, hidden, vocab = math.prod(shape[:-1]), weight.shape[1], lever.vocab
+    tokens, hidden, vocab = math.prod(shape[:-1]), lever.width or weight.shape[1], lever.vocab
     device = weight.device.type
     ran = lever.chunking if lever.installed else None
     ways: List[Optional[Chunking]] = [None] + [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
