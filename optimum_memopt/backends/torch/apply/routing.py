@@ -68,8 +68,9 @@ class Routing:
     """The hooks that say, as a layer runs, when an op is inside a router or an MoE block (`routing_op`)."""
 
     def __init__(self, layers: List[nn.Module]):
-        self.layers = [bool(routers(layer)) for layer in layers]  # which layers route (their checkpoint keeps it)
-        self._pairs = [pair for layer in layers for pair in routers(layer)]
+        found = [routers(layer) for layer in layers]
+        self.layers = [bool(pairs) for pairs in found]  # which layers route (their checkpoint keeps it)
+        self._pairs = [pair for pairs in found for pair in pairs]
         self._handles = []
 
     def install(self) -> None:
