@@ -2,7 +2,11 @@
 their routers' aux loss on. Under level 1, whole layers and op plans that name the router's ops, the routing is never
 recomputed (the router's `topk` runs in no backward, where transformers' own checkpointing runs it again) and every
 run trains bitwise as the run without the plugin; the aux loss keeps its gradient, with the head and loss in chunks
-too; the plan table says the routing is kept; `auto` chooses within its budget through the Trainer."""
+too; the plan table says the routing is kept; `auto` chooses within its budget through the Trainer.
+
+On a machine with CUDA (the GPU kit, `scripts/gpu_check.sh`, runs this file there) the same tests run on the GPU, with
+deterministic kernels (so that a plain run is one run), and the routing test in bf16 too: where a recomputed router
+can flip near-tie tokens (transformers #47467), the routing is kept."""
 
 import pytest
 import torch
@@ -14,6 +18,8 @@ import optimum_memopt
 pytestmark = pytest.mark.torch_backend
 
 VOCAB = 128
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16] if DEVICE == "cuda" else [torch.float32]
 ARCHS = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"]
 SMALL = dict(
     num_hidden_layers=2, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=2,
@@ -23,8 +29,22 @@ SMALL = dict(
 )  # fmt: skip
 
 
-def moe(arch: str, coef: float = 0.5, seed: int = 0, **size):
-    """The family's default config, shrunk (each field the family has), its aux loss on and weighted up to count."""
+@pytest.fixture(scope="module", autouse=True)
+def deterministic():
+    """On CUDA, kernels that give one result (index_add's atomics otherwise sum in any order): a plain run is one run
+    and "bitwise" means something. The CPU's kernels are."""
+    if DEVICE == "cpu":
+        yield
+        return
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # cuBLAS: CUBLAS_WORKSPACE_CONFIG (the kit sets it)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def moe(arch: str, coef: float = 0.5, seed: int = 0, dtype=torch.float32, **size):
+    """The family's default config, shrunk (each field the family has), its aux loss on and weighted up to count;
+    on `DEVICE`, in `dtype`."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(arch)
@@ -34,7 +54,7 @@ def moe(arch: str, coef: float = 0.5, seed: int = 0, **size):
     if hasattr(config, "qk_rope_head_dim"):  # DeepSeek's rotary part of each head
         config.head_dim = config.qk_rope_head_dim
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config).to(DEVICE, dtype)
 
 
 class Ops(TorchDispatchMode):
@@ -67,10 +87,10 @@ def train(model, steps=3, plans=None, level=0, checkpointing=False, chunks=None)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, topk, grads = [], [], {}
     for step in range(steps):
-        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step))
+        ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(step)).to(DEVICE)
         out = model(input_ids=ids, labels=ids)
         ops = Ops()
-        with ops:  # on the CPU autograd runs backward, recomputes included, in this thread
+        with ops:  # the mode goes with autograd's state to the thread that runs backward (CUDA's device thread too)
             out.loss.backward()
         topk.append(ops.ran.get("topk", 0))
         losses.append(out.loss.detach().clone())
@@ -98,18 +118,20 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=ARCHS)
+@pytest.fixture(scope="module", params=[(a, d) for d in DTYPES for a in ARCHS], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}")
 def plain(request):
-    arch = request.param
-    losses, grads, topk, _ = train(moe(arch))
+    arch, dtype = request.param
+    losses, grads, topk, _ = train(moe(arch, dtype=dtype))
     assert grads and all(g.abs().sum() > 0 for g in grads.values()), arch  # the routers learn
-    return arch, losses, grads
+    again, again_grads, _, _ = train(moe(arch, dtype=dtype))  # one run on this device: bitwise is a fair ask
+    assert all(torch.equal(a, b) for a, b in zip(losses, again)), (arch, dtype, losses, again)
+    return arch, dtype, losses, grads
 
 
 @pytest.mark.parametrize("mode", list(MODES))
 def test_routing_is_never_recomputed_and_the_run_is_bitwise_the_plain_one(plain, mode):
-    arch, losses, grads = plain
-    ran, ran_grads, topk, _ = train(moe(arch), **MODES[mode])
+    arch, dtype, losses, grads = plain
+    ran, ran_grads, topk, _ = train(moe(arch, dtype=dtype), **MODES[mode])
     assert topk == [0, 0, 0], (arch, mode, topk)
     assert all(torch.equal(a, b) for a, b in zip(losses, ran)), (arch, mode, losses, ran)
     assert all(torch.equal(grads[n], ran_grads[n]) for n in grads), (arch, mode)
@@ -140,15 +162,25 @@ def test_the_table_says_the_routing_is_kept():
     assert any("routing is kept" in n for n in dense.notes)
 
 
+# Seen on an H200 (torch 2.11, transformers 5.23; benchmarks/gpu_check_h200_2026-11-26.md): in fp32 on CUDA the real
+# step's count peaks 31 KiB above the dry run's on these (13 KiB below on DeepSeek-V3), where bf16 agrees; the op
+# behind it is not found yet (docs/GPU.md). Strict: a run that agrees says so.
+CUDA_FP32_APART = {"qwen3_moe", "mixtral", "deepseek_v3", "olmoe"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_a_dry_run_counts_what_the_real_step_counts(arch):
+def test_a_dry_run_counts_what_the_real_step_counts(arch, dtype, request):
     """On fake tensors (fp32 experts through transformers' fallback kernel: torch's fake rule for `grouped_mm` takes
-    bf16 only) the step's peak is the real step's count, eager and level 1."""
+    bf16 only) the step's peak is the real step's count on `DEVICE`, eager and level 1."""
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
-    spec = StepSpec(moe(arch).config, batch=4, seq=16)
+    if DEVICE == "cuda" and dtype == torch.float32 and arch in CUDA_FP32_APART:
+        request.applymarker(pytest.mark.xfail(strict=True, reason="fp32 experts on CUDA: 31 KiB apart, not found"))
+
+    spec = StepSpec(moe(arch).config, batch=4, seq=16, dtype=str(dtype)[6:])
     for kw in (dict(backend=False), dict(level=1)):
-        fake, real = dry_run(spec, **kw), dry_run(spec, fake=False, **kw)
+        fake, real = dry_run(spec, **kw), dry_run(spec, fake=False, device=DEVICE, **kw)
         assert abs(fake.peak_bytes - real.peak_bytes) <= 0.01 * real.peak_bytes, (
             arch,
             kw,

@@ -1,4 +1,5 @@
-"""Vision-language models under the torch backend, trained with images: LLaVA, Qwen2-VL and Gemma 3 at tiny size
+"""Vision-language models under the torch backend, trained with images: LLaVA, Qwen2-VL, Qwen2.5-VL (windowed
+attention in the tower), Qwen3-VL (the tower's deepstack features added inside the language layers) and Gemma 3 at tiny size
 (`pixel_values` and what each family's forward takes with them). Their vision tower's blocks are found beside the
 language model's layers; level 1 trains bitwise as the run without the plugin; the loss lever chunks their language
 head (read from each forward's source) to the plain run's losses."""
@@ -64,24 +65,37 @@ def qwen2_vl():
     _shrink(config.vision_config, dict(vision, spatial_merge_size=2, temporal_patch_size=2))
     config.image_token_id, config.video_token_id, config.vision_start_token_id = IMAGE, IMAGE + 1, IMAGE + 2
     config.vision_end_token_id = IMAGE + 3
+    return _build(config), qwen2_vl_batch
 
-    def batch(step: int) -> dict:
-        g = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, 150, (2, 30), generator=g)
-        ids[:, 3:7] = IMAGE
-        labels = ids.clone()
-        labels[:, :7] = -100
-        pixels = torch.randn(2 * 16, 3 * 2 * 4 * 4, generator=g)
-        grid = torch.tensor([[1, 4, 4]]).repeat(2, 1)
-        return dict(
-            input_ids=ids,
-            labels=labels,
-            pixel_values=pixels,
-            image_grid_thw=grid,
-            mm_token_type_ids=(ids == IMAGE).long(),
-        )
 
-    return _build(config), batch
+def qwen2_vl_batch(step: int) -> dict:
+    """Two prompts of 30 tokens, each with one 16x16 image (4 image tokens after the 2x2 merge)."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, 150, (2, 30), generator=g)
+    ids[:, 3:7] = IMAGE
+    labels = ids.clone()
+    labels[:, :7] = -100
+    pixels = torch.randn(2 * 16, 3 * 2 * 4 * 4, generator=g)
+    grid = torch.tensor([[1, 4, 4]]).repeat(2, 1)
+    return dict(
+        input_ids=ids, labels=labels, pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=(ids == IMAGE).long()
+    )
+
+
+def qwen_vl(family: str):
+    """Qwen2.5-VL and Qwen3-VL: as Qwen2-VL's batch; Qwen2.5-VL's tower has windowed and full-attention blocks,
+    Qwen3-VL's feeds its first block's features (deepstack) into the language model's first layer."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(family)
+    _shrink(config.text_config, TEXT)
+    config.text_config.rope_parameters = {"rope_theta": 10000.0, "rope_type": "default", "mrope_section": [2, 3, 3]}
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4, out_hidden_size=64)
+    extra = dict(fullatt_block_indexes=[1], window_size=16, deepstack_visual_indexes=[0], num_position_embeddings=16)
+    _shrink(config.vision_config, dict(vision, **extra, spatial_merge_size=2, temporal_patch_size=2))
+    config.image_token_id, config.video_token_id, config.vision_start_token_id = IMAGE, IMAGE + 1, IMAGE + 2
+    config.vision_end_token_id = IMAGE + 3
+    return _build(config), qwen2_vl_batch
 
 
 def gemma3():
@@ -108,15 +122,27 @@ def gemma3():
     return _build(config), batch
 
 
-FAMILIES = {"llava": llava, "qwen2_vl": qwen2_vl, "gemma3": gemma3}
+FAMILIES = {
+    "llava": llava,
+    "qwen2_vl": qwen2_vl,
+    "qwen2_5_vl": lambda: qwen_vl("qwen2_5_vl"),
+    "qwen3_vl": lambda: qwen_vl("qwen3_vl"),
+    "gemma3": gemma3,
+}
 TOWERS: dict = {}  # family -> the table's note on the lists its layers come from (`train` with a level)
+AUTO: dict = {}  # family -> the planner and choice of its last `auto` run
 
 
-def train(family: str, steps: int = 3, level: int = 0, chunks=None):
-    """Each step's loss, and the layers the backend found (with `level`)."""
+def train(family: str, steps: int = 3, level: int = 0, chunks=None, budget_mb=None):
+    """Each step's loss, and the layers the backend found (with `level`); with `budget_mb`, `auto` under it (the
+    handle's planner in `AUTO[family]`)."""
     model, batch = FAMILIES[family]()
     model.train()
-    handle = optimum_memopt.optimize_memory(model, None, level=level, say=lambda text: None) if level else None
+    handle = None
+    if level:
+        handle = optimum_memopt.optimize_memory(model, None, level=level, say=lambda text: None)
+    elif budget_mb is not None:
+        handle = optimum_memopt.optimize_memory(model, "auto", budget_mb=budget_mb, say=lambda text: None)
     lever = None
     if chunks is not None:
         lever = ChunkedLoss(causal_lm(model), Chunking(chunks=chunks), say=lambda text: None)
@@ -133,7 +159,9 @@ def train(family: str, steps: int = 3, level: int = 0, chunks=None):
             handle.step_done()
     names = {id(m): n for n, m in model.named_modules()}
     layers = [names[id(layer)] for layer in handle.layers] if handle is not None else []
-    if handle is not None:  # the table's notes name each list the layers come from
+    if budget_mb is not None:
+        AUTO[family] = handle.planner, handle.auto
+    if level:  # the table's notes name each list the layers come from
         TOWERS[family] = [n for n in handle.report().notes if n.startswith("the layers come from several lists")]
     if handle is not None:
         handle.remove()
@@ -165,6 +193,24 @@ def test_the_language_head_is_chunked_to_the_plain_losses(plain):
     chunked, _ = train(family, chunks=3)
     for a, b in zip(losses, chunked):
         assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (family, losses, chunked)
+
+
+def test_auto_with_images_chooses_within_its_budget(plain):
+    """`auto` on the whole model, images in every step: under a budget halfway between eager's peak and the least
+    any choice reaches, it chooses (layers of either tower, the head's chunks) within the budget, and trains as the
+    plain run (to 1e-6: its head may run in chunks)."""
+    family, losses = plain
+    train(family, steps=3, budget_mb=10**6)
+    roomy, _ = AUTO[family]
+    eager, floor = roomy.verified[0]["measured_peak_mb"], roomy.fits[0].floor.peak_mb
+    assert floor < eager, (family, floor, eager)
+    budget = round((eager + floor) / 2, 3)
+    ran, _ = train(family, steps=3, budget_mb=budget)
+    _, choice = AUTO[family]
+    assert choice["config"] and choice["predicted_peak_mb"] <= budget, (family, budget, choice)
+    assert all(check["measured_peak_mb"] <= budget for check in choice["checks"]), (family, budget, choice)
+    for a, b in zip(losses, ran):
+        assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (family, losses, ran)
 
 
 def test_on_text_alone_a_plan_on_the_towers_layer_is_said_to_recompute_nothing(caplog):

@@ -181,6 +181,9 @@ class ChunkedLoss:
         # the width of the hidden states the head is given (the backbone's output: ELECTRA's head projects them
         # before its output embeddings, whose input is another width), read at the last training forward
         self.width: Optional[int] = None
+        # how many positions the head is given (batch x text length, read there too: a VLM's layer list starts with
+        # its tower, whose patches are not the head's tokens)
+        self.tokens: Optional[int] = None
         self.calls = 0  # training forwards whose loss was chunked
         self._said = set()
         self.installed = False
@@ -293,6 +296,7 @@ class ChunkedLoss:
             hook.remove()
         hidden = captured[-1].last_hidden_state if hasattr(captured[-1], "last_hidden_state") else captured[-1][0]
         self.width = hidden.shape[-1]
+        self.tokens = math.prod(hidden.shape[:-1])
         fields = {k: v for k, v in out.items() if k not in ("loss", "logits")}
         if self.chunking is None:  # read after the backbone: `auto` may choose as the step's first layer starts
             loss, logits = self._whole(hidden, labels, kwargs)
@@ -432,8 +436,8 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
 
     if lever.trl:
         return "the head is TRL's fused LM head, which chunks already"
-    shape = profile.shape
-    if len(shape) < 2:
+    shape = profile.shape  # the first layer's input: a VLM's tower's patches, where the head reads the text
+    if lever.tokens is None and len(shape) < 2:
         return "step one's layers took no hidden states to count the tokens by"
     head = lever.lm.get_output_embeddings()
     how = sharded(head)
@@ -445,7 +449,8 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
             "step one's peak is not known"
         )
     weight = head.weight
-    tokens, hidden, vocab = math.prod(shape[:-1]), lever.width or weight.shape[1], lever.vocab
+    tokens = lever.tokens or math.prod(shape[:-1])  # the hidden states the head took in step one
+    hidden, vocab = lever.width or weight.shape[1], lever.vocab
     device = weight.device.type
     ran = lever.chunking if lever.installed else None
     ways: List[Optional[Chunking]] = [None] + [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
