@@ -210,30 +210,94 @@ def gemma3_with_its_vision_tower():
     return AutoModelForCausalLM.from_config(config)
 
 
-def test_a_layer_list_whose_first_layers_never_run_is_said_and_auto_stops_with_the_layers_that_ran(caplog):
-    """Before, `auto` on Gemma 3 trained without a choice and said nothing (it waits for the list's first layer to
-    start step one), and plans made no table, silently. Said after three steps (LayerDrop skips a first layer now and
-    then)."""
+def test_a_layer_list_whose_first_layers_never_run_is_measured_over_the_layers_that_ran(caplog):
+    """Gemma 3 on text alone runs its language layers (2, 3), not its vision tower's (0, 1). Before, `auto` trained
+    without a choice and said nothing, then stopped; plans made no table. A loop of one's own gives `auto` no dry run
+    to see it before step one: after three steps that ran the same layers (LayerDrop skips a first layer now and
+    then) it says so, and the next step is measured over them as step one: `auto` chooses among them, and plans get
+    their table."""
 
-    def train(handle_of):
+    def train(handle_of, steps=6):
         model = gemma3_with_its_vision_tower()
         handle = handle_of(model)
         causal = lambda m, ids: m(input_ids=ids, labels=ids).loss  # noqa: E731
-        return random_token_steps(model, causal, 300, (2, 16), handle), handle
+        torch.manual_seed(0)
+        return random_token_steps(model, causal, 300, (2, 16), handle, steps=steps), handle
 
-    said = (
-        r"the layer list's first layer \(SiglipEncoderLayer, layer 0 of 4\) did not run in the first 3 training steps; "
-        r"layers 2, 3 \(Gemma3DecoderLayer\) did"
-    )
-    with pytest.raises(RuntimeError, match=rf"^`plans='auto'` measures step one from the first layer on, but {said}.*"
-                                           rf"as in `plans='Layer\+:1:-1@2\+3'`$"):  # fmt: skip
-        train(lambda model: optimum_memopt.optimize_memory(model, "auto", budget_mb=10**6, reports_steps=True))
     plain, _ = train(lambda model: None)
+    said = (
+        "the layer list's first layer (SiglipEncoderLayer, layer 0 of 4) did not run in the first 3 training steps; "
+        "layers 2, 3 (Gemma3DecoderLayer) did"
+    )
     with caplog.at_level("WARNING", logger="optimum_memopt"):
-        got, handle = train(lambda model: optimum_memopt.optimize_memory(model, "Layer+:1:-1@2+3", reports_steps=True))
-    assert got == plain and handle.report() is None
-    warned = [r.getMessage() for r in caplog.records if "did not run in the first 3 training steps" in r.getMessage()]
-    assert len(warned) == 1 and "no plan table is made" in warned[0], warned
+        got, auto = train(
+            lambda model: optimum_memopt.optimize_memory(model, "auto", budget_mb=10**6, reports_steps=True)
+        )
+    warned = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert (
+        "The next step is measured over those as step one (the plan table and `auto`'s choice count them)"
+        in (warned[0])
+    )
+    assert auto.auto is not None and auto.auto["choices"] == 1, auto.auto  # measured at step 4, chosen at step 5
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got, plain)), (got, plain)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="optimum_memopt"):
+        got, plans = train(lambda model: optimum_memopt.optimize_memory(model, "Layer+:1:-1@2+3", reports_steps=True))
+    assert got == plain
+    report = plans.report()  # made from step 4, over the layers that ran
+    assert report is not None and report.plans and report.peak, report
+    assert [r.getMessage() for r in caplog.records if said in r.getMessage()] and "(the plan table counts them)" in (
+        caplog.records[-1].getMessage()
+    )
+
+
+class OutOfOrder(torch.nn.Module):
+    """Three blocks in an `nn.ModuleList`, run as `order` says: backwards (as BLT runs the patchers it lists after
+    the layers they feed), or with one again (as HRM runs its layers in cycles)."""
+
+    def __init__(self, order):
+        super().__init__()
+        self.order = order
+        self.embed = torch.nn.Embedding(64, 32)
+        self.layers = torch.nn.ModuleList(SequentialGPT.Block(32) for _ in range(3))
+        self.head = torch.nn.Linear(32, 64)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for k in self.order:
+            x = self.layers[k](x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize(
+    "order, said",
+    [
+        ([2, 1, 0], "runs layer 1 (Block) after layer 2 (Block), against the order the layer list holds them in"),
+        ([0, 1, 2, 1, 2], "runs layers 1 (Block), 2 (Block) several times each (5 layer forwards for 3 layers)"),
+    ],
+)
+def test_auto_refuses_a_step_that_runs_its_layers_out_of_order_or_again(order, said):
+    """Step one is measured layer by layer, in the list's order, once each: such a step is said to be out of reach
+    after step one (a loop of one's own gives no dry run before it), with whole layers as the way out; whole layers
+    train as plain."""
+    next_token = lambda m, ids: torch.nn.functional.cross_entropy(m(ids).flatten(0, 1), ids.flatten())  # noqa: E731
+    torch.manual_seed(0)
+    model = OutOfOrder(order)
+    handle = optimum_memopt.optimize_memory(model, "auto", budget_mb=10**6, reports_steps=True)
+    with pytest.raises(RuntimeError) as e:
+        random_token_steps(model, next_token, 64, (2, 8), handle)
+    assert f"`plans='auto'` measures step one layer by layer, but a step of OutOfOrder {said}" in str(e.value)
+    assert str(e.value).endswith("Recompute whole layers instead (`level=1`)"), str(e.value)
+
+    def run(handle_of):
+        torch.manual_seed(0)
+        model = OutOfOrder(order)
+        return random_token_steps(model, next_token, 64, (2, 8), handle_of(model))
+
+    assert run(lambda model: optimum_memopt.optimize_memory(model, None, level=1, reports_steps=True)) == run(
+        lambda model: None
+    )
 
 
 def test_remove_gives_the_plain_model_back():

@@ -118,7 +118,9 @@ MODES = {
 }
 
 
-@pytest.fixture(scope="module", params=[(a, d) for d in DTYPES for a in ARCHS], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}")
+@pytest.fixture(
+    scope="module", params=[(a, d) for d in DTYPES for a in ARCHS], ids=lambda p: f"{p[0]}-{str(p[1])[6:]}"
+)
 def plain(request):
     arch, dtype = request.param
     losses, grads, topk, _ = train(moe(arch, dtype=dtype))

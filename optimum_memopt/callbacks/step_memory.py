@@ -1,7 +1,8 @@
 """The picture of the step's memory, after `--memory_opt_config auto` has chosen and checked its choice (torch
 backend), on rank 0: step one's memory at every layer mark (each layer's forward and backward, the head and the
 loss, after backward), the budget, the peak predicted with the choice in each stretch and the peak measured after
-it, and the plan each layer runs. Drawn from the solver's figures, the ones `memory_auto/solver.json` holds, into
+it, the plan each layer runs, and, where the layers come from several lists (a vision-language model's towers), which
+list each layer's number belongs to. Drawn from the solver's figures, the ones `memory_auto/solver.json` holds, into
 `memory_auto/step_memory.png`, and handed to TensorBoard and W&B when the run reports to them (`report_to`), as the
 Trainer's own callbacks write there. A picture that cannot be drawn or sent is said, and training goes on.
 """
@@ -67,8 +68,12 @@ def draw_step_memory(data: dict, path: Optional[str] = None):
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes, over nothing
     fig.subplots_adjust(left=0.07, right=0.7, bottom=0.16, top=0.92)
+    lines = []
     if fit is not None and fit.get("per_layer"):
         lines = ["the plans each layer runs:"] + [f"layer {i}: {label}" for i, label in enumerate(fit["per_layer"])]
+    if data.get("layer_lists"):  # a VLM's towers: which list each layer number belongs to
+        lines += ["", "the layers come from:"] + list(data["layer_lists"])
+    if lines:
         fig.text(0.71, 0.6, "\n".join(lines), fontsize=7, family="monospace", va="top")
     if path is not None:
         fig.savefig(path, dpi=110, format="png")

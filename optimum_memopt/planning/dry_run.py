@@ -267,6 +267,8 @@ class DryRun:
     # where the step ran layers but not the layer list's first (a VLM's tower on text alone): what to say, the flag
     # for the layers that ran (`RecomputeState.first_layer_idle`)
     first_layer_idle: Optional[tuple] = None
+    # `auto`'s: the layers the step runs, where it leaves some of the list out (`layer_order`); None: every layer
+    running: Optional[List[int]] = None
 
 
 @contextmanager
@@ -498,6 +500,35 @@ def _ddp_buckets(params, device: str) -> List[torch.Tensor]:
     return [torch.empty(n, dtype=dtype, device=device) for dtype, n in numels.items()]
 
 
+class LayerOrderError(ValueError):
+    """A step runs its layers in a way step one cannot be measured over (`layer_order`): out of the list's order, or
+    one layer several times."""
+
+
+def layer_order(model, layers, forward: Callable[[], object]) -> Optional[List[int]]:
+    """The layers a training step runs, from one forward of it (`forward`, run here without autograd: nothing is
+    kept, so the dry run's count is not raised): None where it runs the whole list in order; the indices it runs,
+    in order, where it leaves some out (a vision-language model's tower on text alone). Raises `LayerOrderError`
+    where it runs a layer before one listed earlier (BLT's patchers, listed after the layers they feed) or one layer
+    several times (HRM's cycles): `apply.layers.run_order_problem`."""
+    from ..backends.torch.apply.layers import run_order_problem
+
+    calls: List[int] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args, k=k: calls.append(k)) for k, layer in enumerate(layers)
+    ]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    problem = run_order_problem(calls, layers, type(model).__name__)
+    if problem is not None:
+        raise LayerOrderError(problem)
+    return calls if calls and len(calls) < len(layers) else None
+
+
 def _loss(out) -> torch.Tensor:
     """The loss a model's training forward returned (with the labels given), as the Trainer takes it."""
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
@@ -528,6 +559,7 @@ def dry_run(
     batch: Optional[Callable[[], tuple]] = None,
     optimizer_from: Optional[Callable] = None,
     held_bytes: int = 0,
+    running_into: Optional[list] = None,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -543,7 +575,12 @@ def dry_run(
     positional and keyword arguments, fake copies of the real ones) and `optimizer_from` (the trained parameters to
     an optimizer like the run's); the planner then chooses for this process alone, whatever process group is up.
     `held_bytes` is what that process holds on its device outside the step (another model, tensors kept from before:
-    `measure.live.held_outside`), counted from the start in `other`, as the device counts it in every reading."""
+    `measure.live.held_outside`), counted from the start in `other`, as the device counts it in every reading.
+
+    Under `auto`, a forward of the step without autograd first finds the layers it runs (`layer_order`: a VLM on text
+    alone leaves its tower out; a step that runs them out of the list's order, or one several times, raises
+    `LayerOrderError`): step one is measured over them (`DryRun.running`; put in `running_into` too as soon as known,
+    for a caller whose dry run may raise after)."""
     import optimum_memopt
 
     began = time.perf_counter()
@@ -577,6 +614,26 @@ def dry_run(
         from ..backends.torch.apply.layers import find_layers
 
         layers = handle.layers if handle is not None else find_layers(model)
+        vocab = spec.config.get_text_config().vocab_size if batch is None else 0
+
+        def inputs():
+            if batch is not None:
+                return batch()
+            ids = torch.randint(0, vocab, (spec.batch, spec.seq), device=device)
+            return (), {"input_ids": ids, "labels": ids}
+
+        running = None
+        if plans == "auto" and handle is not None:  # `auto` measures step one over the layers the step runs
+
+            def forward():
+                args, kwargs = inputs()
+                with _autocast(spec.autocast, device):
+                    model(*args, **kwargs)
+
+            running = layer_order(model, layers, forward)
+            getattr(model, STATE).running = running
+            if running_into is not None:  # known before the steps, which may raise (`auto` finding nothing fits)
+                running_into.append(running)
         if mesh is not None:
             _shard(model, layers, mesh, spec)
             count.from_here()
@@ -588,7 +645,6 @@ def dry_run(
         handles = _marks(model, layers, count)
         before = count.current
         _prime(optimizer, params, count)
-        vocab = spec.config.get_text_config().vocab_size if batch is None else 0
         step_peaks = []
         try:
             for step in range(1, steps + 1):
@@ -597,12 +653,7 @@ def dry_run(
                 if step == steps and cost_device is not None:
                     count.ops = OpCosts()
                 for _ in range(spec.grad_accum):
-                    if batch is None:
-                        ids = torch.randint(0, vocab, (spec.batch, spec.seq), device=device)
-                        args, kwargs = (), {"input_ids": ids, "labels": ids}
-                        del ids
-                    else:
-                        args, kwargs = batch()
+                    args, kwargs = inputs()
                     with _autocast(spec.autocast, device):
                         loss = _loss(model(*args, **kwargs))
                     (loss / spec.grad_accum).backward()
@@ -628,6 +679,7 @@ def dry_run(
         steps=steps,
         seconds=time.perf_counter() - began,
         step_peaks=step_peaks,
+        running=running,
     )
     if count.ops is not None:
         result.step_seconds = count.ops.seconds(cost_device)

@@ -17,7 +17,7 @@ from ..nested import tensors_in
 from ..policy import KEEP, LAYER, OPS, RecomputePolicy
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
-from .layers import LayerForwards, whole_layers_flag
+from .layers import LayerForwards, run_order_problem, whole_layers_flag
 from .routing import Routing
 from .tracking import LayerRun
 
@@ -54,9 +54,24 @@ class RecomputeState:
         self.lever_problems: dict = {}  # why a lever could not run or measure, by name (said in the table's notes)
         self._levers_measured = False
         self.optimizer = None  # the trainer's, where it says (`TorchBackend.on_optimizer_ready`): `auto`'s dry run
-        self._ran: set = set()  # the layers whose training forward ran in the first steps (`_check_layers_ran`)
+        self._ran: List[int] = []  # the layers whose training forward ran in this step, in order (first steps)
+        self._orders: List[List[int]] = []  # the first steps' `_ran`, where their first layer did not run
+        self._ran_closed = False  # this step's first forward has ended: its later micro-batches are not recorded
+        # the layers a training step runs, in the list's order, where a dry run of the step saw it leave some out (a
+        # vision-language model's tower on text alone; `planning.dry_run.layer_order`); None: every layer. A step
+        # starts at the first, its forward ends at the last, and step one is measured over them
+        self.running: Optional[List[int]] = None
         self._ran_checked = False
-        self._steps_without_first = 0
+
+    @property
+    def first(self) -> int:
+        """The first layer a step runs (where it starts)."""
+        return self.running[0] if self.running else 0
+
+    @property
+    def last(self) -> int:
+        """The last layer a step's forward runs."""
+        return self.running[-1] if self.running else len(self.layers) - 1
 
     @property
     def originals(self):
@@ -77,7 +92,14 @@ class RecomputeState:
 
     def _before_training_forward(self, args, kwargs) -> None:
         """Before a training forward of the model runs (and before it is counted): the run's first is where `auto`
-        may start from a dry run of it (`planner.before_step_one`)."""
+        may start from a dry run of it (`planner.before_step_one`). In the first steps, the layers the last forward ran
+        are its step's (`_check_layers_ran`): a loop that does not report steps ends one with each backward; in one
+        that does, a later micro-batch of the step runs the same layers again, and is not recorded."""
+        if self._ran and not self._ran_checked:
+            if self.steps_reported:
+                self._ran_closed = True
+            else:
+                self._check_layers_ran()
         if self.planner is not None and self.planner.stage == "start" and self.profile is None:
             self.planner.before_step_one(self, self._model, args, kwargs)
 
@@ -104,32 +126,56 @@ class RecomputeState:
                 lever.after_step_one(self.profile, self.reset_peaks)
 
     def _check_layers_ran(self) -> None:
-        """After the first steps: the layer list is the model's, and a step may not run all of it. Where its first
-        layer did not run (a vision or audio tower listed before the language layers, which a text-only step leaves
-        out), no step was measured from its start: `auto` cannot choose (it stops, naming the layers that ran), and
-        plans run on the layers that ran with no table (said once). Three steps are given: a model that drops layers
-        at random in training (LayerDrop) skips its first one in a step now and then."""
+        """After a step: the layer list is the model's, and a step may not run all of it. Where its first layer did
+        not run (a vision or audio tower listed before the language layers, which a text-only step leaves out), no
+        step was measured from its start; once `FIRST_LAYER_STEPS` steps ran the same layers in the list's order (a
+        model that drops layers at random in training, LayerDrop, skips its first one in a step now and then), the
+        next step is measured over them (`running`), as step one: the table, and `auto`'s choice, count them (said).
+        Where the steps ran their layers out of the list's order or one several times, no step can be measured layer
+        by layer: `auto` stops, saying why, and plans run with no table (said once)."""
         if self._ran_checked or not self._ran:
             return
-        if 0 in self._ran:
-            self._ran_checked, self._ran = True, set()
+        order, self._ran, self._ran_closed = self._ran, [], False
+        owner = type(self._model).__name__ if self._model is not None else "the model"
+        if self.first in order:
+            self._ran_checked, self._orders = True, []
+            problem = run_order_problem(order, self.layers, owner)
+            if problem is not None and self.planner is not None and self.planner.stage != "done":
+                raise RuntimeError(
+                    f"`--memory_opt_config auto` measures step one layer by layer, but {problem}; nothing was "
+                    f"chosen. Recompute whole layers instead (`--memory_opt_level 1`)"
+                )
             return
-        self._steps_without_first += 1
-        if self._steps_without_first < FIRST_LAYER_STEPS:
+        self._orders.append(order)
+        if len(self._orders) < FIRST_LAYER_STEPS:
             return
         self._ran_checked = True
-        ran, self._ran = sorted(self._ran), set()
-        n = len(self.layers)
+        orders, self._orders = self._orders, []
+        ran = sorted(set(order))
         where = self._idle_first(ran, f"in the first {FIRST_LAYER_STEPS} training steps")
-        if self.planner is not None and self.planner.stage == "start":
+        problem = run_order_problem(order, self.layers, owner)
+        if problem is None and any(o != order for o in orders):
+            problem = f"the first {FIRST_LAYER_STEPS} steps ran different layers ({'; '.join(map(str, orders))})"
+        auto = self.planner is not None and self.planner.stage == "start"
+        if problem is None:
+            self.running = order
+            logger.warning(
+                "optimum-memopt: %s. The next step is measured over those as step one (%s)%s",
+                where,
+                "the plan table and `auto`'s choice count them" if auto else "the plan table counts them",
+                "" if auto else self._idle_plans(set(ran)),  # `auto`'s own step one policy names every layer
+            )
+            return
+        flag = whole_layers_flag(ran, len(self.layers))
+        if auto:
             raise RuntimeError(
-                f"`--memory_opt_config auto` measures step one from the first layer on, but {where}; nothing was "
-                f"measured or chosen. Pass plans for the layers that run instead, as in {whole_layers_flag(ran, n)}"
+                f"`--memory_opt_config auto` measures step one layer by layer, but {where}, and {problem}; nothing "
+                f"was measured or chosen. Pass plans for the layers that run instead, as in {flag}"
             )
         logger.warning(
-            "optimum-memopt: %s. The plans run on the layers that run; no plan table is made (step one is measured "
-            "from the first layer on)%s",
+            "optimum-memopt: %s, and %s. The plans run on the layers that run; no plan table is made%s",
             where,
+            problem,
             self._idle_plans(set(ran)),
         )
 
@@ -145,9 +191,9 @@ class RecomputeState:
     def first_layer_idle(self) -> Optional[Tuple[str, str]]:
         """Where the steps run so far ran layers but not the list's first (a dry run's step, which `auto` reads
         before step one): what to say, and the flag for the layers that ran; else None."""
-        if self._ran_checked or not self._ran or 0 in self._ran:
+        if self._ran_checked or not self._ran or self.first in self._ran:
             return None
-        ran = sorted(self._ran)
+        ran = sorted(set(self._ran))
         return self._idle_first(ran, "in a dry run of step one"), whole_layers_flag(ran, len(self.layers))
 
     def _idle_plans(self, ran: set) -> str:
@@ -182,14 +228,15 @@ class RecomputeState:
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         _check_alone(layer, index)
-        if not self._ran_checked:
-            self._ran.add(index)
-        if index == 0 and self.watch is not None and self.watch.backward_ended and not self.steps_reported:
+        if not self._ran_checked and not self._ran_closed:
+            self._ran.append(index)
+        starts = index == self.first  # the step's first layer: a step starts here
+        if starts and self.watch is not None and self.watch.backward_ended and not self.steps_reported:
             self._close_watch()  # step two of a loop that does not report steps: step one ended before it
-        if index == 0 and self._backward_ended and not self.steps_reported:
+        if starts and self._backward_ended and not self.steps_reported:
             self._step_ended = True  # a loop that does not report steps: the last step's backward has ended
         self._backward_ended = False
-        if index == 0:
+        if starts:
             if self.planner is not None and (self._step_ended or self.planner.stage == "start"):
                 self.planner.at_step_start(self, _device(args, kwargs))
             self._step_ended = False
@@ -197,7 +244,8 @@ class RecomputeState:
                 self._recording = [LayerProfile() for _ in self.layers]
                 device = _device(args, kwargs)
                 if self.watch is None and device in READABLE_DEVICES:
-                    self.watch = StepWatch(len(self.layers), meter_for(device), self.reset_peaks or device == "cpu")
+                    resets = self.reset_peaks or device == "cpu"
+                    self.watch = StepWatch(len(self.layers), meter_for(device), resets, self.running)
         watch = self.watch
         if watch is not None:
             watch.layer_forward(index)
@@ -215,13 +263,13 @@ class RecomputeState:
             finish(run, out, (args, kwargs))
         else:
             out = original(*args, **kwargs)
-        if record is not None and index == len(self.layers) - 1:
+        if record is not None and index == self.last:
             self.profile, self._recording = ModelProfile(self._recording, autocast=_autocast(args, kwargs)), None
         if watch is not None:
-            _mark_backward(watch, index, out)
-            if index == len(self.layers) - 1:
+            _mark_backward(watch, index, out, index == self.first)
+            if index == self.last:
                 watch.forward_done()
-        if index == 0 and self.planner is not None and not self.steps_reported:
+        if starts and self.planner is not None and not self.steps_reported:
             _at_backward_end(out, self._ended)
         return out
 
@@ -274,16 +322,16 @@ def _at_backward_end(out, fn) -> None:
         first.register_hook(lambda grad: _torch_api.at_backward_end(fn))
 
 
-def _mark_backward(watch: StepWatch, index: int, out) -> None:
-    """Tell `watch` when backward reaches this layer's output (its backward starts), and, at layer 0, when the
-    backward pass ends."""
+def _mark_backward(watch: StepWatch, index: int, out, starts: bool) -> None:
+    """Tell `watch` when backward reaches this layer's output (its backward starts), and, at the layer the step
+    `starts` at, when the backward pass ends."""
     first = first_grad_tensor(out)
     if first is None:
         return
 
     def reached(grad):
         watch.layer_backward(index, grad)
-        if index == 0:
+        if starts:
             _torch_api.at_backward_end(watch.backward_done)
         return grad
 

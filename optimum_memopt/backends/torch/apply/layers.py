@@ -100,6 +100,29 @@ def whole_layers_flag(indexes: List[int], n_layers: int) -> str:
     return f"`--memory_opt_config 'Layer+:1:-1@{'+'.join(map(str, indexes))}'`"
 
 
+def run_order_problem(calls: List[int], layers: List[nn.Module], owner: str) -> Optional[str]:
+    """Why a step that ran the layer list's `layers` in the order `calls` (their indices, one per layer forward) cannot
+    be measured layer by layer (the watch follows a step's layers in the list's order, once each; some may be left
+    out); None where it can."""
+
+    def names(ks) -> str:
+        return ", ".join(f"{k} ({type(layers[k]).__name__})" for k in ks)
+
+    again = sorted({k for k in calls if calls.count(k) > 1})
+    if again:
+        return (
+            f"a step of {owner} runs layers {names(again)} several times each ({len(calls)} layer forwards for "
+            f"{len(set(calls))} layers), and step one is measured layer by layer, once each"
+        )
+    back = next((i for i in range(1, len(calls)) if calls[i] < calls[i - 1]), None)
+    if back is not None:
+        return (
+            f"a step of {owner} runs layer {names([calls[back]])} after layer {names([calls[back - 1]])}, against "
+            f"the order the layer list holds them in, and step one is measured over the layers in the list's order"
+        )
+    return None
+
+
 def checkpointed_elsewhere(model: nn.Module, layers: List[nn.Module]) -> Optional[str]:
     """Why the model's layers are already recomputed by something other than this backend (transformers' activation
     checkpointing turned on, or torch's `checkpoint_wrapper` around them), which would recompute them twice over;

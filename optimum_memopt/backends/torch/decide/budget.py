@@ -145,6 +145,9 @@ class HeadChoice:
     plan: str
     bytes_less: int = 0
     seconds: float = 0.0
+    # what its forward returns and the caller may keep through the whole step (the model's own head's logits, in a
+    # loop that keeps `outputs`; the Trainer lets them go): counted held in every segment but the last
+    returned: int = 0
 
     @property
     def selector(self) -> Optional[str]:
@@ -179,7 +182,10 @@ def head_choices(profile: ModelProfile, ran: str = "") -> List[HeadChoice]:
             return max(o.held_bytes, o.bound_bytes)
         return o.held_bytes
 
-    return [HeadChoice(o.plan, ran.held_bytes - held(o), head.seconds(o) - fastest) for o in head.options]
+    return [
+        HeadChoice(o.plan, ran.held_bytes - held(o), head.seconds(o) - fastest, head.logits_bytes if not o.plan else 0)
+        for o in head.options
+    ]
 
 
 @dataclass
@@ -257,7 +263,8 @@ def fit(
     result.budget_bytes = budget_bytes
     best, first_why = None, None
     for head in heads:
-        needs, why_not = _needs(memory, q, budget_bytes, extra_bytes, head.bytes_less, len(per_layer))
+        extra = extra_bytes + head.returned
+        needs, why_not = _needs(memory, q, budget_bytes, extra, head.bytes_less, len(per_layer))
         if why_not is None and _floor(memory, q, per_layer, extra_bytes, head).peak_bytes > budget_bytes:
             why_not = (
                 f"with each layer recomputing the most it can, the step still peaks at "
@@ -277,8 +284,9 @@ def fit(
         return result
     _, result.choice, result.head = best
     freed = [c.freed_bytes for c in result.choice]
-    result.predicted = predict(memory, q, freed, extra_bytes, result.head.bytes_less)
-    result.segments = segment_peaks(memory, q, freed, extra_bytes, result.head.bytes_less)
+    extra = extra_bytes + result.head.returned
+    result.predicted = predict(memory, q, freed, extra, result.head.bytes_less)
+    result.segments = segment_peaks(memory, q, freed, extra, result.head.bytes_less)
     return result
 
 
@@ -309,7 +317,7 @@ def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, head: int
 
 def _floor(memory: StepMemory, q, per_layer, extra_bytes: int, head: HeadChoice) -> Prediction:
     most = [max(c.freed_bytes for c in options) for options in per_layer]
-    return predict(memory, q, most, extra_bytes, head.bytes_less)
+    return predict(memory, q, most, extra_bytes + head.returned, head.bytes_less)
 
 
 def fit_share(

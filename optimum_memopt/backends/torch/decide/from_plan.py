@@ -95,13 +95,15 @@ def dry_run_choice(
     autocast: Optional[str],
     ddp: int = 1,
     held_bytes: int = 0,
+    running_into: Optional[list] = None,
 ):
     """`auto`'s choice from a dry run of the step about to run: `twin` (`twin_of` the model) trained on fake copies of
     this forward's arguments (their shapes, strides and dtypes: a fake tensor has no values), with `optimizer`'s like,
     `grad_accum` micro-batches a step and autocast to `autocast` ("bfloat16") or none, and with DistributedDataParallel
     over `ddp` processes, its gradient buckets, and `held_bytes` the process holds on the device outside the step
     (`measure.live.held_outside`) counted from the start. The process's random generators are given back as they
-    were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits)."""
+    were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits); the layers the step runs go into
+    `running_into` before its steps (`dry_run`)."""
     from ....planning.dry_run import StepSpec, dry_run
 
     making = optimizer_like(optimizer)
@@ -118,5 +120,12 @@ def dry_run_choice(
     devices = list(range(torch.cuda.device_count())) if cuda else []  # every device's generator given back
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         return dry_run(
-            spec, "auto", budget_mb=budget_mb, model=twin, batch=batch, optimizer_from=making, held_bytes=held_bytes
+            spec,
+            "auto",
+            budget_mb=budget_mb,
+            model=twin,
+            batch=batch,
+            optimizer_from=making,
+            held_bytes=held_bytes,
+            running_into=running_into,
         )

@@ -28,6 +28,7 @@ from typing import Callable, List, Optional
 
 from ....callbacks.base import atomic_write
 from ....memory import MIB, READABLE_DEVICES, MemoryMeter
+from ..apply.layers import towers
 from ..measure.live import held_outside, make_library_workspaces, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
@@ -70,6 +71,8 @@ class BudgetPlanner:
         self.fits: List[Fit] = []
         self.extra = 0  # what later steps hold that step one did not, read at step two's start
         self.per_layer: list = []  # each layer's candidates, from step one
+        # where the layers come from several lists (a VLM's towers), one line a list (`apply.layers.towers`)
+        self.layer_lists: List[str] = []
         self.heads: list = []  # the ways the head and loss can run, measured after step one (`budget.HeadChoice`)
         self._why_lower = ""  # why a re-plan solves for less than the budget (said with its choice)
         self._head_chunked = ""  # how step one ran the head, where not as the model's own (said with the choice)
@@ -112,7 +115,7 @@ class BudgetPlanner:
         self.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`): one unit
         self.device = device
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
-        self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets)
+        self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets, state.running)
         self.stage = "measure"
 
     def _current(self) -> int:
@@ -147,9 +150,10 @@ class BudgetPlanner:
             return
         if why is None and optimizer is None:
             why = "the run's optimizer is not known here (a loop of one's own)"
-        fit, dry, held, libraries = None, None, 0, 0
+        fit, dry, held, libraries, running = None, None, 0, 0, None
         ranks = Ranks(alone=self.alone)
         if why is None and ranks.rank == 0:
+            from ....planning.dry_run import LayerOrderError
             from .from_plan import dry_run_choice
 
             try:
@@ -157,9 +161,14 @@ class BudgetPlanner:
                 device = next(iter(model.parameters())).device
                 libraries = make_library_workspaces(device)  # before step one, so that what is held counts them
                 held = held_outside(model, (args, kwargs), device, optimizer, self.ddp)
-                dry = dry_run_choice(
-                    twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held
-                )
+                found: list = []  # the layers the step runs, known before its dry run's steps (which may raise)
+                try:
+                    dry = dry_run_choice(
+                        twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held,
+                        running_into=found,
+                    )  # fmt: skip
+                finally:
+                    running = found[0] if found else None
                 fit = dry.fit
                 if dry.first_layer_idle is not None:
                     where, flag = dry.first_layer_idle
@@ -170,11 +179,18 @@ class BudgetPlanner:
                     )
                 elif fit is None or fit.choice is None:
                     why = f"nothing fits {self.asked} in the dry run{': ' + fit.why_not if fit is not None else ''}"
+            except LayerOrderError as e:  # step one could not be measured either: stop before it
+                why = (
+                    f"{REFUSED}`--memory_opt_config auto` cannot measure this model's step: {e}. Nothing was "
+                    f"chosen, and no step was trained. Recompute whole layers instead (`--memory_opt_level 1`)"
+                )
             except Exception as e:  # the dry run's own failure costs the run nothing but the step
                 why = f"the dry run of step one failed ({type(e).__name__}: {e})"
-        fit, why = ranks.from_rank0((fit if why is None else None, why))
+        fit, why, running = ranks.from_rank0((fit if why is None else None, why, running))
         if why is not None and why.startswith(REFUSED):  # every rank stops, before step one
             raise RuntimeError(why[len(REFUSED) :])
+        if running is not None:  # step one is measured over the layers the step runs
+            state.running = running
         if fit is None:
             self.detail(f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}")
             return
@@ -276,6 +292,7 @@ class BudgetPlanner:
             )
         self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
         self.per_layer = candidates(state.profile)
+        self.layer_lists = towers(state._model, state.layers) if state._model is not None else []
         lever = state.levers.get("loss")
         self.heads = head_choices(state.profile, lever.plan() if lever is not None else "")
         head = state.profile.head
@@ -462,6 +479,7 @@ class BudgetPlanner:
                     for s in self.memory.segments
                 ],
             },
+            "layer_lists": self.layer_lists,
             "later_steps_hold_more_mb": self.extra / MIB,
             "step_one_freed_mb": [q / MIB for q in self.measured_freed],  # per layer, by its policy
             "candidates": [

@@ -433,6 +433,7 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     from .. import _torch_api
     from ..measure.aside import current_bytes, held_aside
     from ..measure.profile import HeadMeasure, HeadOption
+    from ..measure.storages import block_bytes
 
     if lever.trl:
         return "the head is TRL's fused LM head, which chunks already"
@@ -526,4 +527,5 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
                     held[k] = most  # warm: the first timed run's
                 times[k].append(seconds)
         options = [HeadOption(plan_of(ways[k]), held[k], statistics.median(times[k]), bounds[k]) for k in measured]
-        return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not)
+        logits = block_bytes(tokens * vocab * itemsize)
+        return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits)

@@ -99,6 +99,9 @@ class HeadMeasure:
     ran: str
     options: List[HeadOption]
     why_not: Dict[str, str] = field(default_factory=dict)
+    # the logits the model's own head returns (its forward's output holds them: a loop that keeps the outputs, as
+    # `outputs = model(**batch)` does, holds them through the backward and the next forward)
+    logits_bytes: int = 0
 
     def option(self, plan: str) -> Optional[HeadOption]:
         return next((o for o in self.options if o.plan == plan), None)
@@ -126,4 +129,5 @@ class ModelProfile:
 
     @property
     def shape(self) -> Tuple[int, ...]:
-        return self.layers[0].shape if self.layers else ()
+        """The first input of the first layer that ran (a step may leave a tower listed before it out)."""
+        return next((layer.shape for layer in self.layers if layer.shape), ())

@@ -3,8 +3,11 @@ the layers' forward done, a layer's backward starting, backward done, the next s
 two marks, as `Segment`s of a `StepMemory`. The budget (`budget`) predicts from them what any policy does to the
 step's peak: a segment moves by what the layers whose kept tensors it holds free more or less.
 
-Marks are expected in a training step's order (layers 0..L-1 forward, then L-1..0 backward); a model that runs its
-layers otherwise (twice, or not all of them) leaves `problem` set, and nothing is predicted from its segments.
+Marks are expected in a training step's order: the layers a step runs (`running`, in the list's order: all of them,
+or those a dry run of the step saw run, where a vision-language model trained on text alone leaves its tower out)
+forward, then backward in reverse; a model that runs its layers otherwise (twice, out of order, or not those) leaves
+`problem` set, and nothing is predicted from its segments. A segment holds the kept tensors of the layers up to its
+own in the list, those that did not run holding none.
 Micro-batches after the first (gradient accumulation) and the optimizer step fall in the last segment, which holds
 no layer's kept tensors.
 
@@ -46,8 +49,9 @@ def first_grad_tensor(output) -> Optional[torch.Tensor]:
 class StepWatch:
     """Reads one training step's memory at the engine's marks (see the module's docstring)."""
 
-    def __init__(self, layers: int, meter: MemoryMeter, resets: bool = True):
+    def __init__(self, layers: int, meter: MemoryMeter, resets: bool = True, running: Optional[List[int]] = None):
         self.layers = layers
+        self.running = list(running) if running is not None else list(range(layers))  # the layers a step runs
         self.meter = meter
         self.resets = resets  # False: the peak counter is someone else's (only the marks' readings are used)
         self.segments: List[Segment] = []
@@ -90,15 +94,23 @@ class StepWatch:
             self.problem = f"the layers ran out of a training step's order ({what})"
         self._stage = "after"  # stop marking: the rest of the step is one segment
 
+    def _next(self, index: int, by: int) -> int:
+        """The layer the step runs after (`by` 1) or before (-1) `index`; -1 where there is none."""
+        k = self.running.index(index) + by
+        return self.running[k] if 0 <= k < len(self.running) else -1
+
     def layer_forward(self, index: int) -> None:
         if self._stage == "after":
             return  # a later micro-batch (gradient accumulation): part of the last segment
-        if (self._stage, index) == ("waiting", 0) or (self._stage == "forward" and index == self._last + 1):
+        first = self.running[0]
+        if (self._stage, index) == ("waiting", first) or (
+            self._stage == "forward" and index == self._next(self._last, 1)
+        ):
             current = self._mark(f"layer {index} forward", index + 1, index)
-            if index == 0:
+            if index == first:
                 self.start_bytes = current
             self._stage, self._last = "forward", index
-            if index == self.layers - 1:
+            if index == self.running[-1]:
                 self._stage = "forward-last"
         elif self._stage != "done":
             self._wrong(f"layer {index}'s forward after layer {self._last}'s {self._stage.split('-')[0]}")
@@ -112,7 +124,11 @@ class StepWatch:
         """Layer `index`'s backward starts; `grad`, the gradient reaching its output, is counted first where the meter
         counts storages: autograd's engine sums the gradients of a tensor several ops read (a residual's) outside
         any node, where the CPU's count of a real step does not see it made (`live`)."""
-        expected = self.layers - 1 if self._stage == "head" else self._last - 1
+        expected = -1
+        if self._stage == "head":
+            expected = self.running[-1]
+        elif self._stage == "backward":
+            expected = self._next(self._last, -1)
         if grad is not None and hasattr(self.meter, "see"):
             self.meter.see(grad)
         if self._stage in ("head", "backward") and index == expected:
@@ -122,7 +138,7 @@ class StepWatch:
             self._wrong(f"layer {index}'s backward where layer {expected}'s was due")
 
     def backward_done(self) -> None:
-        if self._stage == "backward" and self._last == 0:
+        if self._stage == "backward" and self._last == self.running[0]:
             self._mark("after backward: the optimizer step and the next batch", 0)
             self._stage = "after"
 
