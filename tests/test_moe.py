@@ -8,6 +8,8 @@ On a machine with CUDA (the GPU kit, `scripts/gpu_check.sh`, runs this file ther
 deterministic kernels (so that a plain run is one run), and the routing test in bf16 too: where a recomputed router
 can flip near-tie tokens (transformers #47467), the routing is kept."""
 
+import functools
+
 import pytest
 import torch
 from helpers import LossRecordingTrainer, make_args
@@ -249,3 +251,24 @@ def test_a_lora_on_the_experts_parameters_trains_bitwise(mode):
     assert topk == [0, 0, 0] and any("experts" in n for n in grads), sorted(grads)
     assert all(torch.equal(a, b) for a, b in zip(losses, ran)), (losses, ran)
     assert all(torch.equal(grads[n], ran_grads[n]) for n in grads)
+
+
+def test_an_aux_loss_without_its_gradient_stops_step_one_with_the_reason():
+    """Asserted in the measured step: where something runs the routers without autograd (as reentrant checkpointing
+    runs a layer's forward under `no_grad`: here the routers themselves), the aux loss would train nothing, silently;
+    the step stops, saying so. Under the backend's own plans the check passes (every test above)."""
+    model = moe("qwen3_moe")
+    for layer in model.model.layers:
+        gate = layer.mlp.gate
+        gate.forward = functools.partial(lambda forward, *a, **k: _without_grad(forward, *a, **k), gate.forward)
+    handle = optimum_memopt.optimize_memory(model, None, level=1, say=lambda text: None)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with pytest.raises(RuntimeError, match=r"the routers' aux loss of Qwen3MoeForCausalLM \(`router_aux_loss_coef="
+                                           r"0.5`\) carries no gradient in this training step"):  # fmt: skip
+        model(input_ids=ids, labels=ids)
+    handle.remove()
+
+
+def _without_grad(forward, *args, **kwargs):
+    with torch.no_grad():
+        return forward(*args, **kwargs)

@@ -18,7 +18,7 @@ from ..policy import KEEP, LAYER, OPS, RecomputePolicy
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
 from .layers import LayerForwards, run_order_problem, whole_layers_flag
-from .routing import Routing
+from .routing import Routing, aux_loss_problem
 from .tracking import LayerRun
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,8 @@ class RecomputeState:
         self._backward_ended = False  # the backward of the last training forward ended (steps not reported)
         self._model = model  # whose forward and backward are read op by op in the steps measured (`StepReadings`)
         self._readings: Optional[StepReadings] = None
+        self._aux_check = None  # the hook that checks step one's aux loss keeps its gradient (an MoE's)
+        self._aux_checked = False
         self.levers: dict = {}  # the levers beyond the layers running on this model, by name (`levers/`): held here
         self.lever_problems: dict = {}  # why a lever could not run or measure, by name (said in the table's notes)
         self._levers_measured = False
@@ -82,6 +84,8 @@ class RecomputeState:
         self.routing.install()
         if self._model is not None:
             self._readings = StepReadings(self._model, self.measuring, self._before_training_forward)
+            if any(self.routing.layers) and self.routing.trained():  # the aux loss's gradient, asserted in step one
+                self._aux_check = self._model.register_forward_hook(self._check_aux_loss)
 
     def uninstall(self) -> None:
         self._forwards.uninstall()
@@ -89,6 +93,19 @@ class RecomputeState:
         if self._readings is not None:
             self._readings.remove()
             self._readings = None
+        if self._aux_check is not None:
+            self._aux_check.remove()
+            self._aux_check = None
+
+    def _check_aux_loss(self, module, args, output) -> None:
+        """After step one's training forward (an MoE whose routers train): its aux loss carries a gradient, or the
+        step stops, saying why (`routing.aux_loss_problem`). Once."""
+        if self._aux_checked or not (module.training and torch.is_grad_enabled()):
+            return
+        self._aux_checked = True  # (the hook stays till `uninstall`: one taken off inside its own call is not safe)
+        problem = aux_loss_problem(module, output)
+        if problem is not None:
+            raise RuntimeError(problem)
 
     def _before_training_forward(self, args, kwargs) -> None:
         """Before a training forward of the model runs (and before it is counted): the run's first is where `auto`

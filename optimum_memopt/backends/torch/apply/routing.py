@@ -20,8 +20,9 @@ own thread on a GPU.
 
 import functools
 import threading
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
+import torch
 from torch import nn
 
 from .. import _torch_api
@@ -73,6 +74,10 @@ class Routing:
         self._pairs = [pair for pairs in found for pair in pairs]
         self._handles = []
 
+    def trained(self) -> bool:
+        """Whether any router's own weights train (the aux loss then has a gradient to give them)."""
+        return any(p.requires_grad for r, _ in self._pairs for p in r.parameters())
+
     def install(self) -> None:
         blocks = {id(b): b for _, b in self._pairs}
         for module, name in [(r, "router") for r, _ in self._pairs] + [(b, "block") for b in blocks.values()]:
@@ -83,6 +88,24 @@ class Routing:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def aux_loss_problem(module: nn.Module, output) -> Optional[str]:
+    """Where a training forward's output (`module`'s) has a routers' aux loss that carries no gradient: what to say.
+    Asked in step one where the routers' weights train: reentrant checkpointing runs a layer's forward under
+    `torch.no_grad()`, and the router logits it hands out for the aux loss then carry none, so the aux loss trains
+    nothing, without a word (the torch backend's own recompute is non-reentrant and keeps it: tests/test_moe.py)."""
+    aux = output.get("aux_loss") if isinstance(output, dict) else getattr(output, "aux_loss", None)
+    if not torch.is_tensor(aux) or aux.requires_grad:
+        return None
+    coef = getattr(getattr(module, "config", None), "router_aux_loss_coef", None)
+    return (
+        f"optimum-memopt: the routers' aux loss of {type(module).__name__} (`router_aux_loss_coef={coef}`) carries no "
+        f"gradient in this training step, though the routers' weights train: something ran the routers without "
+        f"autograd (reentrant checkpointing runs a layer's forward under `torch.no_grad()`, and the router logits it "
+        f"hands out carry none), so the aux loss would train nothing. The torch backend recomputes the layers itself, "
+        f"keeping the routing and the aux loss's gradient: turn that checkpointing off"
+    )
 
 
 def _enter(name: str, module, args) -> None:
