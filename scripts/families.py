@@ -12,8 +12,10 @@ plain run: `equal` (bitwise), `within 1e-5` (relative, what chunked losses reach
 (with the largest relative difference), `refused` (the plugin said why, quoted), or `error` (the exception). A family
 that cannot be built or trained plainly at that size says so and is left out of the modes. Modes: level 1; layer 0
 recomputed whole (`Layer+:1:-1@0`); the head and loss in 2 chunks (`Loss+:1:-1@chunks2`); `auto` under a budget it
-meets by choosing nothing (the path: its measurement and choice, and the steps after), with the choice said, three
-steps more than the others (`AUTO_MORE`).
+meets by choosing nothing (the path: its measurement and choice, and the steps after), with the choice said; and
+`auto` under a tight budget, halfway from the least any choice reaches to eager's peak (both from the
+run before), with its choice, the budget, and any check that read over it. Both `auto` runs take three steps more
+than the others (`AUTO_MORE`).
 """
 
 import argparse
@@ -45,7 +47,10 @@ MODES = {
     "Layer+@0": dict(plans="Layer+:1:-1@0"),
     "Loss+ chunks2": dict(plans="Loss+:1:-1@chunks2"),
     "auto": dict(plans="auto", budget_mb=1e6),
+    # halfway from the least any choice reaches to eager's peak, both from the "auto" run before it
+    "auto tight": dict(plans="auto", budget_mb=None),
 }
+TIGHT = 0.5
 BEGIN, END = "<!-- families: begin -->", "<!-- families: end -->"
 
 
@@ -118,12 +123,19 @@ def train(kind: str, steps: int, mode: dict = None):
         opt.zero_grad()
         if handle is not None:
             handle.step_done()
+    figures = {}
     if handle is not None:
         auto = getattr(handle, "auto", None)
         if auto is not None:
             said.append(f"chose `{auto.get('config') or 'nothing'}`")
+            planner = handle.planner
+            figures = {
+                "eager": planner.verified[0]["measured_peak_mb"] if planner.verified else None,
+                "floor": planner.fits[0].floor.peak_mb if planner.fits else None,
+                "checks": [c["measured_peak_mb"] for c in auto.get("checks", [])],
+            }
         handle.remove()
-    return losses, said
+    return losses, said, figures
 
 
 class Timeout(Exception):
@@ -172,21 +184,33 @@ def family(kind: str, steps: int, seconds: int) -> dict:
     try:
         with limit(seconds), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
-            plain, _ = train(kind, steps + AUTO_MORE)
+            plain, _, _ = train(kind, steps + AUTO_MORE)
     except Exception as e:  # the family itself, before the plugin: said, and its modes left out
         row["plain"] = f"not trained plainly: {type(e).__name__}: {short(e, 90)}"
         return row
     row["plain"] = "trains"
+    roomy = {}  # the "auto" run's figures: eager's peak and the least any choice reaches
     for name, mode in MODES.items():
         began = time.perf_counter()
+        if name == "auto tight":
+            if not (roomy.get("eager") and roomy.get("floor")):
+                row[name] = "-"
+                continue
+            budget = round(roomy["floor"] + TIGHT * (roomy["eager"] - roomy["floor"]), 3)
+            mode = dict(mode, budget_mb=budget)
         try:
             with limit(seconds), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
                 warnings.simplefilter("ignore")
-                n = steps + AUTO_MORE if name == "auto" else steps
-                ran, said = train(kind, n, mode)
+                n = steps + AUTO_MORE if name.startswith("auto") else steps
+                ran, said, figures = train(kind, n, mode)
             cell = compare(plain[:n], ran)
-            if name == "auto" and said and said[-1].startswith("chose"):
+            if name == "auto":
+                roomy = figures
+            if name.startswith("auto") and said and said[-1].startswith("chose"):
                 cell += f"; {said[-1]}"
+            if name == "auto tight":
+                over = [c for c in figures.get("checks", []) if c is not None and c > mode["budget_mb"]]
+                cell += f" under {mode['budget_mb']} MiB" + (f": OVER it at {max(over):.3f} MiB" if over else "")
         except ValueError as e:  # the plugin's refusals are ValueErrors that say why
             cell = f"refused: {short(reason(str(e)))}"
         except Exception as e:
