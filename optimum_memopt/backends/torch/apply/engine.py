@@ -17,7 +17,7 @@ from ..nested import tensors_in
 from ..policy import KEEP, LAYER, OPS, RecomputePolicy
 from .checkpoint import checkpointed
 from .hooks import finish, tracked
-from .layers import LayerForwards, run_order_problem, whole_layers_flag
+from .layers import LayerForwards, run_order_problem, towers, whole_layers_flag
 from .routing import Routing, aux_loss_problem
 from .tracking import LayerRun
 
@@ -74,6 +74,11 @@ class RecomputeState:
     def last(self) -> int:
         """The last layer a step's forward runs."""
         return self.running[-1] if self.running else len(self.layers) - 1
+
+    @property
+    def layer_lists(self) -> List[str]:
+        """Where the layers come from, where they come from several lists (a VLM's towers): one line a list."""
+        return towers(self._model, self.layers) if self._model is not None else []
 
     @property
     def originals(self):

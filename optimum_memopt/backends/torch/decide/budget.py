@@ -167,10 +167,11 @@ def head_choices(profile: ModelProfile, ran: str = "") -> List[HeadChoice]:
     it held): run alone, a way's bytes differ from what it adds in a step (a coarser head was measured 0.3 MiB
     short of its step's on the tests' wide decoder), and a choice that rests on that difference could peak over the
     budget; a way that holds less is weighed as measured (the table's PEAK DROP, within 2% of what runs measure).
-    The model's own head, where the step ran the head in chunks, is weighed by its bound too: in a step it runs the
-    forward's own loss (its labels padded and shifted, its logits kept by the output while the forward returns), which
-    the way run alone only imitates (on Qwen2-VL at tiny size it held 28 KiB less than the step's chunks alone and
-    28 KiB more in the step, and `auto` chose it 0.06 MiB over its budget)."""
+    A way that makes more rows of logits at once than the step's (coarser chunks, or the model's own head) is
+    weighed by its bound too, whatever it held alone: alone, what the rows add can fall under what every way holds
+    besides them (the head's gradients), where in a step, on top of the layers' tensors, it does not (on Llama at
+    tiny size chunks of 16 rows and of 8 held the same alone and 12 KiB apart in the step; on Qwen2-VL the own head
+    held 28 KiB less than the step's chunks alone and 28 KiB more in the step: `auto` chose them over its budget)."""
     head = profile.head
     if head is None:
         return [HeadChoice(ran)]
@@ -178,7 +179,7 @@ def head_choices(profile: ModelProfile, ran: str = "") -> List[HeadChoice]:
     fastest = min(head.seconds(o) for o in head.options)
 
     def held(o) -> int:
-        if o.held_bytes > ran.held_bytes or (o.plan == "" and ran.plan != ""):
+        if o.held_bytes > ran.held_bytes or o.rows > ran.rows:
             return max(o.held_bytes, o.bound_bytes)
         return o.held_bytes
 

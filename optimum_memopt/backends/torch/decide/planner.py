@@ -28,7 +28,6 @@ from typing import Callable, List, Optional
 
 from ....callbacks.base import atomic_write
 from ....memory import MIB, READABLE_DEVICES, MemoryMeter
-from ..apply.layers import towers
 from ..measure.live import held_outside, make_library_workspaces, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
@@ -292,7 +291,7 @@ class BudgetPlanner:
             )
         self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
         self.per_layer = candidates(state.profile)
-        self.layer_lists = towers(state._model, state.layers) if state._model is not None else []
+        self.layer_lists = list(state.layer_lists)
         lever = state.levers.get("loss")
         self.heads = head_choices(state.profile, lever.plan() if lever is not None else "")
         head = state.profile.head

@@ -526,6 +526,9 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
                 if len(times.setdefault(k, [])) == 0:
                     held[k] = most  # warm: the first timed run's
                 times[k].append(seconds)
-        options = [HeadOption(plan_of(ways[k]), held[k], statistics.median(times[k]), bounds[k]) for k in measured]
+        options = [
+            HeadOption(plan_of(ways[k]), held[k], statistics.median(times[k]), bounds[k], rows_of(ways[k]))
+            for k in measured
+        ]
         logits = block_bytes(tokens * vocab * itemsize)
         return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits)

@@ -85,6 +85,7 @@ class HeadOption:
     held_bytes: int
     seconds: float
     bound_bytes: int = 0  # the most it was let hold before it ran (what step one's peak left free bounded it by)
+    rows: int = 0  # the rows of logits it makes at once (every token for the model's own head); 0: not known
 
 
 @dataclass
