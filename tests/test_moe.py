@@ -195,7 +195,8 @@ def test_a_dry_run_counts_what_the_real_step_counts(arch, dtype, request):
 
 def test_auto_chooses_within_its_budget_through_the_trainer(tmp_path):
     """Qwen3-MoE through the Trainer, `auto` under a budget halfway between its eager peak and the least any recompute
-    reaches: a choice that fits, every check within the budget, and the plain run's losses (its plans are exact)."""
+    reaches: a choice that fits, every check within the budget, and the plain run's losses (its plans are exact; its
+    head's chunks sum the loss in another order)."""
 
     def run(name, *flags):
         args = make_args(tmp_path / name, "--max_steps", "4", *flags)
@@ -218,7 +219,8 @@ def test_auto_chooses_within_its_budget_through_the_trainer(tmp_path):
     assert planner.verified and all(c["measured_peak_mb"] <= budget for c in planner.verified), planner.verified
     for check in planner.verified:  # each within its prediction: what the selective checkpoint keeps is counted
         assert check["measured_peak_mb"] <= check["predicted_peak_mb"] * 1.01 + 0.1, planner.verified
-    assert tight.losses == plain.losses
+    # the layers' recompute is exact; step one runs the head in chunks, and the choice may too: a sum in another order
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(tight.losses, plain.losses)), (tight.losses, plain.losses)
 
 
 class Tokens(torch.utils.data.Dataset):

@@ -498,7 +498,9 @@ def _auto_meets_the_budget(tmp: str) -> None:
         assert f"peaked at {check['measured_peak_mb']:,.1f} MiB (predicted {check['predicted_peak_mb']:,.1f}" in text
         assert f"within the budget of {budget:,.1f} MiB" in text
     assert len(planner.fits) == len(planner.verified) == 1, planner.verified
-    assert losses == plain_losses
+    # the layers' recompute is exact; the head may run whole in one run and in chunks in the other (which the
+    # solver takes depends on the ops' measured times): the loss summed in another order, to the last bits
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, plain_losses)), (losses, plain_losses)
     policy = trainer.memopt_handle.policy
     rebuilt = RecomputePolicy.from_plans(parse_inline(final.config()), 0, 3)
     assert [(p.mode, p.ops) for p in policy.layers] == [(p.mode, p.ops) for p in rebuilt.layers]
@@ -587,7 +589,9 @@ def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys):
     if first.source:  # kept: predicted from step one's own memory, so the check reads it to the block
         assert first.config() == planned.config() and "step one ran the dry run's choice and keeps it" in out
         assert abs(planner.verified[0]["measured_peak_mb"] - first.predicted.peak_mb) <= 0.01 * budget
-    assert losses == plain_losses
+    # recompute is exact; the head may run whole in one run and in chunks in the other (the solver's choice rests on
+    # measured times): the loss summed in another order
+    assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(losses, plain_losses)), (losses, plain_losses)
     with open(tmp_path / "tight" / "memory_plans.json") as f:
         notes = " ".join(json.load(f)["notes"])
     assert f"this first step ran the choice of a dry run of it (`{planned.config()}`)" in notes
@@ -597,8 +601,8 @@ def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys):
 def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path):
     """A budget with room for everything keeps everything (its step shows eager's peak); a budget halfway between
     that and the floor of recompute gets a mixed choice predicted to fit, whose next step is measured and judged
-    truthfully (a miss re-planned once) and meets the budget, with the losses of the first run (recompute is exact).
-    No script is re-run (a notebook's kernel has none). A warm-up training first: the process's first one keeps,
+    truthfully (a miss re-planned once) and meets the budget, with the losses of the first run (recompute is exact;
+    the head's loss, whole in one run and in chunks in the other, to 1e-6). No script is re-run (a notebook's kernel has none). A warm-up training first: the process's first one keeps,
     from its step one on, what the libraries allocate once (27 MiB here), so the roomy run read alone would set a
     budget the tight run, warmed up by it, meets with nothing recomputed. In a fresh process, as a user's run is
     (in the full suite's process, before step one's graphs keyed saves by storage, step two once measured 67.4 MiB
