@@ -87,13 +87,16 @@ def run_tests(out: str, selection, timeout: float) -> dict:
                 found = case.find(kind)
                 if found is not None:
                     outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
+                    if kind == "skipped" and found.get("type") == "pytest.xfail":  # junit writes an xfail as skipped
+                        outcome = "xfailed"
                     message = (found.get("message") or found.text or "")[:800]
                     break
             name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
             cases.append({"test": name, "outcome": outcome, "seconds": float(case.get("time", 0)), "message": message})
         os.remove(xml)
     result["cases"] = cases
-    result["counts"] = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+    kinds = ("passed", "failed", "error", "skipped", "xfailed")
+    result["counts"] = {k: sum(c["outcome"] == k for c in cases) for k in kinds}
     if code not in (0, 5) or not cases:  # 5: nothing collected
         result["tail"] = tail
     return result
@@ -322,7 +325,8 @@ def markdown(report: dict) -> str:
             "## Tests",
             "",
             f"`{tests['command']}`: exit {tests['exit']}, {c['passed']} passed, {c['failed']} failed, "
-            f"{c['error']} errors, {c['skipped']} skipped ({tests['seconds']:.0f} s)",
+            f"{c['error']} errors, {c['skipped']} skipped, {c.get('xfailed', 0)} expected to fail and failed "
+            f"({tests['seconds']:.0f} s)",
             "",
             "| test | outcome | s | message |",
             "|---|---|---|---|",
