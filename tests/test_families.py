@@ -1,5 +1,5 @@
 """The breadth sweep (`scripts/families.py`) on a representative subset, inside CI's time: a dense decoder (Llama),
-an MoE (Qwen3-MoE), a hybrid of convolutions and attention (LFM2), an encoder-decoder's causal LM (BART's), a
+GPT-2 (its head tied to its input embeddings), an MoE (Qwen3-MoE), a hybrid of convolutions and attention (LFM2), an encoder-decoder's causal LM (BART's), a
 vision-language model trained on text alone (Gemma 3, whose layer list starts with its vision tower), ELECTRA's
 generator (its head projects the hidden states before its output embeddings, another width), and HRM (its layers
 run in cycles, which `auto` cannot measure: refused with the reason). Each mode trains
@@ -19,7 +19,7 @@ import families  # noqa: E402
 EXACT = ("level 1", "Layer+@0")
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3_moe", "lfm2", "bart", "gemma3", "electra", "hrm_text"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3_moe", "lfm2", "bart", "gemma3", "electra", "hrm_text"])
 def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
     # Gemma 3 on text alone: its tower's layers never run, and a loop of one's own gives `auto` no dry run to see it
     # before step one: three steps find the layers that run, the fourth is measured over them, the fifth chooses
@@ -40,13 +40,17 @@ def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
     else:
         assert row["auto"].startswith(("equal", "within 1e-5")) and "chose" in row["auto"], row
         # under a budget halfway down to the least any choice reaches: a choice that recomputes something, trained
-        # as plain, or `auto`'s own refusal (BART's: its head cannot be chunked); whether a check read over the
-        # budget is the table's to say (docs/COMPATIBILITY.md)
+        # as plain with every check within the budget, or `auto`'s own refusal (BART's: its head cannot be chunked)
         tight = row["auto tight"]
         chose = tight.startswith(("equal", "within 1e-5")) and "chose `" in tight and "chose `nothing`" not in tight
         assert chose or tight.startswith("error: RuntimeError: `--memory_opt_config auto` found nothing that fits"), (
             row
         )
+        # Gemma 3 is the one left over its budget (by 16 KiB at this size): a loop of one's own with `use_cache` on
+        # builds its sliding-window layers' KV cache (copies of their keys and values) in the layers `auto` keeps,
+        # where step one, every layer recomputed whole, built none (the recompute drops the cache). Open: the next
+        # session's (docs/COMPATIBILITY.md); the Trainer turns the cache off.
+        assert "OVER" not in tight or kind == "gemma3", row
 
 
 def test_the_table_goes_between_its_markers(tmp_path):

@@ -10,16 +10,15 @@ and in what later steps hold more). `LiveCount` counts the process's tensor stor
 counts a dry run's: one unit on the CPU, on CUDA and in a dry run.
 
 How: the count starts from the model's tensors (`seed`: its parameters and buffers, each one's gradient among them),
-at the first forward the backend measures; from then on a dispatch mode (`LiveCount.ops`)
-counts each op's outputs and first-used inputs (a tensor made where the count was not on is counted at its first use
-under it), in the model's forward, in every node of its backward (`watch.StepReadings`; a gradient autograd's engine
-sums outside any node, a residual's, is counted at the next layer's backward mark or at its first use), in the
-optimizer's step
-(torch's optimizer step hooks) and in the work the levers measure aside. Every storage counted is given back the
-moment it is freed, counted or not. Not seen: what runs outside those (a loss computed outside the model and its
-backward, a tensor made and freed between steps), what one op holds inside itself (as on CUDA) and the storages only
-C++ holds until an op uses them (DDP's gradient buckets, counted at their first use in backward, where CUDA counts
-them from DDP's start).
+at the first forward the backend measures; from then on a dispatch mode (`LiveCount.ops`) counts each op's outputs and
+first-used inputs (a tensor made where the count was not on is counted at its first use under it), in the model's
+forward, in its backward (`watch.StepReadings`: the whole backward where it is started through
+`torch.autograd.backward`, as `Tensor.backward` starts it, the gradients autograd's engine sums between nodes
+included; otherwise every node of it), in the optimizer's step (torch's optimizer step hooks) and in the work the
+levers measure aside. Every storage counted is given back the moment it is freed, counted or not. Not seen: what runs
+outside those (a loss computed outside the model, a tensor made and freed between steps), what one op holds inside
+itself (as on CUDA) and the storages only C++ holds until an op uses them (DDP's gradient buckets, counted at their
+first use in backward, where CUDA counts them from DDP's start).
 
 One count a process (`live_count`), as CUDA has one counter; each reader (the step watch, the budget planner) reads it
 through a meter of its own (`LiveMeter`), with a peak of its own that another's reset does not cut short.

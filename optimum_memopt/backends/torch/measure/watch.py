@@ -177,6 +177,47 @@ class _BackwardCount:
                 mode.__exit__(None, None, None)
 
 
+class _BackwardCalls:
+    """`torch.autograd.backward` (which `Tensor.backward`, so accelerate's and DeepSpeed's backward, calls) run under
+    the live count's dispatch mode where a counted forward waits for its backward: autograd gives the whole backward
+    the mode stack it started with, so the ops its engine runs between nodes are counted too. Those are the gradients
+    it sums where a tensor feeds several ops: a weight tied to the input embeddings gets the head's gradient in the
+    head's backward and keeps it, summed chunk by chunk where the head runs in chunks, until the embeddings' backward,
+    the last; counted by the nodes' hooks alone, that sum was missed through every layer's backward (64 KiB at the
+    tests' tiny size, under the own head's in the steps after: `auto` chose over its budget). Installed while a
+    `StepReadings` is (the function put back after the last one, unless another wrapped it since); without a waiting
+    forward it is torch's call as it was."""
+
+    def __init__(self):
+        self.original: Optional[Callable] = None
+        self.waiting: "weakref.WeakSet[StepReadings]" = weakref.WeakSet()  # forwards counted, their backward not run
+        self.users = 0
+
+    def install(self) -> None:
+        self.users += 1
+        if self.original is None:
+            self.original = torch.autograd.backward
+            torch.autograd.backward = self.backward
+
+    def uninstall(self) -> None:
+        self.users -= 1
+        if self.users == 0 and self.original is not None:
+            if torch.autograd.backward is self.backward:
+                torch.autograd.backward = self.original
+                self.original = None
+
+    def backward(self, *args, **kwargs):
+        reader = next(iter(self.waiting), None)
+        if reader is None or reader.count is None or counting() is not None:
+            return self.original(*args, **kwargs)
+        self.waiting.discard(reader)
+        with reader.count.ops():
+            return self.original(*args, **kwargs)
+
+
+_BACKWARD = _BackwardCalls()
+
+
 def count_backward(output, count: LiveCount) -> int:
     """Hook every node of the graph behind `output`'s tensors to count its ops into `count` (`_BackwardCount`); the
     number of nodes hooked."""
@@ -241,9 +282,12 @@ class StepReadings:
             model.register_forward_pre_hook(self._before, with_kwargs=True),
             model.register_forward_hook(self._after, with_kwargs=True, always_call=True),
         ] + hooks
+        _BACKWARD.install()
+        self._uninstall = weakref.finalize(self, _BACKWARD.uninstall)  # once: at `remove` or when let go of
 
     def remove(self) -> None:
         self._after_optimizer()
+        self._uninstall()
         for handle in self._handles:
             handle.remove()
         self._handles = []
@@ -257,6 +301,7 @@ class StepReadings:
         if self._mode is not None:
             self._depth += 1
             return None
+        _BACKWARD.waiting.discard(self)  # a forward counted before this one whose backward never ran
         if self.before is not None and module.training and torch.is_grad_enabled():
             self.before(args, kwargs)
         if not (module.training and torch.is_grad_enabled() and self.wanted()) or counting() is not None:
@@ -289,7 +334,8 @@ class StepReadings:
                 "backend's count of tensor storages stays on under it until the model's next forward finds it left"
             )
         if output is not None:
-            count_backward(output, self.count)
+            count_backward(output, self.count)  # a backward not through `torch.autograd.backward`: node by node
+            _BACKWARD.waiting.add(self)
         return None
 
     def _steps_mine(self, optimizer) -> bool:
@@ -311,6 +357,7 @@ class StepReadings:
         if waiting and optimizer is not None and not self._steps_mine(optimizer):
             return  # another model's optimizer: this model's step is not over (asked in counted steps only)
         self._counted = False
+        _BACKWARD.waiting.discard(self)
         mode, self._optimizer_mode = self._optimizer_mode, None
         if mode is not None and _torch_api.dispatch_mode_on_top(mode):
             mode.__exit__(None, None, None)
