@@ -227,3 +227,93 @@ def _zero2_fp16(tmp_path, monkeypatch):
     assert [p["config"] for p in _report(tmp_path / "run")["plans"] if p["enabled"]] == ["Gelu+:1:-1"]
     finite = [x for x in trainer.losses if x == x]
     assert len(finite) >= 20 and sum(finite[-5:]) / 5 < sum(finite[:5]) / 5, trainer.losses
+
+
+def _attention_cases():
+    """Inputs of every kind a kernel's rules tell apart: dtype, grouped heads, head dimension (20 flash pads, 256 its
+    most), a boolean mask, causal over as many or fewer queries than keys, dropout."""
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for heads in ((4, 4), (4, 2)):
+            for d in (64, 20, 256):
+                for mask, causal, q_len in (
+                    (False, False, 32),
+                    (True, False, 32),
+                    (False, True, 32),
+                    (False, True, 16),
+                ):
+                    for dropout in (0.0, 0.1):
+                        cases.append((dtype, heads, d, mask, causal, q_len, dropout))
+    return cases
+
+
+def _attention_inputs(case, device):
+    dtype, (hq, hk), d, mask, causal, q_len, dropout = case
+    generator = torch.Generator().manual_seed(0)
+    make = lambda h, n: torch.randn(2, h, n, d, generator=generator).to(device, dtype).requires_grad_()  # noqa: E731
+    q, k, v = make(hq, q_len), make(hk, 32), make(hk, 32)
+    attn_mask = torch.ones(2, 1, q_len, 32, dtype=torch.bool).tril().to(device) if mask else None
+    return (q, k, v), dict(attn_mask=attn_mask, dropout_p=dropout, is_causal=causal, enable_gqa=hq != hk)
+
+
+@needs_cuda
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_cuda_attention_kernel_is_the_one_torch_takes(deterministic):
+    """The dry run's rules (`planning.attention.choose`, torch 2.11's) name the kernel this torch takes on this card
+    (`torch._fused_sdp_choice`) for every kind of input, with deterministic algorithms on (no cuDNN) and off."""
+    from optimum_memopt.planning.attention import CHOICE_VALUES, CudaKernels, choose
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        kernels, wrong = CudaKernels.here(), []
+        for case in _attention_cases():
+            (q, k, v), kw = _attention_inputs(case, "cuda")
+            theirs = torch._fused_sdp_choice(
+                q, k, v, kw["attn_mask"], kw["dropout_p"], kw["is_causal"], enable_gqa=kw["enable_gqa"]
+            )
+            ours = choose(kernels, q, k, v, **kw)
+            if CHOICE_VALUES[ours] != theirs:
+                wrong.append((case, ours, theirs))
+        assert not wrong, (kernels, len(wrong), wrong[:12])
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+@needs_cuda
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_cuda_attention_keeps_what_the_dry_run_counts(deterministic):
+    """What one attention call keeps for backward on CUDA (its storages on the card, in the caching allocator's
+    512-byte blocks, the inputs left out) is what the fake call run as this card runs it keeps
+    (`tests/test_attention.py`'s `kept`), for every kind of input."""
+    from test_attention import kept
+
+    from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch.measure.storages import block_bytes
+    from optimum_memopt.planning.attention import CudaKernels
+
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    try:
+        kernels, wrong = CudaKernels.here(), []
+        for case in _attention_cases():
+            (q, k, v), kw = _attention_inputs(case, "cuda")
+            saved = {}
+
+            def pack(t):
+                storage = t.untyped_storage()
+                if t.device.type == "cuda":
+                    saved[_torch_api.storage_identity(storage)] = block_bytes(storage.nbytes())
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+            mine = {_torch_api.storage_identity(t.untyped_storage()) for t in (q, k, v)}
+            real = sum(n for key, n in saved.items() if key not in mine)
+            (cq, ck, cv), ckw = _attention_inputs(case, "cpu")
+            fake, ran = kept(kernels, (cq, ck, cv), blocks=True, **ckw)
+            if fake != real:
+                wrong.append((case, ran, fake, real))
+        assert not wrong, (kernels, len(wrong), wrong[:12])
+    finally:
+        torch.use_deterministic_algorithms(was)

@@ -312,16 +312,20 @@ def test_memopt_plan_says_when_no_config_can_be_read(tmp_path):
 
 def test_the_largest_batch_and_sequence_found_fit_and_one_more_does_not():
     """`Plan.reach`: each value found is checked by a dry run that fits, and the next value up (a batch more, 128
-    tokens more) by one that does not."""
+    tokens more) by one that does not, with the attention kernels of the card the plan is for (`planning.attention`:
+    fp32 with as many key heads as query heads takes memory-efficient attention on the default H100, which keeps no
+    probabilities, so the sequence can grow; with grouped heads the math path keeps them, and it cannot here)."""
     import optimum_memopt
+    from optimum_memopt.planning.attention import CudaKernels
+    from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
     config = tiny(vocab=2048)
-    config.max_position_embeddings = 1 << 14
+    config.max_position_embeddings, config.num_key_value_heads = 1 << 14, 4
     plan = optimum_memopt.plan(config, batch=2, seq=128, budget_mb=12)
     reach = plan.reach
     assert reach["under"] == "level 1 + Loss+" and reach["batch"] > 2 and reach["seq"] > 128, reach
-    floor = dict(plans="Layer+:1:-1,Loss+:1:-1")
+    floor = dict(plans="Layer+:1:-1,Loss+:1:-1", kernels=CudaKernels(DEVICES[DEFAULT_DEVICE].capability))
     budget = 12 * 2**20
     for field, step in (("batch", 1), ("seq", 128)):
         found = reach[field]

@@ -16,7 +16,7 @@ with and without a bias, forward and backward (`measure.live.make_library_worksp
 """
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 GIB_MIB = 1024.0
 CONTEXT_GIB = 1.0
@@ -31,6 +31,7 @@ class Device:
     flops_low: float  # BF16/FP16 tensor-core FLOP/s, dense, FP32 accumulation
     flops_fp32: float  # FP32 FLOP/s (no TF32: PyTorch's matmuls run in full FP32 unless TF32 is allowed)
     bandwidth: float  # memory bandwidth, bytes/s
+    capability: Tuple[int, int] = (9, 0)  # CUDA compute capability: which attention kernels it runs (`attention`)
 
     @property
     def budget_mb(self) -> float:
@@ -49,13 +50,13 @@ T = 1e12
 DEVICES: Dict[str, Device] = {
     d.name: d
     for d in (
-        Device("H100-80GB", 80, 989.4 * T, 66.9 * T, 3.35e12),  # H100 SXM5
-        Device("H200", 141, 989.4 * T, 66.9 * T, 4.8e12),  # H200 SXM
-        Device("A100-80GB", 80, 312 * T, 19.5 * T, 2.039e12),  # A100 SXM4 80GB
-        Device("A100-40GB", 40, 312 * T, 19.5 * T, 1.555e12),  # A100 SXM4 40GB
-        Device("L40S", 48, 362.05 * T, 91.6 * T, 0.864e12),
-        Device("L4", 24, 121 * T, 30.3 * T, 0.3e12),
-        Device("RTX-4090", 24, 165.2 * T, 82.6 * T, 1.008e12),
+        Device("H100-80GB", 80, 989.4 * T, 66.9 * T, 3.35e12, (9, 0)),  # H100 SXM5
+        Device("H200", 141, 989.4 * T, 66.9 * T, 4.8e12, (9, 0)),  # H200 SXM
+        Device("A100-80GB", 80, 312 * T, 19.5 * T, 2.039e12, (8, 0)),  # A100 SXM4 80GB
+        Device("A100-40GB", 40, 312 * T, 19.5 * T, 1.555e12, (8, 0)),  # A100 SXM4 40GB
+        Device("L40S", 48, 362.05 * T, 91.6 * T, 0.864e12, (8, 9)),
+        Device("L4", 24, 121 * T, 30.3 * T, 0.3e12, (8, 9)),
+        Device("RTX-4090", 24, 165.2 * T, 82.6 * T, 1.008e12, (8, 9)),
     )
 }
 

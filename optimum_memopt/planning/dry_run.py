@@ -31,6 +31,7 @@ from ..backends.torch import _torch_api
 from ..backends.torch.backend import STATE
 from ..backends.torch.measure.storages import StorageCount
 from ..backends.torch.nested import tensors_in
+from .attention import CudaKernels, on_cuda
 from .devices import DEFAULT_DEVICE, DEVICES
 
 MIB = float(1024 * 1024)
@@ -269,6 +270,8 @@ class DryRun:
     first_layer_idle: Optional[tuple] = None
     # `auto`'s: the layers the step runs, where it leaves some of the list out (`layer_order`); None: every layer
     running: Optional[List[int]] = None
+    # the attention kernels the step ran as a CUDA card runs them, by kernel: calls (`kernels`); None: the CPU's own
+    attention: Optional[Dict[str, int]] = None
 
 
 @contextmanager
@@ -560,6 +563,7 @@ def dry_run(
     optimizer_from: Optional[Callable] = None,
     held_bytes: int = 0,
     running_into: Optional[list] = None,
+    kernels: Optional[CudaKernels] = None,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -580,7 +584,11 @@ def dry_run(
     Under `auto`, a forward of the step without autograd first finds the layers it runs (`layer_order`: a VLM on text
     alone leaves its tower out; a step that runs them out of the list's order, or one several times, raises
     `LayerOrderError`): step one is measured over them (`DryRun.running`; put in `running_into` too as soon as known,
-    for a caller whose dry run may raise after)."""
+    for a caller whose dry run may raise after).
+
+    `kernels`: the CUDA card whose attention kernels the fake step runs (`attention.CudaKernels`: the kernel each
+    `scaled_dot_product_attention` takes there and the tensors it keeps, counted in `DryRun.attention`); None: the
+    fake tensors' own device's, the CPU's (what a real step on the CPU runs)."""
     import optimum_memopt
 
     began = time.perf_counter()
@@ -590,6 +598,8 @@ def dry_run(
     count.clock = clock_for(cost_device or DEVICES[DEFAULT_DEVICE])
     if fake and device != "cpu":
         raise ValueError(f"a dry run's fake tensors are on the CPU device (counted as CUDA counts), not {device!r}")
+    if kernels is not None and not fake:
+        raise ValueError("a dry run on real tensors runs their device's attention kernels: `kernels` is for fake ones")
     mode = _torch_api.fake_mode() if fake else contextlib.nullcontext()
     unpacked = _unpacked() if fake else contextlib.nullcontext()
     experts = _experts_kernel() if fake else contextlib.nullcontext()
@@ -597,7 +607,7 @@ def dry_run(
     handles = []
     model = _build(spec) if model is None else model
     count.hold(held_bytes)
-    with _sharding(spec) as mesh, mode, unpacked, experts, count:
+    with _sharding(spec) as mesh, mode, unpacked, experts, on_cuda(kernels) as attention, count:
         # real tensors are made alike every run; fake ones draw nothing, and a run's own dry run (`from_plan`) must not
         # reseed its devices' generators (`torch.manual_seed` seeds every CUDA device, lazily where none is up yet)
         torch.manual_seed(0) if not fake else torch.default_generator.manual_seed(0)
@@ -680,6 +690,7 @@ def dry_run(
         seconds=time.perf_counter() - began,
         step_peaks=step_peaks,
         running=running,
+        attention=dict(attention.ran) if attention is not None else None,
     )
     if count.ops is not None:
         result.step_seconds = count.ops.seconds(cost_device)

@@ -22,7 +22,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Union
 
-from .devices import WORKSPACES_MIB, Device, find
+from .attention import CudaKernels
+from .devices import DEFAULT_DEVICE, DEVICES, WORKSPACES_MIB, Device, find
 from .dry_run import NOT_SEEN, PARTS, DryRun, StepSpec, dry_run
 
 MIB = float(1024 * 1024)
@@ -261,13 +262,15 @@ def plan(
         budget_mb = target.budget_mb
     # a card's cuBLAS workspaces (the forward's thread and autograd's), which its counter reads and no storage shows
     held = int(WORKSPACES_MIB * MIB) if target is not None else 0
+    # the card's attention kernels (fp32 and masks take others than the CPU's, which keep other tensors)
+    kernels = CudaKernels((target or DEVICES[DEFAULT_DEVICE]).capability)
     causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ["ForCausalLM"]))
     out = Plan(name, spec, target, budget_mb, [])
     for label, flags, kwargs in _configurations(causal, plans, level, budget_mb):
         conf = Configuration(label, flags)
         try:
             with _quiet():
-                result = dry_run(spec, **kwargs, cost_device=target, held_bytes=held)
+                result = dry_run(spec, **kwargs, cost_device=target, held_bytes=held, kernels=kernels)
         except (RuntimeError, ValueError) as e:
             conf.problem = _short(str(e))
         else:
@@ -279,7 +282,7 @@ def plan(
         out.configurations.append(conf)
     floor = next((c for c in out.configurations if c.name == ("level 1 + Loss+" if causal else _LEVEL1)), None)
     if search and budget_mb is not None and floor is not None and floor.peak_mb is not None:
-        out.reach = _reach(spec, causal, budget_mb, floor, held)
+        out.reach = _reach(spec, causal, budget_mb, floor, held, kernels)
     return out
 
 
@@ -335,9 +338,9 @@ def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known
     return (fits or None), runs
 
 
-def _reach(spec: StepSpec, causal: bool, budget_mb: float, floor: Configuration, held: int = 0) -> dict:
+def _reach(spec: StepSpec, causal: bool, budget_mb: float, floor: Configuration, held: int = 0, kernels=None) -> dict:
     kwargs = dict(plans="Layer+:1:-1,Loss+:1:-1") if causal else dict(level=1)
-    kwargs["held_bytes"] = held
+    kwargs["held_bytes"], kwargs["kernels"] = held, kernels
     budget = budget_mb * MIB
     known = int((floor.peak_mb or 0) * MIB)
     most_tokens = getattr(spec.config.get_text_config(), "max_position_embeddings", None) or 1 << 20

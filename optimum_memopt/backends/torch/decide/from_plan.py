@@ -96,14 +96,17 @@ def dry_run_choice(
     ddp: int = 1,
     held_bytes: int = 0,
     running_into: Optional[list] = None,
+    device=None,
 ):
     """`auto`'s choice from a dry run of the step about to run: `twin` (`twin_of` the model) trained on fake copies of
     this forward's arguments (their shapes, strides and dtypes: a fake tensor has no values), with `optimizer`'s like,
     `grad_accum` micro-batches a step and autocast to `autocast` ("bfloat16") or none, and with DistributedDataParallel
     over `ddp` processes, its gradient buckets, and `held_bytes` the process holds on the device outside the step
-    (`measure.live.held_outside`) counted from the start. The process's random generators are given back as they
-    were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits); the layers the step runs go into
-    `running_into` before its steps (`dry_run`)."""
+    (`measure.live.held_outside`) counted from the start; on a CUDA `device` (the run's), its attention kernels as
+    this process's next call would take them (`planning.attention.CudaKernels.here`). The process's random generators
+    are given back as they were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits); the layers
+    the step runs go into `running_into` before its steps (`dry_run`)."""
+    from ....planning.attention import CudaKernels
     from ....planning.dry_run import StepSpec, dry_run
 
     making = optimizer_like(optimizer)
@@ -128,4 +131,5 @@ def dry_run_choice(
             optimizer_from=making,
             held_bytes=held_bytes,
             running_into=running_into,
+            kernels=CudaKernels.here(device) if device is not None and torch.device(device).type == "cuda" else None,
         )

@@ -164,7 +164,7 @@ class BudgetPlanner:
                 try:
                     dry = dry_run_choice(
                         twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held,
-                        running_into=found,
+                        running_into=found, device=device,
                     )  # fmt: skip
                 finally:
                     running = found[0] if found else None

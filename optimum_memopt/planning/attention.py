@@ -1,0 +1,250 @@
+"""The attention kernel a CUDA card runs, on a dry run's fake tensors.
+
+`torch.nn.functional.scaled_dot_product_attention` picks a kernel by the device its tensors are on, and each keeps its
+own tensors for backward: on the CPU (where a dry run's fake tensors are) a flash kernel for every dtype; on a CUDA
+card cuDNN's or the flash kernel in fp16/bf16, memory-efficient attention where those cannot run (fp32, a mask, a head
+dimension they do not take), and otherwise the math path, which keeps the softmax's probabilities (batch x heads x
+queries x keys) and, with fewer key/value heads than query heads, copies of the keys and values repeated. A dry run
+that let the CPU choose counted an fp32 step of a model with grouped-query attention far under what the card holds
+(the GPU kit on an H200: docs/GPU.md). Under `on_cuda(kernels)` the fake step runs the kernel `choose` names, as the
+composite op prepares its inputs on CUDA (flash: the head dimension padded to a multiple of 8; memory-efficient: a
+boolean mask made a float bias, padded where its strides are not multiples of 8, expanded over the heads), through
+the same aten ops, whose fake (meta) rules give their outputs' shapes.
+
+The rules are torch 2.11's (`aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`, the torch of the GPU kit's
+image, whose runs hold `choose` to `torch._fused_sdp_choice`: tests/test_gpu_torch.py); another torch may choose
+otherwise (later ones let memory-efficient attention take grouped-query heads). Not modelled: nested tensors; cuDNN's
+handling of a mask is taken as memory-efficient attention's (a float bias of the mask's shape).
+"""
+
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import FrozenSet, Iterator, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+CUDNN, FLASH, EFFICIENT, MATH = "cudnn", "flash", "efficient", "math"
+BACKENDS = (CUDNN, FLASH, EFFICIENT, MATH)
+# torch._fused_sdp_choice's answer (`SDPBackend`'s values), by name
+CHOICE_VALUES = {MATH: 0, FLASH: 1, EFFICIENT: 2, CUDNN: 3}
+CUDNN_FIRST_VERSION = (
+    91500  # torch 2.11 puts cuDNN's attention first on sm90/sm100 above this cuDNN (9.19 in its wheel)
+)
+LOW = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class CudaKernels:
+    """The card a dry run stands for, as far as its attention kernel goes: its compute capability, whether
+    deterministic algorithms are on (cuDNN's attention is then not taken), the kernels enabled
+    (`torch.backends.cuda.enable_*_sdp`), and the cuDNN version (None: the one torch 2.11's wheel brings)."""
+
+    capability: Tuple[int, int]
+    deterministic: bool = False
+    enabled: FrozenSet[str] = field(default_factory=lambda: frozenset(BACKENDS))
+    cudnn_version: Optional[int] = None
+
+    @classmethod
+    def here(cls, device=None) -> "CudaKernels":
+        """This process's CUDA device (the current one, or `device`) as its next attention call would find it."""
+        backends = torch.backends.cuda
+        enabled = {
+            name
+            for name, on in (
+                (CUDNN, getattr(backends, "cudnn_sdp_enabled", lambda: False)()),
+                (FLASH, backends.flash_sdp_enabled()),
+                (EFFICIENT, backends.mem_efficient_sdp_enabled()),
+                (MATH, backends.math_sdp_enabled()),
+            )
+            if on
+        }
+        return cls(
+            tuple(torch.cuda.get_device_capability(device)),
+            torch.are_deterministic_algorithms_enabled(),
+            frozenset(enabled),
+            torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        )
+
+    def order(self) -> Tuple[str, ...]:
+        """The kernels in the order torch tries them (`sdp::priority_order`)."""
+        major, minor = self.capability
+        cudnn_first = (
+            major in (9, 10)
+            and minor in (0, 3)
+            and (self.cudnn_version is None or self.cudnn_version > CUDNN_FIRST_VERSION)
+            and not os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+        )
+        return (CUDNN, FLASH, EFFICIENT, MATH) if cudnn_first else (FLASH, EFFICIENT, MATH, CUDNN)
+
+
+def choose(kernels: CudaKernels, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> str:
+    """The kernel the card runs for these inputs (a gradient wanted: read from the inputs and grad mode)."""
+    for name in kernels.order():
+        if name in kernels.enabled and _can(name, kernels, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa):
+            return name
+    return MATH
+
+
+def _can(name, kernels, q, k, v, mask, dropout_p, is_causal, enable_gqa) -> bool:
+    if name == MATH:
+        return True
+    major, minor = kernels.capability
+    cap = major * 10 + minor
+    if not (q.dim() == k.dim() == v.dim() == 4) or 0 in (q.shape[-2], k.shape[-2]):
+        return False
+    if any(t.stride(-1) != 1 and not (name == FLASH and t.shape[-1] == 1) for t in (q, k, v)):
+        return False
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    d_q, d_k, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+    same_dtype = q.dtype == k.dtype == v.dtype
+    heads_q, heads_k, heads_v = q.shape[1], k.shape[1], v.shape[1]
+    batches = q.shape[0] == k.shape[0] == v.shape[0]
+    grouped = heads_k == heads_v and heads_k > 0 and heads_q % heads_k == 0
+    if name == FLASH:
+        if mask is not None or not (d_q == d_k == d_v <= 256) or not 80 <= cap <= 121:
+            return False
+        if grad and (86 <= cap <= 89 or 120 <= cap <= 121) and (192 < d_q <= 224 or (d_q > 224 and dropout_p > 0)):
+            return False
+        if is_causal and q.shape[-2] != k.shape[-2]:
+            return False
+        heads = (heads_q == heads_k == heads_v) or (enable_gqa and grouped)
+        return q.dtype in LOW and same_dtype and batches and heads
+    if name == EFFICIENT:
+        if not 50 <= cap <= 121 or d_q != d_k:
+            return False
+        align = 4 if q.dtype == torch.float32 else 8
+        if d_q % align or d_v % align:
+            return False
+        if mask is not None and mask.stride(-1) != 1:
+            return False
+        if not (batches and heads_q == heads_k == heads_v):  # no grouped heads, whatever `enable_gqa` says
+            return False
+        return q.dtype in (torch.float16, torch.bfloat16, torch.float32) and same_dtype
+    if name == CUDNN:  # torch 2.11: fp16/bf16, no deterministic algorithms, head dimension a multiple of 8
+        most = 256 if major == 9 else 128
+        if kernels.deterministic or q.dtype not in LOW or not same_dtype or d_q % 8 or d_q > most or d_q != d_k:
+            return False
+        if k.shape[-2] == 1 or (mask is not None and (mask.dim() not in (2, 4) or mask.requires_grad)):
+            return False
+        heads = (heads_q == heads_k == heads_v) or (enable_gqa and grouped)
+        return batches and heads
+    return False
+
+
+def _float_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as the additive bias the composite op makes of it (0 where attended, -inf elsewhere)."""
+    if mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask, torch.zeros((), dtype=dtype), torch.full((), -math.inf, dtype=dtype))
+
+
+def _efficient_bias(mask: torch.Tensor, q, k) -> torch.Tensor:
+    """Memory-efficient attention's bias: the mask padded (and sliced back) where its strides are not multiples of 8,
+    expanded over batch and heads (`preprocess_mask`)."""
+    keys = k.shape[-2]
+    if any(s % 8 for s in mask.stride()[:-1]) or mask.stride(-1) != 1:
+        mask = F.pad(mask, (0, 8 - keys % 8))[..., :keys]
+    return mask.expand(q.shape[0], q.shape[1], q.shape[-2], keys)
+
+
+def run(
+    kernels: CudaKernels,
+    q,
+    k,
+    v,
+    attn_mask=None,
+    dropout_p=0.0,
+    is_causal=False,
+    scale=None,
+    enable_gqa=False,
+    ran=None,
+):
+    """`scaled_dot_product_attention` as the card runs it: the kernel `choose` names, its inputs prepared as the
+    composite op prepares them on CUDA; the output (what the caller gets). `ran` (a dict) counts the kernel run."""
+    aten = torch.ops.aten
+    if torch.is_autocast_enabled("cpu"):  # the dry run's autocast stands for CUDA's, which runs attention in its dtype
+        low = torch.get_autocast_dtype("cpu")
+        q, k, v = (t.to(low) if t.is_floating_point() else t for t in (q, k, v))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.to(low)
+    name = choose(kernels, q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
+    if ran is not None:
+        ran[name] = ran.get(name, 0) + 1
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    with torch.autocast("cpu", enabled=False):
+        if name == FLASH:
+            width = q.shape[-1]
+            if width % 8:
+                q, k, v = (F.pad(t, (0, 8 - width % 8)) for t in (q, k, v))
+            return _Flash.apply(q, k, v, dropout_p, is_causal, scale)[..., :width]
+        if name == CUDNN:
+            bias = None if attn_mask is None else _float_bias(attn_mask, q.dtype)
+            return aten._scaled_dot_product_cudnn_attention(
+                q, k, v, bias, grad, dropout_p, is_causal, False, scale=scale
+            )[0]
+        if name == EFFICIENT:
+            bias = None if attn_mask is None else _efficient_bias(_float_bias(attn_mask, q.dtype), q, k)
+            return aten._scaled_dot_product_efficient_attention(
+                q, k, v, bias, grad, dropout_p, is_causal, scale=scale
+            )[0]
+        return aten._scaled_dot_product_attention_math(
+            q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        )[0]
+
+
+class _Flash(torch.autograd.Function):
+    """The flash kernel through its aten ops, keeping for backward what CUDA keeps: the inputs, the output and the
+    log-sum-exp, and its random state only with dropout (without, CUDA makes it on the host: nothing on the card)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, is_causal, scale):
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale
+        )
+        ctx.save_for_backward(q, k, v, out, lse, *((seed, offset) if dropout_p > 0 else ()))
+        ctx.args = (cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, *rng = ctx.saved_tensors
+        cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale = ctx.args
+        seed, offset = rng or (torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64))
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, scale=scale
+        )
+        return (*grads, None, None, None)
+
+
+class _OnCuda:
+    """`torch.nn.functional.scaled_dot_product_attention` as `kernels`' card runs it, put in its module's place (a
+    function mode would not reach a checkpointed layer's recompute in backward, which then kept other tensors than
+    its forward: torch.utils.checkpoint refused it). `ran` counts the kernels run."""
+
+    def __init__(self, kernels: CudaKernels):
+        self.kernels = kernels
+        self.ran = {}
+
+    def __call__(self, *args, **kwargs):
+        return run(self.kernels, *args, **kwargs, ran=self.ran)
+
+
+@contextmanager
+def on_cuda(kernels: Optional[CudaKernels]) -> Iterator[Optional[_OnCuda]]:
+    """Every `torch.nn.functional.scaled_dot_product_attention` called inside (by its module's name, as transformers
+    calls it) runs as on `kernels`' card; nothing changes where `kernels` is None. Yields what counts the kernels
+    run (`ran`)."""
+    if kernels is None:
+        yield None
+        return
+    original = F.scaled_dot_product_attention
+    mine = _OnCuda(kernels)
+    F.scaled_dot_product_attention = mine
+    try:
+        yield mine
+    finally:
+        F.scaled_dot_product_attention = original

@@ -1,0 +1,135 @@
+"""A dry run's attention as a CUDA card runs it (`planning.attention`): the kernel torch 2.11 takes for each kind of
+input, and what each keeps for backward when the fake step runs it. Held to torch's own choice and to CUDA's tensors
+on a GPU by tests/test_gpu_torch.py; here, the rules and the tensors as the composite op prepares them."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from optimum_memopt.planning.attention import CUDNN, EFFICIENT, FLASH, MATH, CudaKernels, choose, on_cuda
+
+pytestmark = pytest.mark.torch_backend
+
+H100, A100, L40S = CudaKernels((9, 0)), CudaKernels((8, 0)), CudaKernels((8, 9))
+H100_DETERMINISTIC = CudaKernels((9, 0), deterministic=True)
+
+
+def qkv(dtype=torch.float32, heads=(4, 4), d=16, q_len=8, k_len=8, grad=True, batch=2):
+    hq, hk = heads
+    make = lambda h, n: torch.randn(batch, h, n, d, dtype=dtype, requires_grad=grad)  # noqa: E731
+    return make(hq, q_len), make(hk, k_len), make(hk, k_len)
+
+
+MASK = torch.ones(2, 1, 8, 8, dtype=torch.bool).tril()
+
+
+@pytest.mark.parametrize(
+    "kernels, inputs, kw, kernel",
+    [
+        # fp32: never flash or cuDNN; memory-efficient where the heads are as many, the math path where grouped
+        (H100, qkv(), {}, EFFICIENT),
+        (H100, qkv(heads=(4, 2)), {"enable_gqa": True}, MATH),
+        (A100, qkv(heads=(4, 2)), {"enable_gqa": True}, MATH),
+        # bf16 without a mask: cuDNN first on Hopper (torch 2.11, its wheel's cuDNN), flash elsewhere and where
+        # deterministic algorithms are on; grouped heads taken by both
+        (H100, qkv(torch.bfloat16), {"is_causal": True}, CUDNN),
+        (H100_DETERMINISTIC, qkv(torch.bfloat16), {"is_causal": True}, FLASH),
+        (A100, qkv(torch.bfloat16, heads=(4, 2)), {"is_causal": True, "enable_gqa": True}, FLASH),
+        (H100_DETERMINISTIC, qkv(torch.bfloat16, heads=(4, 2)), {"enable_gqa": True}, FLASH),
+        # a mask: flash never takes one
+        (A100, qkv(torch.bfloat16), {"attn_mask": MASK}, EFFICIENT),
+        (H100, qkv(torch.bfloat16), {"attn_mask": MASK}, CUDNN),
+        (A100, qkv(torch.bfloat16, heads=(4, 2)), {"attn_mask": MASK, "enable_gqa": True}, MATH),
+        # head dimensions: flash to 256 (Ada's backward: not from 193 to 224), memory-efficient any multiple of 8
+        (A100, qkv(torch.bfloat16, d=256), {}, FLASH),
+        (L40S, qkv(torch.bfloat16, d=224), {}, EFFICIENT),
+        (L40S, qkv(torch.bfloat16, d=224, grad=False), {}, FLASH),
+        (L40S, qkv(torch.bfloat16, d=256), {}, FLASH),
+        (L40S, qkv(torch.bfloat16, d=256), {"dropout_p": 0.1}, EFFICIENT),
+        (A100, qkv(torch.bfloat16, d=288), {}, EFFICIENT),
+        (A100, qkv(torch.bfloat16, d=20), {}, FLASH),  # padded to 24
+        (A100, qkv(torch.float32, d=18), {}, MATH),  # not a multiple of 4: memory-efficient refuses it in fp32
+        # causal over fewer queries than keys: not flash
+        (A100, qkv(torch.bfloat16, q_len=4), {"is_causal": True}, EFFICIENT),
+    ],
+)
+def test_the_kernel_each_card_takes(kernels, inputs, kw, kernel):
+    assert choose(kernels, *inputs, **kw) == kernel
+
+
+def test_a_kernel_turned_off_is_not_taken():
+    off = CudaKernels((8, 0), enabled=frozenset({EFFICIENT, MATH}))
+    assert choose(off, *qkv(torch.bfloat16)) == EFFICIENT
+    assert choose(CudaKernels((8, 0), enabled=frozenset({MATH})), *qkv(torch.bfloat16)) == MATH
+
+
+def kept(kernels, inputs, blocks=False, **kw):
+    """The bytes autograd keeps for backward from one attention call on fake tensors run as `kernels`' card runs it
+    (each storage once, the inputs' left out; `blocks`: each in CUDA's 512-byte blocks, as a dry run counts), and the
+    kernels it ran."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch.measure.storages import block_bytes
+
+    saved = {}
+
+    def pack(t):
+        nbytes = t.untyped_storage().nbytes()
+        saved[_torch_api.storage_identity(t.untyped_storage())] = block_bytes(nbytes) if blocks else nbytes
+        return t
+
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        q, k, v = (mode.from_tensor(t.detach()).requires_grad_(t.requires_grad) for t in inputs)
+        mask = kw.pop("attn_mask", None)
+        mask = mode.from_tensor(mask) if mask is not None else None
+        with on_cuda(kernels) as ran, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+        out.sum().backward()  # every kernel's backward runs on fake tensors
+        mine = {_torch_api.storage_identity(t.untyped_storage()) for t in (q, k, v)}
+    return sum(n for key, n in saved.items() if key not in mine), ran.ran
+
+
+def test_each_kernel_keeps_what_it_keeps_on_cuda():
+    b, h, n, d = 2, 4, 8, 16
+    # the math path keeps the probabilities (fp32 here) and, with grouped heads, the keys and values repeated
+    nbytes, ran = kept(H100, qkv(heads=(4, 2)), enable_gqa=True)
+    assert ran == {MATH: 1}
+    probabilities, repeated = b * h * n * n * 4, 2 * b * h * n * d * 4
+    assert nbytes >= probabilities + repeated, nbytes
+    # memory-efficient: its output and log-sum-exp (padded to 32 queries), and the two random-state scalars
+    nbytes, ran = kept(H100, qkv())
+    assert ran == {EFFICIENT: 1} and nbytes == b * h * n * d * 4 + b * h * 32 * 4 + 2 * 8, nbytes
+    # flash without dropout: its output and log-sum-exp, no random state (CUDA makes it on the host then)
+    nbytes, ran = kept(H100_DETERMINISTIC, qkv(torch.bfloat16))
+    assert ran == {FLASH: 1} and nbytes == b * h * n * d * 2 + b * h * n * 4, nbytes
+    # flash on a head dimension of 20: the inputs padded to 24 are what it keeps, with its output
+    nbytes, ran = kept(A100, qkv(torch.bfloat16, d=20))
+    assert ran == {FLASH: 1} and nbytes == 4 * b * h * n * 24 * 2 + b * h * n * 4, nbytes
+    # memory-efficient with a boolean mask: the mask made a float bias of the query's dtype, kept
+    nbytes, ran = kept(A100, qkv(torch.bfloat16), attn_mask=MASK)
+    assert ran == {EFFICIENT: 1} and nbytes >= b * n * n * 2 + b * h * n * d * 2, nbytes
+
+
+def test_a_dry_run_for_a_card_runs_its_attention():
+    """An fp32 step of a decoder with grouped-query attention on a card takes the math path, which keeps each
+    layer's probabilities: the dry run for the card counts them, where the CPU's flash kernel keeps none; in bf16
+    both keep the same but for a few bytes."""
+    from transformers import LlamaConfig
+
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, max_position_embeddings=256,
+    )  # fmt: skip
+    b, s = 2, 128
+    spec = StepSpec(config, batch=b, seq=s, dtype="float32")
+    cpu, card = dry_run(spec, backend=False), dry_run(spec, backend=False, kernels=H100)
+    assert cpu.attention is None and card.attention == {MATH: 2}
+    assert card.peak_bytes - cpu.peak_bytes >= b * 4 * s * s * 4, (cpu.peak_bytes, card.peak_bytes)
+    spec = StepSpec(config, batch=b, seq=s, dtype="bfloat16")
+    cpu, card = dry_run(spec, backend=False), dry_run(spec, backend=False, kernels=H100_DETERMINISTIC)
+    assert card.attention == {FLASH: 2} and cpu.peak_bytes == card.peak_bytes, (cpu.peak_bytes, card.peak_bytes)
+    with pytest.raises(ValueError, match="`kernels` is for fake ones"):
+        dry_run(spec, backend=False, fake=False, kernels=H100)
