@@ -39,7 +39,8 @@ LOW = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class CudaKernels:
     """The card a dry run stands for, as far as its attention kernel goes: its compute capability, whether
-    deterministic algorithms are on (cuDNN's attention is then not taken), the kernels enabled
+    deterministic algorithms are on and not only warned about (`torch.use_deterministic_algorithms(True)`: cuDNN's
+    attention is then not taken; with `warn_only=True` it is, as an H200 showed), the kernels enabled
     (`torch.backends.cuda.enable_*_sdp`), and the cuDNN version (None: the one torch 2.11's wheel brings)."""
 
     capability: Tuple[int, int]
@@ -63,7 +64,7 @@ class CudaKernels:
         }
         return cls(
             tuple(torch.cuda.get_device_capability(device)),
-            torch.are_deterministic_algorithms_enabled(),
+            torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled(),
             frozenset(enabled),
             torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         )
@@ -180,44 +181,71 @@ def run(
             width = q.shape[-1]
             if width % 8:
                 q, k, v = (F.pad(t, (0, 8 - width % 8)) for t in (q, k, v))
-            return _Flash.apply(q, k, v, dropout_p, is_causal, scale)[..., :width]
-        if name == CUDNN:
+            return _Kernel.apply(FLASH, q, k, v, None, dropout_p, is_causal, scale, grad)[..., :width]
+        if name in (CUDNN, EFFICIENT):
             bias = None if attn_mask is None else _float_bias(attn_mask, q.dtype)
-            return aten._scaled_dot_product_cudnn_attention(
-                q, k, v, bias, grad, dropout_p, is_causal, False, scale=scale
-            )[0]
-        if name == EFFICIENT:
-            bias = None if attn_mask is None else _efficient_bias(_float_bias(attn_mask, q.dtype), q, k)
-            return aten._scaled_dot_product_efficient_attention(
-                q, k, v, bias, grad, dropout_p, is_causal, scale=scale
-            )[0]
+            if bias is not None and name == EFFICIENT:
+                bias = _efficient_bias(bias, q, k)
+            return _Kernel.apply(name, q, k, v, bias, dropout_p, is_causal, scale, grad)
         return aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
 
 
-class _Flash(torch.autograd.Function):
-    """The flash kernel through its aten ops, keeping for backward what CUDA keeps: the inputs, the output and the
-    log-sum-exp, and its random state only with dropout (without, CUDA makes it on the host: nothing on the card)."""
+class _Kernel(torch.autograd.Function):
+    """A CUDA kernel through its aten ops (`kernel`: flash, memory-efficient or cuDNN's), keeping for backward what
+    CUDA keeps: the inputs, the bias, the output and the log-sum-exp, and the random state with dropout only (without
+    it the card holds none: an H200 held 1 KiB less a layer than the ops' fake rules make, their seed and offset)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, dropout_p, is_causal, scale):
-        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p, is_causal, False, scale=scale
-        )
-        ctx.save_for_backward(q, k, v, out, lse, *((seed, offset) if dropout_p > 0 else ()))
-        ctx.args = (cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale)
+    def forward(ctx, kernel, q, k, v, bias, dropout_p, is_causal, scale, grad):
+        aten = torch.ops.aten
+        if kernel == FLASH:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+                q, k, v, dropout_p, is_causal, False, scale=scale
+            )
+            ctx.extra = (cum_q, cum_k, max_q, max_k)
+        elif kernel == EFFICIENT:
+            out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(
+                q, k, v, bias, grad, dropout_p, is_causal, scale=scale
+            )
+            ctx.extra = ()
+        else:
+            out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+                q, k, v, bias, grad, dropout_p, is_causal, False, scale=scale
+            )
+            ctx.extra = (cum_q, cum_k, max_q, max_k)
+        rng = (seed, offset) if dropout_p > 0 else ()
+        ctx.save_for_backward(q, k, v, out, lse, *((bias,) if bias is not None else ()), *rng)
+        ctx.kernel, ctx.bias, ctx.args = kernel, bias is not None, (dropout_p, is_causal, scale)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        q, k, v, out, lse, *rng = ctx.saved_tensors
-        cum_q, cum_k, max_q, max_k, dropout_p, is_causal, scale = ctx.args
-        seed, offset = rng or (torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64))
-        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, scale=scale
-        )
-        return (*grads, None, None, None)
+        aten = torch.ops.aten
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        bias = rest.pop(0) if ctx.bias else None
+        seed, offset = rest or (torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64))
+        dropout_p, is_causal, scale = ctx.args
+        if ctx.kernel == FLASH:
+            cum_q, cum_k, max_q, max_k = ctx.extra
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
+                grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset, scale=scale
+            )
+        elif ctx.kernel == EFFICIENT:
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                grad, q, k, v, bias, out, lse, seed, offset, dropout_p, [True, True, True, False], is_causal,
+                scale=scale,
+            )  # fmt: skip
+        else:
+            cum_q, cum_k, max_q, max_k = ctx.extra
+            none = torch.empty(0)
+            dq, dk, dv = aten._scaled_dot_product_cudnn_attention_backward(
+                grad, q, k, v, out, lse, seed, offset, none if bias is None else bias,
+                none if cum_q is None else cum_q, none if cum_k is None else cum_k, max_q, max_k, dropout_p,
+                is_causal, scale=scale,
+            )  # fmt: skip
+        return None, dq, dk, dv, None, None, None, None, None
 
 
 class _OnCuda:

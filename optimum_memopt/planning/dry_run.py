@@ -594,6 +594,8 @@ def dry_run(
     began = time.perf_counter()
     steps = 2 if plans == "auto" else 1
     count = PartsCount(device)
+    if not fake and device != "cpu":  # real tensors on a card: its storages alone, as its own counter counts
+        count.only = torch.device(device).type
     # the engine's op times and the levers' are this device's roofline (the solver weighs recompute by them)
     count.clock = clock_for(cost_device or DEVICES[DEFAULT_DEVICE])
     if fake and device != "cpu":

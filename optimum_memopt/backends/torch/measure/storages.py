@@ -92,6 +92,10 @@ class StorageCount(_torch_api.TorchDispatchMode):
         # engine's profile and the levers' measurements take in place of the wall clock's: (func, args, kwargs, out)
         self.clock: Optional[Callable] = None
         self.aside = 0  # > 0 while work read aside runs (`aside.held_aside`): its peak is given back after it
+        # the device type whose storages alone are counted, where real tensors on a card are (a dry run's real step
+        # on CUDA: the host scalars some kernels make, a flash kernel's random state without dropout, are not the
+        # card's); None: every storage (fake tensors, which stand for the card's wherever they are)
+        self.only: Optional[str] = None
         self._live: Dict[int, int] = {}  # a storage's identity -> the bytes counted for it
         self._refs: Dict[int, weakref.ref] = {}
 
@@ -136,6 +140,8 @@ class StorageCount(_torch_api.TorchDispatchMode):
 
     def count(self, storage) -> int:
         """Count `storage` at its size now; the bytes the count grew by (less than 0: it shrank)."""
+        if self.only is not None and storage.device.type != self.only:
+            return 0
         key = _torch_api.storage_identity(storage)
         nbytes = block_bytes(storage.nbytes())
         known = self._live.get(key)
