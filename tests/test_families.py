@@ -46,11 +46,7 @@ def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
         assert chose or tight.startswith("error: RuntimeError: `--memory_opt_config auto` found nothing that fits"), (
             row
         )
-        # Gemma 3 is the one left over its budget (by 16 KiB at this size): a loop of one's own with `use_cache` on
-        # builds its sliding-window layers' KV cache (copies of their keys and values) in the layers `auto` keeps,
-        # where step one, every layer recomputed whole, built none (the recompute drops the cache). Open: the next
-        # session's (docs/COMPATIBILITY.md); the Trainer turns the cache off.
-        assert "OVER" not in tight or kind == "gemma3", row
+        assert "OVER" not in tight, row
 
 
 def test_the_table_goes_between_its_markers(tmp_path):

@@ -107,6 +107,41 @@ def test_a_layer_checkpointed_whole_leaves_the_kv_cache_alone(monkeypatch):
         assert torch.equal(a.grad, b.grad), name
 
 
+def test_layers_kept_or_planned_by_op_run_without_the_kv_cache_in_training(monkeypatch, caplog):
+    """A cache filled by the layers a policy keeps and not by those it recomputes is of no use, and it holds their keys
+    and values through backward, which step one (every layer recomputed whole under `auto`) never measured: every
+    layer the engine runs drops it in training, said once; gradients are plain Llama's without its cache, bitwise. Out
+    of training the cache is built as the model builds it."""
+    from transformers import LlamaConfig, LlamaForCausalLM, cache_utils
+
+    updates = []
+    real = cache_utils.DynamicLayer.update
+    monkeypatch.setattr(
+        cache_utils.DynamicLayer, "update", lambda self, *a, **k: updates.append(1) or real(self, *a, **k)
+    )
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    plain = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM(cfg)
+    model.load_state_dict(plain.state_dict())
+    engine(model, RecomputePolicy([LayerPolicy(), LayerPolicy(OPS, frozenset({"silu"}))]))
+    ids = torch.randint(0, 100, (2, 8))
+    with caplog.at_level("WARNING", logger="optimum_memopt"):
+        model(input_ids=ids, labels=ids).loss.backward()
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert updates == []
+    assert sum("builds a KV cache (`use_cache` on)" in r.getMessage() for r in caplog.records) == 1
+    plain(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    model.zero_grad(set_to_none=True)
+    model(input_ids=ids, labels=ids).loss.backward()
+    for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert updates  # generation's forward keeps its cache
+
+
 def test_a_cache_passed_under_any_name_is_dropped_from_a_layer_checkpointed_whole(monkeypatch):
     """XLM builds its cache whatever `use_cache` says and hands it to each layer as `cache=`: a layer recomputed with
     it appended its keys and values a second time, and the recompute failed on a mask's shape ("The expanded size of

@@ -8,7 +8,11 @@ A checkpointed layer runs without the model's KV cache: in training, transformer
 (`config.use_cache` is on by default) that each layer appends to; a layer recomputed in backward would append its
 keys and values a second time (the cache's keys double, and the recompute attends over both copies), and the cache
 would hold every layer's keys and values that checkpointing frees. transformers' own checkpointed layers drop the
-cache for the same reason, unless the layer class says it only reads it (`_can_checkpoint_with_cache`).
+cache for the same reason, unless the layer class says it only reads it (`_can_checkpoint_with_cache`). The engine
+drops it from every other layer it runs in training too (`engine.layer_forward`): a cache filled by the layers a
+policy keeps and not by those it recomputes is of no use, and what the kept layers' caches hold is what step one,
+every layer recomputed whole, never measured (a sliding-window layer's cache copies its keys and values: Gemma 3's
+first check after `auto`'s choice read over the budget).
 """
 
 from typing import Optional
@@ -41,6 +45,14 @@ def without_cache(layer, args: tuple, kwargs: dict):
         if value is not None and (name in CACHE_KWARGS or isinstance(value, _CACHE)):
             kwargs[name] = None
     return tuple(None if isinstance(a, _CACHE) else a for a in args), kwargs
+
+
+def holds_cache(layer, args: tuple, kwargs: dict) -> bool:
+    """Whether the layer is given a KV cache it would append to (what `without_cache` drops)."""
+    if getattr(type(layer), "_can_checkpoint_with_cache", False):
+        return False
+    named = any(v is not None and (k in CACHE_KWARGS or isinstance(v, _CACHE)) for k, v in kwargs.items())
+    return bool(kwargs.get("use_cache")) or named or any(isinstance(a, _CACHE) for a in args)
 
 
 def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs, keep_routing: bool = False):

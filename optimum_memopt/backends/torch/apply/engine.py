@@ -15,7 +15,7 @@ from ..measure.profile import LayerProfile, ModelProfile
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
 from ..nested import tensors_in
 from ..policy import KEEP, LAYER, OPS, RecomputePolicy
-from .checkpoint import checkpointed
+from .checkpoint import checkpointed, holds_cache, without_cache
 from .hooks import finish, tracked
 from .layers import LayerForwards, run_order_problem, towers, whole_layers_flag
 from .routing import Routing, aux_loss_problem
@@ -59,6 +59,7 @@ class RecomputeState:
         self._ran: List[int] = []  # the layers whose training forward ran in this step, in order (first steps)
         self._orders: List[List[int]] = []  # the first steps' `_ran`, where their first layer did not run
         self._ran_closed = False  # this step's first forward has ended: its later micro-batches are not recorded
+        self._cache_said = False  # the message that the engine drops a KV cache in training, said once
         # the layers a training step runs, in the list's order, where a dry run of the step saw it leave some out (a
         # vision-language model's tower on text alone; `planning.dry_run.layer_order`); None: every layer. A step
         # starts at the first, its forward ends at the last, and step one is measured over them
@@ -276,6 +277,17 @@ class RecomputeState:
             first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
             record.shape = tuple(first.shape) if first is not None else ()
         policy = self.policy.layers[index]
+        if policy.mode != LAYER and holds_cache(layer, args, kwargs):  # the whole-layer recompute drops it itself
+            args, kwargs = without_cache(layer, args, kwargs)
+            if not self._cache_said:
+                self._cache_said = True
+                logger.warning(
+                    "optimum-memopt: %s's training forward builds a KV cache (`use_cache` on); the layers the torch "
+                    "backend runs drop it in training, as a layer it recomputes whole must: a cache filled by some "
+                    "layers and not others is of no use, and its keys and values would be held through backward. "
+                    "Pass `use_cache=False` (the Trainer does) to build none",
+                    type(self._model).__name__,
+                )
         if policy.mode == LAYER:
             out = checkpointed(layer, original, record, args, kwargs, self.routing.layers[index])
         elif policy.mode == OPS or record is not None:
