@@ -268,34 +268,36 @@ DETERMINISTIC = [(False, True), (True, True), (True, False)]  # (on, warn only)
 DETERMINISTIC_IDS = ["default", "deterministic-warn-only", "deterministic"]
 
 
+@pytest.fixture(params=DETERMINISTIC, ids=DETERMINISTIC_IDS)
+def determinism(request):
+    """Deterministic algorithms off, on with warnings only, and on; as they were after."""
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(request.param[0], warn_only=request.param[1])
+    yield request.param
+    torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+
+
 @needs_cuda
-@pytest.mark.parametrize("deterministic", DETERMINISTIC, ids=DETERMINISTIC_IDS)
-def test_cuda_attention_kernel_is_the_one_torch_takes(deterministic):
+def test_cuda_attention_kernel_is_the_one_torch_takes(determinism):
     """The dry run's rules (`planning.attention.choose`, torch 2.11's) name the kernel this torch takes on this card
     (`torch._fused_sdp_choice`) for every kind of input, with deterministic algorithms off, on with warnings only
     (cuDNN's attention still taken, as an H200 showed) and on (not taken)."""
     from optimum_memopt.planning.attention import CHOICE_VALUES, CudaKernels, choose
 
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-    try:
-        kernels, wrong = CudaKernels.here(), []
-        for case in _attention_cases():
-            (q, k, v), kw = _attention_inputs(case, "cuda")
-            theirs = torch._fused_sdp_choice(
-                q, k, v, kw["attn_mask"], kw["dropout_p"], kw["is_causal"], enable_gqa=kw["enable_gqa"]
-            )
-            ours = choose(kernels, q, k, v, **kw)
-            if CHOICE_VALUES[ours] != theirs:
-                wrong.append(f"{_case_name(case)}: ours {ours}, torch {theirs}")
-        assert not wrong, f"{kernels}: {len(wrong)} of {len(_attention_cases())} apart: " + "; ".join(wrong)
-    finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+    kernels, wrong = CudaKernels.here(), []
+    for case in _attention_cases():
+        (q, k, v), kw = _attention_inputs(case, "cuda")
+        theirs = torch._fused_sdp_choice(
+            q, k, v, kw["attn_mask"], kw["dropout_p"], kw["is_causal"], enable_gqa=kw["enable_gqa"]
+        )
+        ours = choose(kernels, q, k, v, **kw)
+        if CHOICE_VALUES[ours] != theirs:
+            wrong.append(f"{_case_name(case)}: ours {ours}, torch {theirs}")
+    assert not wrong, f"{kernels}: {len(wrong)} of {len(_attention_cases())} apart: " + "; ".join(wrong)
 
 
 @needs_cuda
-@pytest.mark.parametrize("deterministic", DETERMINISTIC, ids=DETERMINISTIC_IDS)
-def test_cuda_attention_keeps_what_the_dry_run_counts(deterministic):
+def test_cuda_attention_keeps_what_the_dry_run_counts(determinism):
     """What one attention call keeps for backward on CUDA (its storages on the card, in the caching allocator's
     512-byte blocks, the inputs left out) is what the fake call run as this card runs it keeps
     (`tests/test_attention.py`'s `kept`), for every kind of input."""
@@ -305,28 +307,23 @@ def test_cuda_attention_keeps_what_the_dry_run_counts(deterministic):
     from optimum_memopt.backends.torch.measure.storages import block_bytes
     from optimum_memopt.planning.attention import CudaKernels
 
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-    try:
-        kernels, wrong = CudaKernels.here(), []
-        for case in _attention_cases():
-            (q, k, v), kw = _attention_inputs(case, "cuda")
-            saved = {}
+    kernels, wrong = CudaKernels.here(), []
+    for case in _attention_cases():
+        (q, k, v), kw = _attention_inputs(case, "cuda")
+        saved = {}
 
-            def pack(t):
-                storage = t.untyped_storage()
-                if t.device.type == "cuda":
-                    saved[_torch_api.storage_identity(storage)] = block_bytes(storage.nbytes())
-                return t
+        def pack(t):
+            storage = t.untyped_storage()
+            if t.device.type == "cuda":
+                saved[_torch_api.storage_identity(storage)] = block_bytes(storage.nbytes())
+            return t
 
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
-            mine = {_torch_api.storage_identity(t.untyped_storage()) for t in (q, k, v)}
-            real = sum(n for key, n in saved.items() if key not in mine)
-            (cq, ck, cv), ckw = _attention_inputs(case, "cpu")
-            fake, ran = kept(kernels, (cq, ck, cv), blocks=True, **ckw)
-            if fake != real:
-                wrong.append(f"{_case_name(case)} {'/'.join(ran)}: dry run {fake}, CUDA {real}")
-        assert not wrong, f"{kernels}: {len(wrong)} of {len(_attention_cases())} apart: " + "; ".join(wrong)
-    finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+        mine = {_torch_api.storage_identity(t.untyped_storage()) for t in (q, k, v)}
+        real = sum(n for key, n in saved.items() if key not in mine)
+        (cq, ck, cv), ckw = _attention_inputs(case, "cpu")
+        fake, ran = kept(kernels, (cq, ck, cv), blocks=True, **ckw)
+        if fake != real:
+            wrong.append(f"{_case_name(case)} {'/'.join(ran)}: dry run {fake}, CUDA {real}")
+    assert not wrong, f"{kernels}: {len(wrong)} of {len(_attention_cases())} apart: " + "; ".join(wrong)
