@@ -90,14 +90,15 @@ class MemoptHandle:
     @property
     def planner(self):
         """`auto`'s planner in this process (torch backend): `fits` (each choice: `config()`, `predicted`, `floor`,
-        `head`), `verified` (each check's measured and predicted peaks), `per_layer` and `heads` (the candidates);
+        `levers`), `verified` (each check's measured and predicted peaks), `per_layer` and `levers` (the candidates);
         None without `auto`."""
         return self._state.planner
 
     @property
     def levers(self) -> dict:
-        """The levers beyond the layers on this model (torch backend), by name: `"loss"`, the head and loss
-        (`chunking`, `installed`, `calls`, `last`: how the last training forward ran it)."""
+        """The levers beyond the layers on this model (torch backend), by name (`levers/`; each `option`, `plan()`):
+        `"loss"`, the head and loss (`chunking`, `installed`, `calls`, `last`: how the last training forward ran
+        it)."""
         return dict(self._state.levers)
 
     def solver_figures(self) -> Optional[dict]:

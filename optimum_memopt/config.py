@@ -99,12 +99,16 @@ class MemoryOptConfig:
             except PlanError as e:
                 raise ValueError(f"{_where(config_src, CONFIG_FLAG)} {e}") from None
             self.plans = grammar.to_inline(self.entries) or None
-            torch_only = [str(e) for e in self.entries if e.layers or e.subgraph in (grammar.LAYER, grammar.LOSS)]
+            torch_only = [
+                str(e)
+                for e in self.entries
+                if e.layers or e.parameter or e.subgraph == grammar.LAYER or grammar.lever_syntax(e.subgraph)
+            ]
             if self.backend == "ort" and torch_only:
                 raise ValueError(
                     f"{_where(config_src, CONFIG_FLAG)} has {', '.join(map(repr, torch_only))}: whole-layer plans "
-                    f"(`Layer+`), the chunked head and loss (`Loss+`) and layer selectors (`@...`) are the torch "
-                    f"backend's; ONNX Runtime applies a plan "
+                    f"(`Layer+`), the levers beyond the layers (the chunked head and loss, `Loss+`), layer selectors "
+                    f"(`@...`) and lever parameters are the torch backend's; ONNX Runtime applies a plan "
                     f"to its first N occurrences ({'Gelu+:1:2'!r}) and recomputes every layer at `{LEVEL_FLAG} 1`; "
                     f"pass `{BACKEND_FLAG} torch` to use them"
                 )

@@ -12,9 +12,11 @@ The torch backend also takes (ONNX Runtime's backend refuses them):
 * ``Layer+`` as the subgraph: the whole layer recomputed (``Layer+:1:-1`` is level 1, ``Layer+:1:4`` the first 4);
 * a layer selector after ``@``, with the count -1: ``Gelu+:1:-1@4-11`` (layers 4 to 11), ``Layer+:1:-1@every2``
   (layers 0, 2, 4... as transformers' ``every_n_layers``), ``Layer+:1:-1@0+5+9`` (items joined by ``+``);
-* ``Loss+``: a causal LM's head and cross-entropy over chunks of tokens, each chunk's logits recomputed in backward
-  (``Loss+:1:-1``: chunks whose logits hold no more than the final hidden states; ``Loss+:1:-1@chunks8``: 8
-  chunks; ``Loss+:1:-1@tokens1024``: 1024 tokens a chunk).
+* a lever beyond the layers' op plans, by its plan name (each lever module under ``backends/torch/levers/`` declares
+  its `LeverSyntax`): its layers as an op plan's (a count, or an ``@`` selector) where the lever acts in layers, and
+  its parameter after them, ``@LAYERS:PARAMETER`` (``Name+:1:-1@0-7:tiles4``: layers 0 to 7, 4 tiles), or alone
+  after ``@`` (``Loss+:1:-1@chunks8``: the head and loss in 8 chunks; ``Name+:1:4@tiles2``: the first 4 layers, 2
+  tiles). A parameter is a word and a number (``chunks8``, ``tokens1024``), the words the lever's syntax lists.
 
 A backend describes what it found as *cluster ids*: one or more plans joined by commas
 (``Cast+:1:-1,Gelu+:2:-1``), which `parse_cluster_id` reads.
@@ -32,9 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 EXAMPLE = "Gelu+:1:-1"
 LAYER = "Layer+"  # the whole layer (torch backend)
-LOSS = "Loss+"  # a causal LM's head and loss over chunks of tokens (torch backend)
-LOSS_EXAMPLE = "'Loss+:1:-1', 'Loss+:1:-1@chunks8' or 'Loss+:1:-1@tokens1024'"
-_LOSS_SELECTOR_RE = re.compile(r"^(chunks|tokens)([0-9]+)$", re.IGNORECASE)
+_PARAMETER_RE = re.compile(r"^([A-Za-z]+)([0-9]+)$")  # a lever's parameter: a word and a number (`chunks8`)
 SELECTOR_EXAMPLE = "'Layer+:1:-1@every2', 'Gelu+:1:-1@4-11' or 'Layer+:1:-1@0+5+9'"
 # ASCII digits only (`\d` would take `５` or `٥` as 5); `every` in any case, as op names are
 _ITEM_RE = re.compile(r"^(?:([0-9]+)|([0-9]+)-([0-9]+)|every([0-9]+))$", re.IGNORECASE)
@@ -52,6 +52,85 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class LeverSyntax:
+    """How a plan entry names a lever beyond the layers' op plans. Each lever module declares its own (the torch
+    backend's `levers/`); this module reads them by plan name (`lever_syntax`) and parses every entry alike."""
+
+    name: str  # the lever's name: its key in the policy's, the engine's and the profile's levers ("loss")
+    plan: str  # its subgraph word, as in `Loss+`
+    what: str  # what it acts on, a plural noun for messages ("the head and loss")
+    layers: bool  # whether it acts in layers (a count or an `@` selector names them), else once a model (count -1)
+    parameter: str  # what its parameter is called in messages ("chunking")
+    parameters: Tuple[Tuple[str, str], ...]  # its parameter's words and what their number means, in messages
+    default: str  # what the entry without a parameter means
+    examples: Tuple[str, ...]  # accepted entries, for messages
+    once: str = ""  # why a lever acting once a model takes count -1 and one entry ("a model has one head")
+
+    @property
+    def example(self) -> str:
+        quoted_ = [repr(e) for e in self.examples]
+        return ", ".join(quoted_[:-1]) + f" or {quoted_[-1]}" if len(quoted_) > 1 else quoted_[0]
+
+    def option(self, entry: "PlanEntry", n_layers: Optional[int] = None) -> str:
+        """What a policy holds for this lever from `entry` (an entry of this lever's): its parameter ("chunks8", ""
+        for its default), after the layers it names where it acts in layers ("0-3:tiles4"; a count resolved to
+        layers with `n_layers`)."""
+        if not self.layers:
+            return entry.parameter
+        layers = entry.layers
+        if not layers and entry.apply_count != -1 and n_layers is not None:
+            layers = layer_selector(entry.select(n_layers))
+        return ":".join(part for part in (layers, entry.parameter) if part)
+
+    def entry(self, option: str) -> "PlanEntry":
+        """The entry that asks for `option` (`option`'s inverse): `Loss+:1:-1@chunks8`, `Name+:1:-1@0-3:tiles4`."""
+        return parse_entry(f"{self.plan}:1:-1@{option}" if option else f"{self.plan}:1:-1")
+
+    def parameter_problem(self, parameter: str) -> Optional[str]:
+        """What is wrong with `parameter` for this lever, or None."""
+        m = _PARAMETER_RE.match(parameter)
+        words = {w for w, _ in self.parameters}
+        if m is not None and m.group(1).lower() in words and len(m.group(2)) <= MAX_DIGITS and int(m.group(2)) >= 1:
+            return None
+        ascii_only = (
+            ", whose digits are not ASCII (0-9)" if any(c.isdigit() and not c.isascii() for c in parameter) else ""
+        )
+        accepted = " or ".join(f"'{w}N' ({meaning})" for w, meaning in self.parameters)
+        return f"{self.parameter} {quoted(parameter)}{ascii_only}; expected {accepted}, N from 1 to {'9' * MAX_DIGITS}"
+
+
+def layer_selector(layers: Sequence[int]) -> str:
+    """Layer indexes as a selector: [0, 1, 2, 5] -> '0-2+5'."""
+    parts, start = [], None
+    for k, i in enumerate(layers):
+        if start is None:
+            start = i
+        if k + 1 == len(layers) or layers[k + 1] != i + 1:
+            parts.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return "+".join(parts)
+
+
+def lever_named(name: str) -> LeverSyntax:
+    """The syntax of the lever named `name` (`LeverSyntax.name`: "loss"); KeyError for a name no lever has."""
+    from .backends.torch.levers import lever_class
+
+    found = lever_class(name)
+    if found is None:
+        raise KeyError(f"no lever is named {name!r}")
+    return found.syntax
+
+
+def lever_syntax(subgraph: str) -> Optional[LeverSyntax]:
+    """The syntax of the lever whose plan name `subgraph` is (in any case), or None for an op plan. The levers are
+    the torch backend's (`backends/torch/levers/`, registered there by plan name); only a registered name loads its
+    module."""
+    from .backends.torch.levers import syntax_of
+
+    return syntax_of(subgraph)
+
+
+@dataclass(frozen=True)
 class PlanEntry:
     """One recompute plan: ``subgraph:optimization_type:apply_count``."""
 
@@ -59,10 +138,11 @@ class PlanEntry:
     optimization_type: int = 1
     apply_count: int = -1
     layers: str = ""  # the layer selector after '@' ("4-11", "every2", "0+5+9"); "" for the first `apply_count`
+    parameter: str = ""  # a lever's parameter ("chunks8", "tiles4"; `LeverSyntax`), "" for its default or an op plan
 
     def __str__(self) -> str:
-        at = f"@{self.layers}" if self.layers else ""
-        return f"{self.subgraph}:{self.optimization_type}:{self.apply_count}{at}"
+        at = ":".join(part for part in (self.layers, self.parameter) if part)
+        return f"{self.subgraph}:{self.optimization_type}:{self.apply_count}{'@' if at else ''}{at}"
 
     def select(self, n_layers: int) -> List[int]:
         """The layers (0-based) this plan applies to in a model of `n_layers` layers; a selector naming a layer the
@@ -179,13 +259,16 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     subgraph, type_text, count_text = (f.strip() for f in fields)
     if subgraph.lower() == LAYER.lower():
         subgraph = LAYER  # `layer+` is `Layer+`, as `mul+` is `Mul+`
-    if subgraph.lower() == LOSS.lower():
-        return _loss_entry(prefix, type_text, count_text, selector.strip() if at else None)
-    if LOSS.lower() in [p.lower() for p in _PART_RE.findall(subgraph)]:
-        raise PlanError(
-            f"{prefix} names {LOSS!r} with other parts: the head and loss are a plan of their own, not an op of a "
-            f"layer; give it as its own entry, as in 'Gelu+:1:-1,Loss+:1:-1'"
-        )
+    syntax = lever_syntax(subgraph) if _SUBGRAPH_RE.match(subgraph) else None
+    if syntax is not None:
+        return _lever_entry(syntax, prefix, type_text, count_text, selector.strip() if at else None)
+    for part in _PART_RE.findall(subgraph):
+        other = lever_syntax(part) if part != subgraph else None
+        if other is not None:
+            raise PlanError(
+                f"{prefix} names {other.plan!r} with other parts: {other.what} are a plan of their own, not an op of "
+                f"a layer; give it as its own entry, as in {f'Gelu+:1:-1,{other.examples[0]}'!r}"
+            )
     if not subgraph:
         raise PlanError(f"{prefix} has an empty subgraph; expected a sequence of 'OpName+' parts, as in {EXAMPLE!r}")
     if not _SUBGRAPH_RE.match(subgraph):
@@ -207,15 +290,7 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     if count < -1 or (count == 0 and not allow_zero_count):
         raise PlanError(f"{prefix} has apply count {count}; {counts_expected}")
     if at:
-        selector = selector.strip()
-        for item in selector.split("+"):
-            bad = _selector_problem(item.strip())
-            if bad:
-                raise PlanError(
-                    f"{prefix} has layer selector {quoted(selector)} with {bad}; expected layer numbers from 0 (5), "
-                    f"ranges (4-11), every k-th layer (every2) joined by '+', as in {SELECTOR_EXAMPLE}"
-                )
-        selector = "+".join(i.strip().lower() for i in selector.split("+"))  # `@Every2` is `@every2`
+        selector = _checked_selector(prefix, selector.strip())
         if count != -1:
             raise PlanError(
                 f"{prefix} gives both a count ({count}) and layers (@{selector}); give one, as in "
@@ -224,30 +299,66 @@ def parse_entry(text: str, allow_zero_count: bool = False) -> PlanEntry:
     return PlanEntry(subgraph, opt_type, count, selector if at else "")
 
 
-def _loss_entry(prefix: str, type_text: str, count_text: str, selector: Optional[str]) -> PlanEntry:
-    """`Loss+:1:-1`, optionally `@chunksN` or `@tokensN` (N from 1): the head and loss chunked."""
-    expected = f"expected {LOSS_EXAMPLE}"
+def _lever_entry(
+    syntax: LeverSyntax, prefix: str, type_text: str, count_text: str, selector: Optional[str]
+) -> PlanEntry:
+    """A lever's entry: on (1) or off (0); its layers where it acts in layers (a count, or an `@` selector), else
+    count -1; its parameter after the layers (`@0-7:tiles4`) or alone (`@chunks8`, `@tiles4`)."""
+    expected = f"expected {syntax.example}"
+    name = syntax.plan
     opt_type = _parse_int(type_text, f"{prefix} has optimization type", expected)
     if opt_type not in (0, 1):
-        raise PlanError(f"{prefix} has optimization type {opt_type}; `Loss+` is 1 (on) or 0 (off): {expected}")
+        raise PlanError(f"{prefix} has optimization type {opt_type}; `{name}` is 1 (on) or 0 (off): {expected}")
     count = _parse_int(count_text, f"{prefix} has apply count", expected)
-    if count != -1:
+    if not syntax.layers and count != -1:
         raise PlanError(
-            f"{prefix} has apply count {count}; a model has one head, so `Loss+` takes -1 and says its chunks after "
-            f"'@': {expected}"
+            f"{prefix} has apply count {count}; {syntax.once or 'it acts once a model'}, so `{name}` takes -1 and "
+            f"says its {syntax.parameter} after '@': {expected}"
         )
-    if selector is None:
-        return PlanEntry(LOSS, opt_type, -1, "")
-    m = _LOSS_SELECTOR_RE.match(selector)
-    if m is None or len(m.group(2)) > MAX_DIGITS or int(m.group(2)) < 1:
-        ascii_only = (
-            ", whose digits are not ASCII (0-9)" if any(c.isdigit() and not c.isascii() for c in selector) else ""
-        )
+    if syntax.layers and (count < -1 or count == 0):
         raise PlanError(
-            f"{prefix} has chunking {quoted(selector)}{ascii_only}; expected 'chunksN' (N chunks) or 'tokensN' (N "
-            f"tokens a chunk), N from 1 to {'9' * MAX_DIGITS}, as in {LOSS_EXAMPLE}"
+            f"{prefix} has apply count {count}; expected -1 (every layer) or a positive integer: {expected}"
         )
-    return PlanEntry(LOSS, opt_type, -1, f"{m.group(1).lower()}{int(m.group(2))}")
+    layers, parameter = "", ""
+    if selector is not None:
+        first, colon, last = selector.partition(":")
+        if colon:
+            layers, parameter = first.strip(), last.strip()
+        elif not syntax.layers or (_PARAMETER_RE.match(first.strip()) and not first.lower().startswith("every")):
+            parameter = first.strip()
+        else:
+            layers = first.strip()
+        if parameter or colon or not syntax.layers:
+            bad = syntax.parameter_problem(parameter)
+            if bad:
+                raise PlanError(f"{prefix} has {bad}, as in {syntax.example}")
+            parameter = parameter.lower()
+        if (layers or colon) and not syntax.layers:
+            raise PlanError(
+                f"{prefix} names layers ({quoted(layers)}); {syntax.once or 'it acts once a model'}, so `{name}` "
+                f"takes its {syntax.parameter} alone after '@': {expected}"
+            )
+        if layers or colon:
+            layers = _checked_selector(prefix, layers)
+            if count != -1:
+                raise PlanError(
+                    f"{prefix} gives both a count ({count}) and layers (@{layers}); give one, as in "
+                    f"{str(PlanEntry(name, opt_type, -1, layers, parameter))!r} or "
+                    f"{str(PlanEntry(name, opt_type, count, '', parameter))!r}"
+                )
+    return PlanEntry(name, opt_type, count, layers, parameter)
+
+
+def _checked_selector(prefix: str, selector: str) -> str:
+    """A layer selector checked item by item, in its one spelling (`@Every2` is `@every2`)."""
+    for item in selector.split("+"):
+        bad = _selector_problem(item.strip())
+        if bad:
+            raise PlanError(
+                f"{prefix} has layer selector {quoted(selector)} with {bad}; expected layer numbers from 0 (5), "
+                f"ranges (4-11), every k-th layer (every2) joined by '+', as in {SELECTOR_EXAMPLE}"
+            )
+    return "+".join(i.strip().lower() for i in selector.split("+"))
 
 
 def _check_duplicates(entries: Sequence[PlanEntry]) -> None:
@@ -255,10 +366,11 @@ def _check_duplicates(entries: Sequence[PlanEntry]) -> None:
     overlap, each entry with its `@` selector (`Mul+:1:-1@0-1,Mul+:1:-1@2-3`, as the solver writes its choices)."""
     seen: Dict[str, List[PlanEntry]] = {}
     for entry in entries:
-        if entry.subgraph == LOSS and seen.get(LOSS.lower()):
+        syntax = lever_syntax(entry.subgraph) if seen.get(entry.subgraph.lower()) else None
+        if syntax is not None and not syntax.layers:
             raise PlanError(
-                f"names {LOSS!r} twice ({str(seen[LOSS.lower()][0])!r} and {str(entry)!r}); a model has one head: "
-                f"give one, as in {LOSS_EXAMPLE}"
+                f"names {syntax.plan!r} twice ({str(seen[entry.subgraph.lower()][0])!r} and {str(entry)!r}); "
+                f"{syntax.once or 'it acts once a model'}: give one, as in {syntax.example}"
             )
         for other in seen.get(entry.subgraph.lower(), []):
             twice = f"names subgraph {other.subgraph!r} twice ({str(other)!r} and {str(entry)!r})"

@@ -322,7 +322,7 @@ def test_the_head_and_loss_plan_reads_and_round_trips():
     entries = parse_entries("Layer+:1:-1@every2, loss+:1:-1@Chunks8")
     assert to_inline(entries) == "Layer+:1:-1@every2,Loss+:1:-1@chunks8"
     assert parse_entries("Loss+:1:-1")[0] == PlanEntry("Loss+", 1, -1, "")
-    assert parse_entries("LOSS+:1:-1@tokens1024")[0].layers == "tokens1024"
+    assert parse_entries("LOSS+:1:-1@tokens1024")[0].parameter == "tokens1024"
     assert not parse_entries("Loss+:0:-1")[0].enabled
 
 

@@ -19,11 +19,10 @@ from torch_engine import engine, keep, pair, step
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
 from optimum_memopt.backends.torch.decide.budget import (
-    HeadChoice,
+    LeverChoice,
     fit,
     fit_share,
     freed_bytes,
-    head_choices,
     plan_entries,
     predict,
     selector,
@@ -32,7 +31,7 @@ from optimum_memopt.backends.torch.decide.planner import MARGIN, BudgetPlanner
 from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
 from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
 from optimum_memopt.backends.torch.measure.graph import saved_bytes
-from optimum_memopt.backends.torch.measure.profile import Segment, StepMemory
+from optimum_memopt.backends.torch.measure.profile import HEAD_SEGMENT, Segment, StepMemory
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 from optimum_memopt.memory import MIB
 from optimum_memopt.plans import PlanError, parse_inline
@@ -162,52 +161,55 @@ def test_the_head_is_chosen_with_the_layers_in_one_solve(profile, share):
     base = 10 << 20
     head_peak = base + 3 * sum(q)  # the head and loss peak over the layers' segments: chunking matters
     mem = memory_of([base + 1000] * L, head_peak, [base + 4000] * L, base)
-    heads = [
-        HeadChoice(""),
-        HeadChoice("Loss+:1:-1@chunks2", sum(q), 0.002),
-        HeadChoice("Loss+:1:-1@chunks8", 2 * sum(q), 0.004),
-    ]
+    heads = [head(""), head("Loss+:1:-1@chunks2", sum(q), 0.002), head("Loss+:1:-1@chunks8", 2 * sum(q), 0.004)]
     plain = predict(mem, q, [0] * L).peak_bytes
-    floor = min(predict(mem, q, [max(c.freed_bytes for c in o) for o in per_layer], head=h.bytes_less).peak_bytes
+    floor = min(predict(mem, q, [max(c.freed_bytes for c in o) for o in per_layer], levers=[h]).peak_bytes
                 for h in heads)  # fmt: skip
     budget = int(floor + share * (plain - floor))
-    result = fit(profile, mem, budget, whole(), heads=heads)
+    result = fit(profile, mem, budget, whole(), levers=[heads])
     best = None
-    for head in heads:
+    for h in heads:
         for combo in itertools.product(*per_layer):
             freed = [c.freed_bytes for c in combo]
-            if predict(mem, q, freed, head=head.bytes_less).peak_bytes <= budget:
-                t = sum(c.seconds for c in combo) + head.seconds
-                best = (t, head) if best is None or t < best[0] else best
+            if predict(mem, q, freed, levers=[h]).peak_bytes <= budget:
+                t = sum(c.seconds for c in combo) + h.seconds
+                best = (t, h) if best is None or t < best[0] else best
     assert result.choice is not None and result.predicted.peak_bytes <= budget
     assert result.recompute_seconds == pytest.approx(best[0]) and result.floor.peak_bytes == floor
-    assert result.predicted == predict(mem, q, [c.freed_bytes for c in result.choice], head=result.head.bytes_less)
-    if result.head.plan:
-        assert result.config().endswith("," + result.head.plan) or result.config() == result.head.plan
-        assert result.policy().loss == result.head.plan.partition("@")[2]
+    assert result.predicted == predict(mem, q, [c.freed_bytes for c in result.choice], levers=result.levers)
+    chosen = result.lever("loss")
+    if chosen.plan:
+        assert result.config().endswith("," + chosen.plan) or result.config() == chosen.plan
+        assert result.policy().levers["loss"] == chosen.plan.partition("@")[2]
     else:
-        assert "Loss+" not in result.config() and result.policy().loss is None
+        assert "Loss+" not in result.config() and "loss" not in result.policy().levers
     if share == 0.0:  # the least any choice reaches needs the head's most
-        assert result.head.plan == "Loss+:1:-1@chunks8"
+        assert chosen.plan == "Loss+:1:-1@chunks8"
     if share == 1.0:
-        assert result.config() == "" and result.head.plan == ""
-    assert fit(profile, mem, floor - 1, whole(), heads=heads).choice is None
+        assert result.config() == "" and chosen.plan == ""
+    assert fit(profile, mem, floor - 1, whole(), levers=[heads]).choice is None
+
+
+def head(plan: str, less: int = 0, seconds: float = 0.0) -> LeverChoice:
+    """A way of running the head as the loss lever offers it (`levers.loss.choices`): in the head's segment."""
+    return LeverChoice("loss", plan.partition("@")[2] if plan else None, plan, ((HEAD_SEGMENT, less),) if less else (),
+                       seconds)  # fmt: skip
 
 
 def test_the_heads_ways_are_weighed_by_bytes_against_the_one_the_step_ran_and_by_time_against_the_fastest():
-    from optimum_memopt.backends.torch.measure.profile import HeadMeasure, HeadOption, ModelProfile
+    from optimum_memopt.backends.torch.levers.loss import HeadMeasure, HeadOption, choices
 
     measured = HeadMeasure(1024, 64, 4096, "Loss+:1:-1@chunks4", [
         HeadOption("Loss+:1:-1@chunks2", 30, 0.010), HeadOption("Loss+:1:-1@chunks8", 12, 0.013),
         HeadOption("Loss+:1:-1@chunks4", 20, 0.012),
     ])  # fmt: skip
-    got = head_choices(ModelProfile([], head=measured))
+    got = choices(measured)
     assert got == [
-        HeadChoice("Loss+:1:-1@chunks2", -10, 0.0),  # holds more than the step ran; the fastest
-        HeadChoice("Loss+:1:-1@chunks8", 8, pytest.approx(0.003)),
-        HeadChoice("Loss+:1:-1@chunks4", 0, pytest.approx(0.002)),
+        head("Loss+:1:-1@chunks2", -10, 0.0),  # holds more than the step ran; the fastest
+        head("Loss+:1:-1@chunks8", 8, pytest.approx(0.003)),
+        head("Loss+:1:-1@chunks4", 0, pytest.approx(0.002)),
     ]
-    assert head_choices(ModelProfile([])) == [HeadChoice("")]
+    assert choices(None) == [head("")]
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0])

@@ -469,7 +469,7 @@ def test_the_table_has_a_row_per_chunking_and_its_peak_drop_is_what_a_run_measur
     one = "Loss+:1:-1@chunks1"  # the whole logits at once, made again in backward: the most any way holds
     wide_run(tmp_path, "warm-up")  # the process's first training allocates for good
     eager = wide_run(tmp_path, "one", memory_opt_config=one, optim="sgd")
-    head = eager.memopt_handle.profile.head
+    head = eager.memopt_handle.profile.levers.get("loss")
     assert head.ran == one and (head.tokens, head.hidden, head.vocab) == (8 * 64, 64, 2048)
     assert [o.plan for o in head.options] == [""] + [f"Loss+:1:-1@chunks{c}" for c in (2, 4, 8, 16, 32)] + [one]
     assert head.why_not == {} and all(o.held_bytes <= o.bound_bytes for o in head.options)
@@ -496,7 +496,7 @@ def test_the_table_has_a_row_per_chunking_and_its_peak_drop_is_what_a_run_measur
         measured = (memory.peak.peak_bytes - memory.start_bytes) - (ran.peak.peak_bytes - ran.start_bytes)
         predicted = rows[plan]["peak_drop_bytes"]
         assert abs(measured - predicted) <= 0.02 * predicted, (plan, measured / MIB, predicted / MIB)
-        measured_head = run.memopt_handle.profile.head
+        measured_head = run.memopt_handle.profile.levers.get("loss")
         assert measured_head.ran == plan and rows[plan]["recompute_seconds"] >= 0
         # the ways that could hold more than this step's peak left free were not run, and said so
         for way, why in measured_head.why_not.items():
@@ -511,9 +511,9 @@ def test_the_head_is_measured_only_within_what_step_one_left_free(tmp_path):
     wide_run(tmp_path, "warm-up")
     run = wide_run(tmp_path, "adamw", memory_opt_config="Loss+:1:-1@chunks1")
     profile = run.memopt_handle.profile
-    assert profile.head is None
-    assert profile.head_problem.startswith("the way the step ran the head (Loss+:1:-1@chunks1) was not run alone: ")
-    assert f"the head and loss were not measured each way they can run: {profile.head_problem}" in (
+    assert profile.levers.get("loss") is None
+    assert profile.lever_problems["loss"].startswith("the way the step ran the head (Loss+:1:-1@chunks1) was not run alone: ")
+    assert f"the head and loss were not measured each way they can run: {profile.lever_problems['loss']}" in (
         run.memopt_handle.report().notes
     )
 
@@ -554,9 +554,9 @@ def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
         optim="sgd",
     )
     planner = roomy.memopt_handle.planner
-    head = roomy.memopt_handle.profile.head
+    head = roomy.memopt_handle.profile.levers.get("loss")
     assert head.ran == "Loss+:1:-1"  # step one: the least memory, the head chunked too
-    assert "" in head.why_not and all(h.plan for h in planner.heads) and len(planner.heads) > 1
+    assert "" in head.why_not and all(c.plan for c in planner.levers["loss"]) and len(planner.levers["loss"]) > 1
     floor, peak = planner.fits[0].floor.peak_mb, planner.fits[0].predicted.peak_mb
     assert floor < peak
     budget = round(floor + 0.5 * (peak - floor), 1)
@@ -572,11 +572,12 @@ def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
     )
     planner = tight.memopt_handle.planner
     final = planner.fits[-1]
-    assert final.head.plan in {h.plan for h in planner.heads} and final.config().endswith(final.head.plan)
+    chosen = final.lever("loss").plan
+    assert chosen in {c.plan for c in planner.levers["loss"]} and final.config().endswith(chosen)
     assert any(c.freed_bytes for c in final.choice)
     assert all(check["measured_peak_mb"] <= budget for check in planner.verified), planner.verified
     lever = tight.memopt_handle.levers["loss"]
-    assert lever.installed and lever.calls == 5 and plan_of(lever.chunking) == final.head.plan
+    assert lever.installed and lever.calls == 5 and plan_of(lever.chunking) == chosen
     out = capsys.readouterr().out
     assert (
         f"the solver chose `--memory_opt_config {planner.fits[0].config()}`, under the budget of {budget:,.1f} MiB"
@@ -589,8 +590,8 @@ def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
         assert abs(a - b) <= 1e-6 * abs(a), (roomy_losses, tight_losses)
     with open(tmp_path / "tight" / "memory_auto" / "solver.json") as f:
         solver = json.load(f)
-    assert solver["fits"][-1]["head"] == final.head.plan
-    assert "own" not in [h["config"] for h in solver["head_candidates"]]
+    assert solver["fits"][-1]["levers"]["loss"] == chosen
+    assert "loss off" not in [c["config"] for c in solver["lever_candidates"]["loss"]]
 
 
 def test_a_run_with_chunks_resumes_exactly_and_saves_the_plain_model(tmp_path):

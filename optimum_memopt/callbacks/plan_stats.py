@@ -26,7 +26,7 @@ import json
 import os
 from typing import Optional
 
-from ..plans import LOSS, PlanReport
+from ..plans import PlanReport, lever_syntax
 from .base import MetricsCallback, PlanLog, atomic_write, current_model, logger, show, verbose
 
 
@@ -67,8 +67,9 @@ def format_plan_table(report: PlanReport) -> str:
         how = f"auto ({report.auto}), step one running a dry run's choice to check it"
     elif report.auto:  # the first step measured for `auto`, whose choice runs from the next step
         how = f"auto ({report.auto}), step one at level {report.level} to measure"
-    elif report.level:  # the level's plans are every layer's; a plan beyond the layers (the head's) is named beside
-        how = ", ".join([f"level {report.level}"] + [r for r in report.requested if r.startswith(f"{LOSS}:")])
+    elif report.level:  # the level's plans are every layer's; a lever's beyond the layers (`Loss+`) is named beside
+        levers = [r for r in report.requested if lever_syntax(r.partition(":")[0])]
+        how = ", ".join([f"level {report.level}"] + levers)
     else:
         how = ", ".join(report.requested) or "no plans requested"
     head = (

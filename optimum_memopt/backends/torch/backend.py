@@ -9,7 +9,6 @@ from typing import List, Optional
 from torch import nn
 
 from ...memory import MIB
-from ...plans import LOSS as LOSS_PLAN
 from ...plans import PlanError, PlanReport, to_inline
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
@@ -67,59 +66,28 @@ def _one_plan_per_module(model, layers, policy: RecomputePolicy, shared, setting
         f"{held}: it runs as one layer (the table's layer {firsts.index(shared[0][0])}), its plan applied at each "
         f"of its {len(shared[0])} uses a step; the table's figures for it are one use's"
     )
-    return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note], policy.loss)
+    return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note], policy.levers)
 
 
-def _loss_lever(model: nn.Module, settings: WrapSettings, selector: Optional[str]):
-    """The loss lever on the model's head, and why there is none: installed where `Loss+` was asked (`selector`: its
-    chunking), refused with the reason where it cannot run; under `auto` with a budget in MiB, on a causal LM it can
-    run on, there to run step one's head in chunks and measure each way after it (the table's `Loss+` rows, the
-    solver's head options). Elsewhere nothing is measured: measuring runs the head between steps, above what the
-    step holds then, which only a run that asked for the lever or the solver should pay."""
-    from .levers.loss import ChunkedLoss, Chunking, causal_lm, loss_problem
+def _build_levers(model: nn.Module, settings: WrapSettings, n_layers: int):
+    """Every registered lever built on the model (`levers.protocol.Lever.build`): those the plans ask for, installed;
+    those `auto` measures; and why each other one was not, by name, for the table's notes."""
+    from .levers import lever_classes
 
-    problem = loss_problem(model)
-    if problem is None and settings.loss_reader:
-        problem = (
-            f"{settings.loss_reader} computes the loss from the model's logits, which a chunked head never makes "
-            f"whole (and the Trainer hands such a loss no labels to the model)"
-        )
-    if problem is not None:
-        if selector is not None:
-            plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
-            raise ValueError(
-                f"`--memory_opt_config` has {plan!r}, but {problem}; drop `Loss+` to train with the head whole"
-            )
-        return None, (f"`Loss+` cannot run on it: {problem}" if causal_lm(model) is not None else None)
-    if selector is None:
-        if settings.budget is None or settings.budget.share is not None:
-            return None, (
-                "they are measured where `Loss+` or `--memory_opt_config auto` with `--memory_budget_mb` is asked "
-                "(add 'Loss+:1:-1' to the plans to run the head in chunks and see each way's row)"
-            )
-        lever = ChunkedLoss(causal_lm(model), None)
-        lever.smoothing = settings.label_smoothing or None
-        # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose logits
-        # hold no more than the hidden states; `auto` may choose another way as step two's first layer starts (each
-        # way measured after step one, where it fits what step one's peak left free)
-        lever.run_as("")
-        return lever, None
-    plan = next(str(e) for e in settings.entries if e.subgraph == LOSS_PLAN)
-    lever = ChunkedLoss(causal_lm(model), Chunking.from_selector(selector))
-    lever.smoothing = settings.label_smoothing or None
-    if lever.trl:
-        logger.warning(
-            "`%s`: the model's head is chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own "
-            "forward; it is not chunked twice, and the step's head and loss are what TRL's head makes of them",
-            plan,
-        )
-    lever.install()
-    return lever, None
+    built, why_not = {}, {}
+    for cls in lever_classes():
+        asked = [e for e in settings.entries if e.enabled and e.subgraph == cls.syntax.plan]
+        lever, why = cls.build(model, settings, asked[0] if asked else None, n_layers)
+        if lever is not None:
+            built[cls.name] = lever
+        elif why:
+            why_not[cls.name] = (cls.syntax.what, why)
+    return built, why_not
 
 
 def _take_off(state) -> None:
     """Everything a wrap installed, taken off: the layers' forwards and the step readings' hooks, every lever beyond
-    the layers (the loss lever's forward), the watch's and the planner's meters (their sampler threads)."""
+    the layers, the watch's and the planner's meters (their sampler threads)."""
     state.uninstall()
     for lever in state.levers.values():
         lever.remove()
@@ -211,10 +179,7 @@ class TorchBackend(Backend):
                 no_twin = f"the model could not be copied onto the meta device for it ({type(e).__name__}: {e})"
         model = self.apply_policy(model, policy)
         state = getattr(model, STATE)
-        lever, why_not = _loss_lever(model, settings, policy.loss)
-        if lever is not None:
-            state.levers["loss"] = lever
-        state.lever_problems = {"loss": why_not} if why_not else {}
+        state.levers, state.lever_problems = _build_levers(model, settings, len(state.layers))
         state.reset_peaks = settings.reset_peaks
         state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
         if settings.budget is not None:
@@ -252,8 +217,7 @@ class TorchBackend(Backend):
         getattr(wrapped, STATE).step_done()
 
     def smooths_labels(self, wrapped: nn.Module) -> bool:
-        lever = getattr(wrapped, STATE).levers.get("loss")
-        return lever is not None and lever.installed and lever.smoothing is not None
+        return any(lever.smooths_labels() for lever in getattr(wrapped, STATE).levers.values())
 
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         """The model as it was before `wrap`: its layers' forwards and the step readings' hooks taken off, the state
@@ -303,22 +267,19 @@ class TorchBackend(Backend):
         state = getattr(wrapped, STATE)
         if state.profile is None:
             return None
-        report = plan_report(state.policy, state.profile)
+        report = plan_report(state.policy, state.profile, list(state.levers.values()))
         lists = towers(wrapped, state.layers)
         if lists:
             report.notes.append("the layers come from several lists (numbered in this order): " + "; ".join(lists))
-        for lever in state.levers.values():
-            note = lever.note()
-            if note:
-                report.notes.append(note)
-        for problem in state.lever_problems.values():
-            report.notes.append(f"the head and loss were not measured each way they can run: {problem}")
-        if "loss" in state.levers and state.profile.head is None and not state.steps_reported:
-            report.notes.append(
-                "the head and loss were not measured each way they can run: they are measured between steps, and "
-                "the loop does not say where its steps end (`optimize_memory(..., reports_steps=True)` and "
-                "`handle.step_done()` after each optimizer step)"
-            )
+        for what, problem in state.lever_problems.values():
+            report.notes.append(f"{what} were not measured each way they can run: {problem}")
+        for name, lever in state.levers.items():
+            if name not in state.profile.levers and not state.steps_reported:
+                report.notes.append(
+                    f"{lever.syntax.what} were not measured each way they can run: they are measured between steps, "
+                    f"and the loop does not say where its steps end (`optimize_memory(..., reports_steps=True)` and "
+                    f"`handle.step_done()` after each optimizer step)"
+                )
         planner = state.planner
         if planner is not None and planner.stage in ("start", "measure") and planner.planned is not None:
             report.auto = planner.asked
@@ -329,8 +290,8 @@ class TorchBackend(Backend):
                 f"more fits, else the solver chooses again from it at the next step (said then)"
             )
         elif planner is not None and planner.stage in ("start", "measure"):
-            lever = state.levers.get("loss")
-            head = " and the head's loss in chunks" if lever is not None and lever.chunking is not None else ""
+            running = [lever.plan() for lever in state.levers.values() if lever.plan()]
+            head = f" and {', '.join(running)}" if running else ""
             report.auto = planner.asked
             report.notes.append(
                 f"--memory_opt_config auto ({planner.asked}): this first step ran with every "

@@ -7,11 +7,10 @@ came from, so the report never parses the arguments again. Pure: no torch state.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 from ...plans import LAYER as LAYER_PLAN
-from ...plans import LOSS as LOSS_PLAN
-from ...plans import PlanEntry, PlanError, shared_layer
+from ...plans import PlanEntry, PlanError, lever_syntax, shared_layer
 from .names import VIEW_NAMES, canonical_ops
 
 KEEP, OPS, LAYER = "keep", "ops", "layer"
@@ -56,7 +55,7 @@ class Request:
 
 def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_config") -> None:
     for entry in entries:
-        if entry.subgraph == LOSS_PLAN:
+        if lever_syntax(entry.subgraph) is not None:
             continue
         if entry.subgraph != LAYER_PLAN and any(op.lower() == "layer" for op in entry.ops):
             raise ValueError(
@@ -75,7 +74,7 @@ def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
     count, so it is checked here, when the arguments are built."""
     claimed: Dict[str, List[PlanEntry]] = {}
     for entry in entries:
-        if entry.subgraph in (LAYER_PLAN, LOSS_PLAN):
+        if entry.subgraph == LAYER_PLAN or lever_syntax(entry.subgraph) is not None:
             continue
         names, unknown = canonical_ops(entry.subgraph)
         if not names and not unknown:
@@ -110,9 +109,10 @@ class RecomputePolicy:
     layers: List[LayerPolicy]
     requests: List[Request] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what the plans' reader should know (overlaps resolved)
-    # the head and loss chunked (`Loss+`): its chunking as the plan gives it ("", "chunks8", "tokens1024"), else None;
-    # applied by the loss lever (`levers.loss`), not by the engine
-    loss: Optional[str] = None
+    # the levers beyond the layers that are on, by name, each with its option (`plans.LeverSyntax.option`: "chunks8";
+    # "" its default; "0-7:tiles4" where it acts in layers, its entries joined by ";"): run by the levers
+    # (`levers/`), not by the engine
+    levers: Dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_plans(cls, entries: Sequence[PlanEntry], level: int, n_layers: int) -> "RecomputePolicy":
@@ -120,10 +120,15 @@ class RecomputePolicy:
         entries whole and recomputes each other enabled entry's ops in its layers (the first `RequestApplyCount`,
         -1 all, or those its `@` selector names). A layer both checkpointed whole and named by an op plan is
         checkpointed whole (it frees all the op plan would), said in `notes`."""
-        requests, whole = [], {}
-        loss = next((e.layers for e in entries if e.subgraph == LOSS_PLAN and e.enabled), None)
+        requests, whole, levers = [], {}, {}
         for entry in entries:
-            if not entry.enabled or entry.subgraph == LOSS_PLAN:  # the head's plan, not a layer's (`loss_plan`)
+            syntax = lever_syntax(entry.subgraph)
+            if syntax is not None:  # a lever's plan, not a layer's
+                if entry.enabled:
+                    option = syntax.option(entry, n_layers)
+                    levers[syntax.name] = ";".join(filter(None, (levers.get(syntax.name), option)))
+                continue
+            if not entry.enabled:
                 continue
             if entry.subgraph == LAYER_PLAN:
                 for i in entry.select(n_layers):
@@ -133,7 +138,7 @@ class RecomputePolicy:
             names, unknown = canonical_ops(entry.subgraph)
             requests.append(Request(entry, tuple(names), tuple(unknown)))
         if level == 1:
-            return cls([LayerPolicy(LAYER) for _ in range(n_layers)], requests, loss=loss)
+            return cls([LayerPolicy(LAYER) for _ in range(n_layers)], requests, levers=levers)
         ops: List[Dict[str, str]] = [{} for _ in range(n_layers)]
         notes, overlaps = [], {}
         for r in requests:
@@ -156,7 +161,7 @@ class RecomputePolicy:
                 f"other layers"
             )
         layers = [LayerPolicy(LAYER) if i in whole else LayerPolicy.of_ops(o) for i, o in enumerate(ops)]
-        return cls(layers, requests, notes, loss)
+        return cls(layers, requests, notes, levers)
 
     @property
     def level(self) -> int:
@@ -175,9 +180,8 @@ class RecomputePolicy:
         return self.layers[index].ops
 
     def describe(self) -> str:
-        if self.loss is not None:
-            return f"{self._describe_layers()}, the head and loss chunked"
-        return self._describe_layers()
+        levers = [f"{name} ({option or 'its default'})" for name, option in self.levers.items()]
+        return ", ".join([self._describe_layers(), *(f"lever {lever}" for lever in levers)])
 
     def _describe_layers(self) -> str:
         if not self.active:

@@ -19,15 +19,16 @@ gradient accumulation, before gradients are held across micro-batches; the calle
 start (what is held there that was not at step one's) and adds the gradients' bytes under accumulation. Pure.
 """
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
-from ....plans import PlanEntry
+from ....plans import PlanEntry, layer_selector
 from ..measure.graph import effect, saved_bytes, whole_layer
-from ..measure.profile import HEAD_SEGMENT, ModelProfile, Segment, StepMemory
+from ..measure.profile import ModelProfile, Segment, StepMemory
 from ..policy import LAYER, OPS, RecomputePolicy
 from .solver import Candidate, candidates, choose, policy_of
 
@@ -56,31 +57,40 @@ class Prediction:
 
 
 def predict(
-    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0, head: int = 0
+    memory: StepMemory,
+    measured_freed: Sequence[int],
+    freed: Sequence[int],
+    extra: int = 0,
+    levers: Sequence["LeverChoice"] = (),
 ) -> Prediction:
-    """The step's peak with `freed` bytes freed per layer, from a step measured with `measured_freed`; `head`: the
-    bytes the head and loss hold less than in the measured step (another way of running them: `levers.loss`)."""
+    """The step's peak with `freed` bytes freed per layer, from a step measured with `measured_freed`; `levers`: the
+    options of the levers beyond the layers (`levers/`), each moving the segments it acts in by what it holds less
+    there than the measured step's option."""
     best: Optional[Prediction] = None
     for k, seg in enumerate(memory.segments):
-        value = _moved(seg, measured_freed, freed, head) + (extra if k < len(memory.segments) - 1 else 0)
+        value = _moved(seg, measured_freed, freed, levers) + (extra if k < len(memory.segments) - 1 else 0)
         if best is None or value > best.peak_bytes:
             best = Prediction(value, seg.name)
     return best
 
 
 def segment_peaks(
-    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], extra: int = 0, head: int = 0
+    memory: StepMemory,
+    measured_freed: Sequence[int],
+    freed: Sequence[int],
+    extra: int = 0,
+    levers: Sequence["LeverChoice"] = (),
 ) -> List[tuple]:
     """Each segment's predicted peak (`predict`'s terms) with `freed` bytes freed per layer: (name, bytes)."""
     last = len(memory.segments) - 1
     return [
-        (seg.name, _moved(seg, measured_freed, freed, head) + (extra if k < last else 0))
+        (seg.name, _moved(seg, measured_freed, freed, levers) + (extra if k < last else 0))
         for k, seg in enumerate(memory.segments)
     ]
 
 
 def predict_range(
-    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], head: int = 0
+    memory: StepMemory, measured_freed: Sequence[int], freed: Sequence[int], levers: Sequence["LeverChoice"] = ()
 ) -> Tuple[int, int]:
     """The least and the most the step's peak can be with `freed` bytes freed per layer, where `predict` gives one
     figure inside that range. The readings are exact (the same each run), but they cannot tell how much of a change
@@ -89,11 +99,11 @@ def predict_range(
     brings its tensors back one at a time (its backward may peak with some of them gone). So the segment of layer
     j's forward, which `predict` moves by all of the change, may be higher by what `freed` frees there or lower by
     what the measured policy did; layer k's backward, which `predict` does not move by layer k's change, may be lower
-    by what `freed` frees there or higher by what the measured policy did. Every other segment moves exactly (the
-    head's by `head`, as measured)."""
+    by what `freed` frees there or higher by what the measured policy did. Every other segment moves exactly (those
+    a lever acts in by what its option holds less there, as measured)."""
     low = high = None
     for seg in memory.segments:
-        value = _moved(seg, measured_freed, freed, head)
+        value = _moved(seg, measured_freed, freed, levers)
         down = up = 0
         if seg.own is not None and seg.own < len(freed):
             now, then = freed[seg.own], measured_freed[seg.own]
@@ -103,10 +113,12 @@ def predict_range(
     return low, high
 
 
-def _moved(seg: Segment, measured_freed: Sequence[int], freed: Sequence[int], head: int = 0) -> int:
+def _moved(
+    seg: Segment, measured_freed: Sequence[int], freed: Sequence[int], levers: Sequence["LeverChoice"] = ()
+) -> int:
     held = seg.held
     moved = seg.peak_bytes + sum(measured_freed[:held]) - sum(freed[:held])
-    return moved - head if seg.name.startswith(HEAD_SEGMENT) else moved
+    return moved - sum(c.less_in(seg.name) for c in levers)
 
 
 def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -> StepMemory:
@@ -138,55 +150,42 @@ def merged(kept: Sequence[StepMemory], measured_freed: Sequence[int]) -> StepMem
 
 
 @dataclass(frozen=True)
-class HeadChoice:
-    """One way to run the head and loss, as the solver weighs it: its plan ("": the model's own head; `Loss+:1:-1@
-    chunks8`), the bytes the head and loss hold less than in the measured step, the seconds it adds to a step."""
+class LeverChoice:
+    """One option of a lever beyond the layers (`levers/`), as the solver weighs it: pure data the lever makes from
+    what it measured after step one (its `choices`).
 
-    plan: str
-    bytes_less: int = 0
+    `option` is what the policy holds for it (`RecomputePolicy.levers`: "chunks8"; "" its default), None the lever
+    off; `plan` its entry in the plan grammar ("" off). `less`: the bytes it holds less than the measured step's
+    option, by segment (a prefix of the segments' names: the head's segment, a layer's backward); negative where it
+    holds more. `seconds`: what it adds to a step on the compute's path, above the lever's fastest option (a
+    constant apart: the least total time is the same). Work that overlaps compute (a copy on a stream of its own,
+    as an offload's) is `overlap_seconds`, hidden under `window_seconds` of the step's compute: only what it runs
+    past the window costs (`cost`). `returned`: what its forward returns that a caller may keep through the whole
+    step (the model's own head's logits, in a loop that keeps `outputs`), counted held in every segment but the
+    last."""
+
+    lever: str
+    option: Optional[str] = None
+    plan: str = ""
+    less: Tuple[Tuple[str, int], ...] = ()
     seconds: float = 0.0
-    # what its forward returns and the caller may keep through the whole step (the model's own head's logits, in a
-    # loop that keeps `outputs`; the Trainer lets them go): counted held in every segment but the last
     returned: int = 0
+    overlap_seconds: float = 0.0
+    window_seconds: float = 0.0
+
+    def less_in(self, segment: str) -> int:
+        """What this option holds less than the measured step's in the segment named `segment`."""
+        return sum(b for prefix, b in self.less if segment.startswith(prefix))
 
     @property
-    def selector(self) -> Optional[str]:
-        """The plan's chunking as the policy holds it ("chunks8"; "" for bare `Loss+:1:-1`), None: the own head."""
-        return self.plan.partition("@")[2] if self.plan else None
+    def cost(self) -> float:
+        """The seconds it adds to a step: its time on the compute's path, and what of its overlapped work outruns
+        the compute it hides under."""
+        return self.seconds + max(0.0, self.overlap_seconds - self.window_seconds)
 
-
-AS_MEASURED = HeadChoice("")  # the head as the measured step ran it (where no other way was measured)
-
-
-def head_choices(profile: ModelProfile, ran: str = "") -> List[HeadChoice]:
-    """The ways the head and loss can run (`levers.loss`'s measure after step one): the bytes each holds less than
-    the way the step ran, and the seconds it takes more than the fastest way (a constant apart from what the step
-    ran: the least total time is the same); where none was measured, the way the step ran (`ran`, its plan) alone.
-
-    A way that holds more than the step's is weighed by its bound (what it was let take before it ran, above what
-    it held): run alone, a way's bytes differ from what it adds in a step (a coarser head was measured 0.3 MiB
-    short of its step's on the tests' wide decoder), and a choice that rests on that difference could peak over the
-    budget; a way that holds less is weighed as measured (the table's PEAK DROP, within 2% of what runs measure).
-    A way that makes more rows of logits at once than the step's (coarser chunks, or the model's own head) is
-    weighed by its bound too, whatever it held alone: alone, what the rows add can fall under what every way holds
-    besides them (the head's gradients), where in a step, on top of the layers' tensors, it does not (on Llama at
-    tiny size chunks of 16 rows and of 8 held the same alone and 12 KiB apart in the step; on Qwen2-VL the own head
-    held 28 KiB less than the step's chunks alone and 28 KiB more in the step: `auto` chose them over its budget)."""
-    head = profile.head
-    if head is None:
-        return [HeadChoice(ran)]
-    ran = head.option(head.ran)
-    fastest = min(head.seconds(o) for o in head.options)
-
-    def held(o) -> int:
-        if o.held_bytes > ran.held_bytes or o.rows > ran.rows:
-            return max(o.held_bytes, o.bound_bytes)
-        return o.held_bytes
-
-    return [
-        HeadChoice(o.plan, ran.held_bytes - held(o), head.seconds(o) - fastest, head.logits_bytes if not o.plan else 0)
-        for o in head.options
-    ]
+    @property
+    def label(self) -> str:
+        return self.plan or f"{self.lever} off"
 
 
 @dataclass
@@ -202,12 +201,19 @@ class Fit:
     why_not: str = ""
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
-    head: HeadChoice = AS_MEASURED  # how the head and loss run with the choice
+    levers: Tuple[LeverChoice, ...] = ()  # each lever's option with the choice (the levers offered none: as measured)
     source: str = ""  # where the choice comes from, if not the solver's for this step (`planner._confirmed`)
 
     @property
     def recompute_seconds(self) -> float:
-        return sum(c.seconds for c in self.choice) + self.head.seconds if self.choice else 0.0
+        return sum(c.seconds for c in self.choice) + sum(c.cost for c in self.levers) if self.choice else 0.0
+
+    @property
+    def returned(self) -> int:
+        return sum(c.returned for c in self.levers)
+
+    def lever(self, name: str) -> Optional[LeverChoice]:
+        return next((c for c in self.levers if c.lever == name), None)
 
     @property
     def freed(self) -> int:
@@ -215,7 +221,7 @@ class Fit:
 
     def policy(self) -> RecomputePolicy:
         policy = policy_of(self.choice)
-        policy.loss = self.head.selector
+        policy.levers = {c.lever: c.option for c in self.levers if c.option is not None}
         return policy
 
     def as_dict(self) -> dict:
@@ -226,8 +232,10 @@ class Fit:
             "activation_mb": self.activation_bytes / MIB if self.share is not None else None,
             "config": self.config() if self.choice else None,
             "per_layer": [c.label for c in self.choice] if self.choice else None,
-            "head": (self.head.plan or "own") if self.choice else None,
-            "head_freed_mb": self.head.bytes_less / MIB if self.choice else None,
+            "levers": {c.lever: c.label for c in self.levers} if self.choice else None,
+            "levers_freed_mb": (
+                {c.lever: {prefix: b / MIB for prefix, b in c.less} for c in self.levers} if self.choice else None
+            ),
             "predicted_peak_mb": self.predicted.peak_mb if self.predicted else None,
             "predicted_peak_in": self.predicted.where if self.predicted else None,
             "predicted_segments": [{"name": name, "peak_mb": value / MIB} for name, value in self.segments],
@@ -244,7 +252,7 @@ class Fit:
         """The choice in the plan grammar (`--memory_opt_config`), for a run without `auto`."""
         if not self.choice:
             return ""
-        return ",".join([str(e) for e in plan_entries(self.choice)] + ([self.head.plan] if self.head.plan else []))
+        return ",".join([str(e) for e in plan_entries(self.choice)] + [c.plan for c in self.levers if c.plan])
 
 
 def fit(
@@ -254,19 +262,20 @@ def fit(
     measured: RecomputePolicy,
     extra_bytes: int = 0,
     per_layer: Optional[Sequence[Sequence[Candidate]]] = None,
-    heads: Sequence[HeadChoice] = (AS_MEASURED,),
+    levers: Sequence[Sequence[LeverChoice]] = (),
 ) -> Fit:
     """The least-recompute policy whose predicted peak is at most `budget_bytes`, from a step measured under
-    `measured` (its memory by segment and each layer's graph), with the way of running the head and loss (`heads`,
-    from `head_choices`) chosen in the same solve: for each, the layers' least-time choice under the budget with
-    the head's segment moved by what that way holds less; the least total time wins (the head's time included)."""
-    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer, heads)
+    `measured` (its memory by segment and each layer's graph), with the levers beyond the layers chosen in the same
+    solve (`levers`: each lever's options, from its `choices`): for each combination of one option per lever, the
+    layers' least-time choice under the budget with the segments the options act in moved by what they hold less;
+    the least total time wins (the options' `cost` included)."""
+    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer, levers)
     result.budget_bytes = budget_bytes
     best, first_why = None, None
-    for head in heads:
-        extra = extra_bytes + head.returned
-        needs, why_not = _needs(memory, q, budget_bytes, extra, head.bytes_less, len(per_layer))
-        if why_not is None and _floor(memory, q, per_layer, extra_bytes, head).peak_bytes > budget_bytes:
+    for combo in itertools.product(*levers):
+        extra = extra_bytes + sum(c.returned for c in combo)
+        needs, why_not = _needs(memory, q, budget_bytes, extra, combo, len(per_layer))
+        if why_not is None and _floor(memory, q, per_layer, extra_bytes, combo).peak_bytes > budget_bytes:
             why_not = (
                 f"with each layer recomputing the most it can, the step still peaks at "
                 f"{result.floor.peak_mb:,.1f} MiB ({result.floor.where}), over the budget"
@@ -277,28 +286,28 @@ def fit(
         if choice is None:
             first_why = first_why or why_not
             continue
-        seconds = sum(c.seconds for c in choice) + head.seconds
+        seconds = sum(c.seconds for c in choice) + sum(c.cost for c in combo)
         if best is None or seconds < best[0]:
-            best = (seconds, choice, head)
+            best = (seconds, choice, combo)
     if best is None:
         result.why_not = first_why
         return result
-    _, result.choice, result.head = best
+    _, result.choice, result.levers = best
     freed = [c.freed_bytes for c in result.choice]
-    extra = extra_bytes + result.head.returned
-    result.predicted = predict(memory, q, freed, extra, result.head.bytes_less)
-    result.segments = segment_peaks(memory, q, freed, extra, result.head.bytes_less)
+    extra = extra_bytes + result.returned
+    result.predicted = predict(memory, q, freed, extra, result.levers)
+    result.segments = segment_peaks(memory, q, freed, extra, result.levers)
     return result
 
 
-def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, head: int, layers: int):
+def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, levers: Sequence[LeverChoice], layers: int):
     """Per layer, the bytes the first i + 1 layers must free for every segment to fit (the solver's prefix needs),
-    with the head's segment moved by `head`; or why recompute cannot meet the budget (a segment no layer's tensors
-    are held in peaks over it)."""
+    with the segments the levers' options act in moved; or why recompute cannot meet the budget (a segment no
+    layer's tensors are held in peaks over it)."""
     needs = [0] * layers
     last = len(memory.segments) - 1
     for k, seg in enumerate(memory.segments):
-        need = _moved(seg, q, [0] * seg.held, head) + (extra_bytes if k < last else 0) - budget_bytes
+        need = _moved(seg, q, [0] * seg.held, levers) + (extra_bytes if k < last else 0) - budget_bytes
         if need <= 0:
             continue
         if seg.held == 0:
@@ -316,9 +325,9 @@ def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, head: int
     return needs, None
 
 
-def _floor(memory: StepMemory, q, per_layer, extra_bytes: int, head: HeadChoice) -> Prediction:
+def _floor(memory: StepMemory, q, per_layer, extra_bytes: int, levers: Sequence[LeverChoice]) -> Prediction:
     most = [max(c.freed_bytes for c in options) for options in per_layer]
-    return predict(memory, q, most, extra_bytes + head.returned, head.bytes_less)
+    return predict(memory, q, most, extra_bytes + sum(c.returned for c in levers), levers)
 
 
 def fit_share(
@@ -347,13 +356,14 @@ def fit_share(
     return result
 
 
-def _start(profile, memory, measured, extra_bytes, per_layer, heads=(AS_MEASURED,)):
+def _start(profile, memory, measured, extra_bytes, per_layer, levers: Sequence[Sequence[LeverChoice]] = ()):
     """What `fit` and `fit_share` share: the candidates, what the measured policy freed per layer, and the answer
-    begun with the measured step's peak and the floor (each layer freeing the most it can, the head run the way
-    that holds least)."""
+    begun with the measured step's peak and the floor (each layer freeing the most it can, the levers' options
+    combined so that the step holds least)."""
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
-    floor = min((_floor(memory, q, per_layer, extra_bytes, h) for h in heads), key=lambda p: p.peak_bytes)
+    combos = itertools.product(*levers)
+    floor = min((_floor(memory, q, per_layer, extra_bytes, c) for c in combos), key=lambda p: p.peak_bytes)
     result = Fit(0, measured=predict(memory, q, q, extra_bytes), floor=floor)
     return per_layer, q, result
 
@@ -373,11 +383,4 @@ def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:
 
 def selector(layers: Sequence[int]) -> str:
     """Layer indexes as a plan selector: [0, 1, 2, 5] -> '0-2+5'."""
-    parts, start = [], None
-    for k, i in enumerate(layers):
-        if start is None:
-            start = i
-        if k + 1 == len(layers) or layers[k + 1] != i + 1:
-            parts.append(str(start) if start == i else f"{start}-{i}")
-            start = None
-    return "+".join(parts)
+    return layer_selector(layers)

@@ -24,7 +24,7 @@ import json
 import logging
 import os
 from dataclasses import replace
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from ....callbacks.base import atomic_write
 from ....memory import MIB, READABLE_DEVICES, MemoryMeter
@@ -32,7 +32,7 @@ from ..measure.live import held_outside, make_library_workspaces, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
-from .budget import Fit, as_kept, fit, fit_share, freed_bytes, head_choices, merged, predict, segment_peaks
+from .budget import Fit, as_kept, fit, fit_share, freed_bytes, merged, predict, segment_peaks
 from .solver import candidates
 
 logger = logging.getLogger(__name__)
@@ -72,9 +72,10 @@ class BudgetPlanner:
         self.per_layer: list = []  # each layer's candidates, from step one
         # where the layers come from several lists (a VLM's towers), one line a list (`apply.layers.towers`)
         self.layer_lists: List[str] = []
-        self.heads: list = []  # the ways the head and loss can run, measured after step one (`budget.HeadChoice`)
+        # each lever's options, from what it measured after step one (`budget.LeverChoice`), by lever
+        self.levers: Dict[str, list] = {}
         self._why_lower = ""  # why a re-plan solves for less than the budget (said with its choice)
-        self._head_chunked = ""  # how step one ran the head, where not as the model's own (said with the choice)
+        self._levers_ran = ""  # the levers step one ran, as plans (said with the choice)
         self.measured_freed: list = []  # bytes step one's policy (whole layers) freed per layer
         self.verified: List[dict] = []
         self.watch: Optional[StepWatch] = None
@@ -264,9 +265,8 @@ class BudgetPlanner:
         """The engine runs `result`'s choice from this forward on."""
         policy = result.policy()
         state.set_policy(policy)
-        lever = state.levers.get("loss")
-        if lever is not None:
-            lever.run_as(policy.loss)  # the head's way, chosen with the layers' (its time and memory measured aside)
+        for name, lever in state.levers.items():  # each lever's option, chosen with the layers' (measured aside)
+            lever.run_as(policy.levers.get(name))
 
     def _gather(self, state) -> None:
         """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""
@@ -292,16 +292,17 @@ class BudgetPlanner:
         self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
         self.per_layer = candidates(state.profile)
         self.layer_lists = list(state.layer_lists)
-        lever = state.levers.get("loss")
-        self.heads = head_choices(state.profile, lever.plan() if lever is not None else "")
-        head = state.profile.head
-        self._head_chunked = f", the head's loss {head.ran}" if head is not None and head.ran else ""
+        self.levers = {name: lever.choices(state.profile) for name, lever in state.levers.items()}
+        ran = [lever.plan() for lever in state.levers.values() if lever.plan()]
+        self._levers_ran = f", with {', '.join(ran)}" if ran else ""
 
     def _fit(self, state, budget_bytes: Optional[int]) -> Fit:
         if self.share is not None:
             return fit_share(state.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
-        return fit(state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, self.heads)
+        return fit(
+            state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, list(self.levers.values())
+        )
 
     def _describe(self, result: Fit, state) -> str:
         again = " (again)" if len(self.fits) > 1 else ""
@@ -311,7 +312,7 @@ class BudgetPlanner:
         if self.planned is not None:
             ran = f"the dry run's choice, `--memory_opt_config {self.planned.config()}`"
         else:
-            ran = f"every layer recomputed whole{self._head_chunked}"
+            ran = f"every layer recomputed whole{self._levers_ran}"
         chose = "the choice kept is" if result.source else "the solver chose"
         return (
             f"memory_opt_config auto{again}: step one ({ran}, first input "
@@ -485,10 +486,17 @@ class BudgetPlanner:
                 [{"config": c.label, "freed_mb": c.freed_bytes / MIB, "recompute_ms": c.seconds * 1000} for c in opts]
                 for opts in self.per_layer
             ],
-            "head_candidates": [
-                {"config": h.plan or "own", "freed_mb": h.bytes_less / MIB, "recompute_ms": h.seconds * 1000}
-                for h in self.heads
-            ],
+            "lever_candidates": {
+                name: [
+                    {
+                        "config": c.label,
+                        "freed_mb": {prefix: b / MIB for prefix, b in c.less},
+                        "recompute_ms": c.cost * 1000,
+                    }
+                    for c in options
+                ]
+                for name, options in self.levers.items()
+            },
             "fits": [f.as_dict() for f in self.fits],
             "verified": self.verified,
         }

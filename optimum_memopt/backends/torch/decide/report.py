@@ -1,21 +1,22 @@
 """The plan table from the step-one profile and the policy that ran: plans grouped by operator (frequency = layers
 that keep it, bytes for that batch), which are on, requests that matched nothing and why. Pure."""
 
-from typing import Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Callable, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
-from ....plans import LOSS as LOSS_PLAN
-from ....plans import FoundPlan, PlanReport, Unmatched, match_requests
+from ....plans import FoundPlan, PlanReport, Unmatched, lever_named, match_requests
 from ..measure.graph import effect, frontier
 from ..measure.profile import ROUTING, ModelProfile
 from ..policy import LAYER, LayerPolicy, RecomputePolicy
-from .budget import freed_bytes, predict, predict_range
+from .budget import LeverChoice, freed_bytes, predict, predict_range
 
 BACKEND = "torch"
 
 
-def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
+def plan_report(policy: RecomputePolicy, profile: ModelProfile, levers: Sequence = ()) -> PlanReport:
+    """The table; `levers`: the levers beyond the layers on the model (`levers.protocol.Lever`), whose rows and notes
+    it adds."""
     drop = _peak_drop(policy, profile)
     totals: Dict[str, int] = {}
     freq: Dict[str, int] = {}
@@ -54,11 +55,14 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         for name in sorted(totals, key=lambda k: -totals[k])
     ]
     plans += combinations(policy, profile, drop)
-    plans += head_rows(profile, drop)
+    zero = [0] * len(profile.layers)
+    lever_drop = None if drop is None else (lambda choices: _drop_fields(drop, zero, choices))
+    for lever in levers:
+        plans += lever.rows(profile, lever_drop)
     canonical = [e for r in policy.requests for e in r.canonical]
     whole_plans = [str(r.entry) for r in policy.requests if r.entry.subgraph == LAYER_PLAN]
-    # the head's plan is the loss lever's, not a layer request: named beside them
-    head_plans = [] if policy.loss is None else [f"{LOSS_PLAN}:1:-1" + (f"@{policy.loss}" if policy.loss else "")]
+    # the levers' plans are theirs, not layer requests: named beside them
+    lever_plans = [str(_lever_entry(name, option)) for name, option in policy.levers.items()]
     level = policy.level
     notes = list(policy.notes)
     routed = [i for i, rec in enumerate(profile.layers) if any(ROUTING in why for why in rec.why_not.values())]
@@ -83,10 +87,8 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         )
     if drop is not None:
         notes.append(_where_the_peak_is(policy, profile))
-    if profile.head is not None:
-        notes.append(_how_the_head_was_measured(profile))
-    elif profile.head_problem:
-        notes.append(f"the head and loss were not measured each way they can run: {profile.head_problem}")
+    for lever in levers:
+        notes += lever.notes(profile)
     if profile.memory_problem:
         notes.append(
             f"step one's memory could not be followed layer by layer ({profile.memory_problem}): no PEAK DROP"
@@ -113,10 +115,10 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile) -> PlanReport:
         dims.update({"batch": int(shape[0]), "sequence": int(shape[1])})
     report = PlanReport(
         backend=BACKEND,
-        optimizer_enabled=policy.active or policy.loss is not None,
+        optimizer_enabled=policy.active or bool(policy.levers),
         level=level,
-        requested=[str(r.entry) for r in policy.requests] + head_plans,
-        applied=[str(e) for e in canonical] + whole_plans + head_plans if level == 0 else [p.config for p in plans],
+        requested=[str(r.entry) for r in policy.requests] + lever_plans,
+        applied=[str(e) for e in canonical] + whole_plans + lever_plans if level == 0 else [p.config for p in plans],
         plans=plans,
         dims=dims,
         notes=notes,
@@ -149,18 +151,18 @@ def _peak_drop(policy: RecomputePolicy, profile: ModelProfile) -> Optional[Calla
     none = predict(memory, q, zero).peak_bytes
     none_low, none_high = predict_range(memory, q, zero)
 
-    def drop(freed: List[int], head: int = 0) -> Drop:
-        low, high = predict_range(memory, q, freed, head)
-        value = predict(memory, q, freed, head=head).peak_bytes
+    def drop(freed: List[int], levers: Sequence[LeverChoice] = ()) -> Drop:
+        low, high = predict_range(memory, q, freed, levers)
+        value = predict(memory, q, freed, levers=levers).peak_bytes
         return float(none - value), float(none_low - high), float(none_high - low)
 
     return drop
 
 
-def _drop_fields(drop: Optional[Callable[..., Drop]], freed: List[int], head: int = 0) -> dict:
+def _drop_fields(drop: Optional[Callable[..., Drop]], freed: List[int], levers: Sequence[LeverChoice] = ()) -> dict:
     if drop is None:
         return {}
-    value, least, most = drop(freed, head)
+    value, least, most = drop(freed, levers)
     return {"peak_drop_bytes": value, "peak_drop_min_bytes": least, "peak_drop_max_bytes": most}
 
 
@@ -193,53 +195,9 @@ def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
     )
 
 
-def head_rows(profile: ModelProfile, drop: Optional[Callable[..., Drop]]) -> List[FoundPlan]:
-    """One row per way of chunking the head and loss measured after step one (`levers.loss`): SAVING, what the
-    head's own peak holds less than the model's own head (or, where the step ran chunks, than the chunks it ran);
-    PEAK DROP, how much lower step one's peak would be with it alone; TIME, what it adds to a step."""
-    head = profile.head
-    if head is None:
-        return []
-    ran = head.option(head.ran)
-    base = head.option("") or ran
-    zero = [0] * len(profile.layers)
-    rows = []
-    for option in head.options:
-        if not option.plan:
-            continue
-        on = option.plan == head.ran
-        saving = base.held_bytes - option.held_bytes
-        rows.append(
-            FoundPlan(
-                config=option.plan,
-                enabled=on,
-                frequency=1,
-                saving_bytes=float(saving),
-                applied_count=int(on),
-                applied_saving_bytes=float(saving if on else 0),
-                recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
-                head=True,
-                **_drop_fields(drop, zero, ran.held_bytes - option.held_bytes),
-            )
-        )
-    return rows
-
-
-OWN_HEAD = "the model's own head"
-
-
-def _how_the_head_was_measured(profile: ModelProfile) -> str:
-    head = profile.head
-    base = head.option("") or head.option(head.ran)
-    against = "the model's own head" if base.plan == "" else f"{head.ran}, which the step ran"
-    return (
-        f"the head and loss (`Loss+` rows): each way run alone after step one on its shapes ({head.tokens:,} tokens, "
-        f"hidden {head.hidden}, vocabulary {head.vocab:,}; random values: memory and time depend on the shapes) and "
-        f"read after every op, once after a warm-up; the head alone held {base.held_bytes / MIB:,.1f} MiB at most "
-        f"as {against}; SAVING is what a row's head holds less, PEAK DROP how much lower step one's peak would be "
-        f"with it alone, TIME what it adds to a step (each chunk's logits made again in backward)"
-        + "".join(f"; {plan or OWN_HEAD} was not run: {why}" for plan, why in head.why_not.items())
-    )
+def _lever_entry(name: str, option: str):
+    """The plan entry of the lever named `name` running `option`."""
+    return lever_named(name).entry(option)
 
 
 def _seconds(profile: ModelProfile, name: str) -> float:

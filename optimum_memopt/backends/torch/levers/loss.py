@@ -31,18 +31,34 @@ import math
 import os
 import statistics
 import types
-from dataclasses import dataclass
-from typing import Callable, List, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ....memory import MIB
+from ....plans import FoundPlan, LeverSyntax, PlanEntry
+from ..decide.budget import LeverChoice
+from ..measure.profile import HEAD_SEGMENT
 from .head_form import head_form
+from .protocol import Lever
 
 logger = logging.getLogger(__name__)
 
+SYNTAX = LeverSyntax(
+    name="loss",
+    plan="Loss+",
+    what="the head and loss",
+    layers=False,
+    parameter="chunking",
+    parameters=(("chunks", "N chunks"), ("tokens", "N tokens a chunk")),
+    default="chunks whose logits hold no more than the final hidden states",
+    examples=("Loss+:1:-1", "Loss+:1:-1@chunks8", "Loss+:1:-1@tokens1024"),
+    once="a model has one head",
+)
 REPEATS = 3  # each way of running the head is timed this many times (interleaved), its median taken
 BOUND_MARGIN = 0.25  # a way of running the head is run only where its bound, this much higher, fits (`measure`)
 
@@ -71,6 +87,13 @@ class Chunking:
         if self.chunks is not None:
             return max(1, math.ceil(n_tokens / self.chunks))
         return max(1, math.ceil(n_tokens * hidden / vocab))
+
+    @property
+    def selector(self) -> str:
+        """The chunking as the policy holds it (`chunks8`, `tokens1024`; "" the default)."""
+        if self.tokens is not None:
+            return f"tokens{self.tokens}"
+        return f"chunks{self.chunks}" if self.chunks is not None else ""
 
     def describe(self) -> str:
         if self.tokens is not None:
@@ -166,10 +189,13 @@ def _ours_inside(lm: nn.Module) -> bool:
     return False
 
 
-class ChunkedLoss:
-    """The mechanism on one causal LM: `install` makes it run the model's training forward (putting `_dispatching` on
-    the instance the first time), `remove` gives the model its own forward back; `chunking` may change between steps
-    (the solver's choice), None runs the model's forward as it is."""
+class ChunkedLoss(Lever):
+    """The lever on one causal LM (`protocol.Lever`). Its mechanism: `install` makes it run the model's training
+    forward (putting `_dispatching` on the instance the first time), `remove` gives the model its own forward back;
+    `chunking` may change between steps (the solver's choice), None runs the model's forward as it is."""
+
+    syntax = SYNTAX
+    name = SYNTAX.name
 
     def __init__(self, lm: nn.Module, chunking: Optional[Chunking], say: Callable[[str], None] = logger.warning):
         self.lm = lm
@@ -221,9 +247,60 @@ class ChunkedLoss:
                 del vars(lm)[_FORWARD]
         self.installed = False
 
+    @classmethod
+    def build(cls, model, settings, asked: Optional[PlanEntry], n_layers: int):
+        """The lever on the model's head (`protocol.Lever.build`): installed where `Loss+` was asked (`asked`, its
+        chunking), refused with the reason where it cannot run; under `auto` with a budget in MiB, on a causal LM it
+        can run on, there to run step one's head in chunks and measure each way after it (the table's `Loss+` rows,
+        the solver's head options). Elsewhere nothing is measured: measuring runs the head between steps, above
+        what the step holds then, which only a run that asked for the lever or the solver should pay."""
+        problem = loss_problem(model)
+        if problem is None and settings.loss_reader:
+            problem = (
+                f"{settings.loss_reader} computes the loss from the model's logits, which a chunked head never makes "
+                f"whole (and the Trainer hands such a loss no labels to the model)"
+            )
+        if problem is not None:
+            if asked is not None:
+                raise ValueError(
+                    f"`--memory_opt_config` has {str(asked)!r}, but {problem}; drop `Loss+` to train with the head "
+                    f"whole"
+                )
+            return None, (f"`Loss+` cannot run on it: {problem}" if causal_lm(model) is not None else None)
+        if asked is None:
+            if settings.budget is None or settings.budget.share is not None:
+                return None, (
+                    "they are measured where `Loss+` or `--memory_opt_config auto` with `--memory_budget_mb` is "
+                    "asked (add 'Loss+:1:-1' to the plans to run the head in chunks and see each way's row)"
+                )
+            lever = cls(causal_lm(model), None)
+            lever.smoothing = settings.label_smoothing or None
+            # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
+            # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
+            # starts (each way measured after step one, where it fits what step one's peak left free)
+            lever.run_as("")
+            return lever, None
+        lever = cls(causal_lm(model), Chunking.from_selector(SYNTAX.option(asked)))
+        lever.smoothing = settings.label_smoothing or None
+        if lever.trl:
+            logger.warning(
+                "`%s`: the model's head is chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own "
+                "forward; it is not chunked twice, and the step's head and loss are what TRL's head makes of them",
+                asked,
+            )
+        lever.install()
+        return lever, None
+
+    @property
+    def option(self) -> Optional[str]:
+        return self.chunking.selector if self.installed and self.chunking is not None else None
+
     def plan(self) -> str:
         """How the head runs now, as a plan (`Loss+:1:-1@chunks8`; "": the model's own head)."""
         return plan_of(self.chunking) if self.installed else ""
+
+    def smooths_labels(self) -> bool:
+        return self.installed and self.smoothing is not None
 
     def run_as(self, selector: Optional[str]) -> None:
         """Run the head from the next head and loss on (the solver's choice, made between steps or as a step's first
@@ -237,9 +314,24 @@ class ChunkedLoss:
         into the profile, for the table and the solver."""
         result = measure(self, profile, resets)
         if isinstance(result, str):
-            profile.head_problem = result
+            profile.lever_problems[self.name] = result
         else:
-            profile.head = result
+            profile.levers[self.name] = result
+
+    def choices(self, profile) -> List[LeverChoice]:
+        return choices(profile.levers.get(self.name), self.plan())
+
+    def rows(self, profile, drop) -> List[FoundPlan]:
+        return rows(profile.levers.get(self.name), drop)
+
+    def notes(self, profile) -> List[str]:
+        measured, problem = profile.levers.get(self.name), profile.lever_problems.get(self.name)
+        out = [self.note()] if self.note() else []
+        if measured is not None:
+            out.append(how_measured(measured))
+        elif problem:
+            out.append(f"the head and loss were not measured each way they can run: {problem}")
+        return out
 
     def note(self) -> Optional[str]:
         """What the plan table's notes say of the lever: how the last training step's head ran (None where the head
@@ -390,6 +482,49 @@ def _chunk_sums(logits_of: Callable, hidden, target, ignore: int, smoothing: Opt
 # -- what each chunking would do, measured ---------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class HeadOption:
+    """One way to run a causal LM's head and loss, measured aside (`measure`): its plan (`Loss+:1:-1@chunks8`;
+    "" for the model's own head), the most it held above the level it started at, and its seconds."""
+
+    plan: str
+    held_bytes: int
+    seconds: float
+    bound_bytes: int = 0  # the most it was let hold before it ran (what step one's peak left free bounded it by)
+    rows: int = 0  # the rows of logits it makes at once (every token for the model's own head); 0: not known
+
+
+@dataclass
+class HeadMeasure:
+    """The head and loss measured after step one, each way it can run, on the step's shapes. `ran` is the plan the
+    step ran (its option is among `options`, which are ordered as measured); a way not measured is said in `why_not`
+    (by plan)."""
+
+    tokens: int
+    hidden: int
+    vocab: int
+    ran: str
+    options: List[HeadOption]
+    why_not: Dict[str, str] = field(default_factory=dict)
+    # the logits the model's own head returns (its forward's output holds them: a loop that keeps the outputs, as
+    # `outputs = model(**batch)` does, holds them through the backward and the next forward)
+    logits_bytes: int = 0
+
+    def option(self, plan: str) -> Optional[HeadOption]:
+        return next((o for o in self.options if o.plan == plan), None)
+
+    def seconds(self, option: HeadOption) -> float:
+        """`option`'s seconds, never below what chunking must add to the model's own head, where that was measured:
+        a chunked way makes each chunk's logits again in backward (the head's three matmuls, one forward and two
+        backward, become four), so it is taken at least a third slower than the own head. A chunked way measured
+        faster than that is the clock's noise on a small head (two chunks were measured faster than the whole head
+        on the tests' decoder, and `auto` chose them under a budget with room for everything)."""
+        own = self.option("")
+        if own is None or not option.plan:
+            return option.seconds
+        return max(option.seconds, own.seconds * 4 / 3)
+
+
 def plan_of(chunking: Optional[Chunking]) -> str:
     """`Loss+:1:-1@chunks8` for a chunking, "" for the model's own head."""
     if chunking is None:
@@ -432,7 +567,6 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
     peak is not run (said in `why_not`). Returns a `HeadMeasure`, or the reason there is none."""
     from .. import _torch_api
     from ..measure.aside import current_bytes, held_aside
-    from ..measure.profile import HeadMeasure, HeadOption
     from ..measure.storages import block_bytes
 
     if lever.trl:
@@ -532,3 +666,95 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
         ]
         logits = block_bytes(tokens * vocab * itemsize)
         return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits)
+
+
+# -- its options for the solver, its rows for the table -------------------------------------------------------------
+
+
+def choices(head: Optional[HeadMeasure], ran: str = "") -> List[LeverChoice]:
+    """The ways the head and loss can run, as the solver weighs them (`budget.LeverChoice`, in the head's segment):
+    the bytes each holds less than the way the step ran, and the seconds it takes more than the fastest way (a
+    constant apart from what the step ran: the least total time is the same); where none was measured, the way the
+    step ran (`ran`, its plan) alone.
+
+    A way that holds more than the step's is weighed by its bound (what it was let take before it ran, above what
+    it held): run alone, a way's bytes differ from what it adds in a step (a coarser head was measured 0.3 MiB
+    short of its step's on the tests' wide decoder), and a choice that rests on that difference could peak over the
+    budget; a way that holds less is weighed as measured (the table's PEAK DROP, within 2% of what runs measure).
+    A way that makes more rows of logits at once than the step's (coarser chunks, or the model's own head) is
+    weighed by its bound too, whatever it held alone: alone, what the rows add can fall under what every way holds
+    besides them (the head's gradients), where in a step, on top of the layers' tensors, it does not (on Llama at
+    tiny size chunks of 16 rows and of 8 held the same alone and 12 KiB apart in the step; on Qwen2-VL the own head
+    held 28 KiB less than the step's chunks alone and 28 KiB more in the step: `auto` chose them over its budget)."""
+    if head is None:
+        return [_choice(ran)]
+    ran_option = head.option(head.ran)
+    fastest = min(head.seconds(o) for o in head.options)
+
+    def held(o) -> int:
+        if o.held_bytes > ran_option.held_bytes or o.rows > ran_option.rows:
+            return max(o.held_bytes, o.bound_bytes)
+        return o.held_bytes
+
+    return [
+        _choice(
+            o.plan, ran_option.held_bytes - held(o), head.seconds(o) - fastest, head.logits_bytes if not o.plan else 0
+        )
+        for o in head.options
+    ]
+
+
+def _choice(plan: str, less: int = 0, seconds: float = 0.0, returned: int = 0) -> LeverChoice:
+    """The `LeverChoice` of the head run as `plan` ("": the model's own head)."""
+    option = plan.partition("@")[2] if plan else None
+    return LeverChoice(SYNTAX.name, option, plan, ((HEAD_SEGMENT, less),) if less else (), seconds, returned)
+
+
+def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:
+    """One row per way of chunking the head and loss measured after step one: SAVING, what the head's own peak holds
+    less than the model's own head (or, where the step ran chunks, than the chunks it ran); PEAK DROP, how much lower
+    step one's peak would be with it alone; TIME, what it adds to a step."""
+    if head is None:
+        return []
+    ran = head.option(head.ran)
+    base = head.option("") or ran
+    out = []
+    for option in head.options:
+        if not option.plan:
+            continue
+        on = option.plan == head.ran
+        saving = base.held_bytes - option.held_bytes
+        out.append(
+            FoundPlan(
+                config=option.plan,
+                enabled=on,
+                frequency=1,
+                saving_bytes=float(saving),
+                applied_count=int(on),
+                applied_saving_bytes=float(saving if on else 0),
+                recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
+                head=True,
+                **(drop([_choice(option.plan, ran.held_bytes - option.held_bytes)]) if drop is not None else {}),
+            )
+        )
+    return out
+
+
+OWN_HEAD = "the model's own head"
+
+
+def how_measured(head: HeadMeasure) -> str:
+    """The table's note on how the head's ways were measured."""
+    base = head.option("") or head.option(head.ran)
+    against = "the model's own head" if base.plan == "" else f"{head.ran}, which the step ran"
+    return (
+        f"the head and loss (`Loss+` rows): each way run alone after step one on its shapes ({head.tokens:,} tokens, "
+        f"hidden {head.hidden}, vocabulary {head.vocab:,}; random values: memory and time depend on the shapes) and "
+        f"read after every op, once after a warm-up; the head alone held {base.held_bytes / MIB:,.1f} MiB at most "
+        f"as {against}; SAVING is what a row's head holds less, PEAK DROP how much lower step one's peak would be "
+        f"with it alone, TIME what it adds to a step (each chunk's logits made again in backward)"
+        + "".join(f"; {plan or OWN_HEAD} was not run: {why}" for plan, why in head.why_not.items())
+    )
+
+
+LEVER = ChunkedLoss

@@ -76,56 +76,15 @@ class StepMemory:
 HEAD_SEGMENT = "after the layers: head and loss, forward and backward"  # the step's segment the head runs in
 
 
-@dataclass(frozen=True)
-class HeadOption:
-    """One way to run a causal LM's head and loss, measured aside (`levers.loss`): its plan (`Loss+:1:-1@chunks8`;
-    "" for the model's own head), the most it held above the level it started at, and its seconds."""
-
-    plan: str
-    held_bytes: int
-    seconds: float
-    bound_bytes: int = 0  # the most it was let hold before it ran (what step one's peak left free bounded it by)
-    rows: int = 0  # the rows of logits it makes at once (every token for the model's own head); 0: not known
-
-
-@dataclass
-class HeadMeasure:
-    """The head and loss measured after step one, each way it can run, on the step's shapes. `ran` is the plan the
-    step ran (its option is among `options`, which are ordered as measured); a way not measured is said in `why_not`
-    (by plan)."""
-
-    tokens: int
-    hidden: int
-    vocab: int
-    ran: str
-    options: List[HeadOption]
-    why_not: Dict[str, str] = field(default_factory=dict)
-    # the logits the model's own head returns (its forward's output holds them: a loop that keeps the outputs, as
-    # `outputs = model(**batch)` does, holds them through the backward and the next forward)
-    logits_bytes: int = 0
-
-    def option(self, plan: str) -> Optional[HeadOption]:
-        return next((o for o in self.options if o.plan == plan), None)
-
-    def seconds(self, option: HeadOption) -> float:
-        """`option`'s seconds, never below what chunking must add to the model's own head, where that was measured:
-        a chunked way makes each chunk's logits again in backward (the head's three matmuls, one forward and two
-        backward, become four), so it is taken at least a third slower than the own head. A chunked way measured
-        faster than that is the clock's noise on a small head (two chunks were measured faster than the whole head
-        on the tests' decoder, and `auto` chose them under a budget with room for everything)."""
-        own = self.option("")
-        if own is None or not option.plan:
-            return option.seconds
-        return max(option.seconds, own.seconds * 4 / 3)
-
-
 @dataclass
 class ModelProfile:
     layers: List[LayerProfile]
     memory: Optional[StepMemory] = None  # step one's memory by segment (`watch`), once the step ended
     memory_problem: Optional[str] = None  # why step one's memory could not be followed layer by layer
-    head: Optional[HeadMeasure] = None  # the head and loss measured each way (`levers.loss`), where they were
-    head_problem: Optional[str] = None  # why they were not
+    # what each lever beyond the layers measured after step one, by its name (`levers/`: its own pure data, which
+    # its rows and options are made from), and why a lever measured nothing
+    levers: Dict[str, object] = field(default_factory=dict)
+    lever_problems: Dict[str, str] = field(default_factory=dict)
     autocast: Optional[str] = None  # the dtype autocast ran step one's layers in ("bfloat16"), None: off
 
     @property

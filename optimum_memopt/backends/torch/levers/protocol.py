@@ -1,0 +1,93 @@
+"""The lever protocol: what a lever beyond the layers' recompute is to the rest of the backend.
+
+A lever is one module of `levers/`, registered by its plan name (`levers.REGISTERED`), whose `LEVER` is a subclass
+of `Lever`. It has five parts, and the backend, the engine, the planner and the table reach each through this
+class only:
+
+1. **Its grammar**: `syntax`, a `plans.LeverSyntax` (its name, its plan word, whether it acts in layers, its
+   parameter's words). The plan grammar parses every lever's entries alike; the policy holds each lever's option as
+   `{name: option}` (`RecomputePolicy.levers`): its parameter ("chunks8"; "" its default), after the layers it acts
+   in where it acts in layers ("0-7:tiles4"). `syntax.entry(option)` writes an option back as a plan.
+2. **Its mechanism**: `build` on the model being wrapped (where the plans ask for it, or where `auto`'s budget wants
+   its options measured; refused with the reason where it cannot run), `install` / `remove` (removal whole: the
+   model as it was), `run_as(option)` between steps (the solver's choice), `option` (what runs now).
+3. **Its measurement**: `after_step_one(profile, resets)`, between step one and step two: each option's bytes by
+   segment and its seconds, read aside on the step's shapes, stored as pure data in `profile.levers[name]` (or why
+   not in `profile.lever_problems[name]`).
+4. **Its rows for the table**: `rows(profile, drop)` (one `FoundPlan` per option measured; `drop` gives PEAK DROP for
+   an option's `LeverChoice`s) and `notes(profile)`.
+5. **Its options for the solver**: `choices(profile)`, `budget.LeverChoice`s: the bytes each option holds less than
+   the measured step's by segment, its seconds on the compute's path, and the work that overlaps compute (an
+   offload's copy) against the window it hides in. The solver searches the product of the levers' options around
+   the layers' programme (`budget.fit`).
+
+The defaults below are a lever that measures nothing and offers only what it runs.
+"""
+
+from typing import Callable, ClassVar, List, Optional, Tuple
+
+from ....plans import FoundPlan, LeverSyntax, PlanEntry
+from ..decide.budget import LeverChoice
+
+
+class Lever:
+    """One lever on one model (see the module's docstring for the protocol)."""
+
+    syntax: ClassVar[LeverSyntax]
+    name: ClassVar[str]  # `syntax.name`: the key of the policy's, the engine's and the profile's levers
+
+    # -- its mechanism ------------------------------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls, model, settings, asked: Optional[PlanEntry], n_layers: int
+    ) -> Tuple[Optional["Lever"], Optional[str]]:
+        """The lever on `model` (being wrapped with `settings`, its `n_layers` layers), installed where the plans ask
+        for it (`asked`, its entry), or there to be measured for `auto`'s budget; or None, with why not where the
+        table should say it (None: nothing to say). A lever asked for that cannot run raises ValueError naming the
+        entry and the reason (never trains silently without it)."""
+        raise NotImplementedError
+
+    def install(self) -> None:
+        raise NotImplementedError
+
+    def remove(self) -> None:
+        """Take everything the lever put on the model off (the model as it was before `build`)."""
+        raise NotImplementedError
+
+    def run_as(self, option: Optional[str]) -> None:
+        """Run `option` from the next step on (a policy's option; None: the lever off)."""
+        raise NotImplementedError
+
+    @property
+    def option(self) -> Optional[str]:
+        """The option running now (None: off)."""
+        raise NotImplementedError
+
+    def plan(self) -> str:
+        """The option running now as a plan entry ("" off)."""
+        option = self.option
+        return "" if option is None else str(self.syntax.entry(option))
+
+    def smooths_labels(self) -> bool:
+        """Whether the loss the lever computes applies the Trainer's label smoothing itself."""
+        return False
+
+    # -- its measurement ----------------------------------------------------------------------------------------
+    def after_step_one(self, profile, resets: bool) -> None:
+        """Between step one and step two: measure each option into `profile.levers[name]` (or say why not in
+        `profile.lever_problems[name]`). `resets`: whether the device's peak may be reset to read aside."""
+
+    # -- its rows and its options ---------------------------------------------------------------------------------
+    def choices(self, profile) -> List[LeverChoice]:
+        """The options the solver may choose, from what was measured; by default the option running now alone."""
+        option = self.option
+        return [LeverChoice(self.name, option, self.plan())]
+
+    def rows(self, profile, drop: Optional[Callable[[List[LeverChoice]], dict]]) -> List[FoundPlan]:
+        """The table's rows for the options measured (`drop(choices)`: the PEAK DROP fields of a row whose options
+        move the step as `choices` do)."""
+        return []
+
+    def notes(self, profile) -> List[str]:
+        """What the table's notes say of the lever: how it ran, how it was measured or why not."""
+        return []
