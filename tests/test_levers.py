@@ -291,4 +291,4 @@ def test_a_new_lever_is_one_module_in_levers_and_one_registration_line(tmp_path)
     assert out["entry"] == "Stash+:1:-1@0:copies2"
     assert "'Stash+:1:-1@0:copies2'" in out["ort"] and "torch backend's" in out["ort"]
     assert out["calls"] >= 2 and out["rows"] and out["hooks_left"] == 0
-    assert out["candidates"] == ["loss", "stash"]
+    assert {"loss", "stash"} <= set(out["candidates"])

@@ -50,7 +50,7 @@ JOBS = {
 SHARED = {"names", "rule", "policy", "nested"}
 GLUE = {"backend", "__init__", "_torch_api", "ranks"}
 # Levers beyond a layer's recompute, one module each (mechanism, what-if, candidates): above the three jobs.
-LEVERS = {"protocol", "loss", "head_form"}
+LEVERS = {"protocol", "loss", "head_form", "mlp"}
 PACKAGES = [*JOBS, "levers"]
 
 

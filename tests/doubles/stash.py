@@ -108,7 +108,7 @@ class Stash(Lever):
             "op_seconds": [rec.op_seconds for rec in profile.layers],
         }
 
-    def choices(self, profile) -> List[LeverChoice]:
+    def choices(self, profile, measured=None) -> List[LeverChoice]:
         measured = profile.levers.get(self.name)
         if measured is None:
             return super().choices(profile)

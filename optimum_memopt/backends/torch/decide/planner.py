@@ -292,7 +292,7 @@ class BudgetPlanner:
         self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
         self.per_layer = candidates(state.profile)
         self.layer_lists = list(state.layer_lists)
-        self.levers = {name: lever.choices(state.profile) for name, lever in state.levers.items()}
+        self.levers = {name: lever.choices(state.profile, state.policy) for name, lever in state.levers.items()}
         ran = [lever.plan() for lever in state.levers.values() if lever.plan()]
         self._levers_ran = f", with {', '.join(ran)}" if ran else ""
 

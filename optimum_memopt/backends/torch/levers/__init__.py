@@ -13,6 +13,7 @@ A new lever is a module here and one line in `REGISTERED`: nothing else in the p
 
 - `loss`: a causal LM's head and cross-entropy run over chunks of tokens, each chunk's logits recomputed in backward
   (`Loss+`).
+- `mlp`: a decoder layer's MLP run over tiles of tokens, each tile's intermediates recomputed in backward (`MLP+`).
 
 This module stays light: it imports a lever's module only when its plan name is met or the backend builds it.
 """
@@ -24,6 +25,7 @@ from typing import Dict, List, Optional
 # fmt: off
 REGISTERED: Dict[str, str] = {
     "Loss+": "loss",
+    "MLP+": "mlp",
 }
 # fmt: on
 

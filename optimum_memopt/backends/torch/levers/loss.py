@@ -44,7 +44,7 @@ from ....plans import FoundPlan, LeverSyntax, PlanEntry
 from ..decide.budget import LeverChoice
 from ..measure.profile import HEAD_SEGMENT
 from .head_form import head_form
-from .protocol import Lever
+from .protocol import Lever, sharded
 
 logger = logging.getLogger(__name__)
 
@@ -318,7 +318,7 @@ class ChunkedLoss(Lever):
         else:
             profile.levers[self.name] = result
 
-    def choices(self, profile) -> List[LeverChoice]:
+    def choices(self, profile, measured=None) -> List[LeverChoice]:
         return choices(profile.levers.get(self.name), self.plan())
 
     def rows(self, profile, drop) -> List[FoundPlan]:
@@ -545,17 +545,6 @@ def candidate_chunks(tokens: int, hidden: int, vocab: int) -> List[int]:
     if out and out[-1] < most:
         out.append(most)
     return out
-
-
-def sharded(head: nn.Module) -> Optional[str]:
-    """How the head's weight is sharded across processes (ZeRO-3, FSDP), or None: a head measured alone would gather
-    it, or hand its gradient to the sharding's hooks, on one process's say."""
-    for p in head.parameters():
-        if hasattr(p, "ds_id"):
-            return "DeepSpeed ZeRO-3"
-        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
-            return "FSDP"
-    return None
 
 
 def measure(lever: "ChunkedLoss", profile, resets: bool = True):

@@ -16,9 +16,9 @@ class only:
    not in `profile.lever_problems[name]`).
 4. **Its rows for the table**: `rows(profile, drop)` (one `FoundPlan` per option measured; `drop` gives PEAK DROP for
    an option's `LeverChoice`s) and `notes(profile)`.
-5. **Its options for the solver**: `choices(profile)`, `budget.LeverChoice`s: the bytes each option holds less than
-   the measured step's by segment, its seconds on the compute's path, and the work that overlaps compute (an
-   offload's copy) against the window it hides in. The solver searches the product of the levers' options around
+5. **Its options for the solver**: `choices(profile, measured)`, `budget.LeverChoice`s: the bytes each option holds
+   less than the measured step's by segment, its seconds on the compute's path, and the work that overlaps compute
+   (an offload's copy) against the window it hides in. The solver searches the product of the levers' options around
    the layers' programme (`budget.fit`).
 
 The defaults below are a lever that measures nothing and offers only what it runs.
@@ -78,8 +78,9 @@ class Lever:
         `profile.lever_problems[name]`). `resets`: whether the device's peak may be reset to read aside."""
 
     # -- its rows and its options ---------------------------------------------------------------------------------
-    def choices(self, profile) -> List[LeverChoice]:
-        """The options the solver may choose, from what was measured; by default the option running now alone."""
+    def choices(self, profile, measured=None) -> List[LeverChoice]:
+        """The options the solver may choose, from what was measured; `measured`: the policy the measured step ran
+        (`RecomputePolicy`: what the layers kept or recomputed then). By default the option running now alone."""
         option = self.option
         return [LeverChoice(self.name, option, self.plan())]
 
@@ -91,3 +92,14 @@ class Lever:
     def notes(self, profile) -> List[str]:
         """What the table's notes say of the lever: how it ran, how it was measured or why not."""
         return []
+
+
+def sharded(module) -> Optional[str]:
+    """How `module`'s weights are sharded across processes (ZeRO-3, FSDP), or None: a lever measuring it alone would
+    gather them, or hand their gradients to the sharding's hooks, on one process's say."""
+    for p in module.parameters():
+        if hasattr(p, "ds_id"):
+            return "DeepSpeed ZeRO-3"
+        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
+            return "FSDP"
+    return None

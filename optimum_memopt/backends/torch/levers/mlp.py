@@ -1,0 +1,441 @@
+"""The tiled MLP lever (`MLP+`): a decoder layer's MLP run over tiles of tokens, each tile's intermediates made again
+in backward.
+
+Once the layers are recomputed and the loss is chunked, a step at long sequences peaks in one layer's backward: the
+layer's recompute brings all its tensors back at once, the MLP's intermediates (tokens x intermediate size, three or
+four of them in a gated MLP) the largest. With this lever the MLP's forward runs on the tokens in tiles, each under
+`torch.utils.checkpoint` (non-reentrant, RNG state kept and restored per tile: a dropout inside, LoRA's included,
+draws in the recompute what it drew in the forward): what it keeps for backward is each tile's input (views of the
+MLP's input, which its first projection keeps anyway), and backward makes one tile's intermediates at a time. Its
+price is one more MLP forward a step in the tiled layers.
+
+Exact: the MLP is row-wise (each token's output depends on that token alone), so each tile's output and input
+gradient are those rows of the whole MLP's, bitwise (the same kernels on fewer rows); the weights' gradients are
+summed tile by tile, equal to the summation order. A dropout inside the MLP draws its masks tile by tile, in tokens'
+order: on the CPU the same masks as the whole tensor's where the kernel draws element by element (tested against the
+plain run); otherwise the run is a different draw of the same distribution, said where it is.
+
+The tile count is a number (`MLP+:1:-1@tiles4`), or by default the intermediate size over the hidden size (rounded
+up): tiles whose intermediates hold about what the MLP's input holds. It is never derived from a batch's length:
+ranks whose batches differ in length would tile differently, and under ZeRO-3 (which gathers the weights at each
+tile's call, in the forward and in the recompute) ranks calling a different number of times wait on each other
+forever. `auto` decides on rank 0, as for every lever (the policy is broadcast).
+
+Refused with the reason: a layer whose MLP the lever does not find (an attribute `mlp`, `feed_forward` or `ffn` whose
+forward takes the hidden states alone), and a mixture of experts (its routing is kept, never recomputed, by the
+engine: `apply/routing.py`; tiling it would route each tile apart).
+"""
+
+import inspect
+import logging
+import math
+import statistics
+import types
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ....memory import MIB
+from ....plans import FoundPlan, LeverSyntax, PlanEntry, layer_selector
+from ..apply.layers import distinct, find_layers
+from ..decide.budget import LeverChoice
+from ..measure.profile import HEAD_SEGMENT
+from .protocol import Lever, sharded
+
+logger = logging.getLogger(__name__)
+
+SYNTAX = LeverSyntax(
+    name="mlp",
+    plan="MLP+",
+    what="the layers' MLPs",
+    layers=True,
+    parameter="tiling",
+    parameters=(("tiles", "N tiles of tokens"),),
+    default="intermediate size / hidden size tiles (rounded up), whose intermediates hold about the MLP's input",
+    examples=("MLP+:1:-1", "MLP+:1:-1@tiles4", "MLP+:1:-1@0-7:tiles4"),
+)
+MLP_NAMES = ("mlp", "feed_forward", "ffn")  # where a decoder layer holds its MLP, in transformers' families
+REPEATS = 3  # each tiling is timed this many times (interleaved), its median taken
+MOST_TILES = 64  # the most tiles `auto` is offered
+
+
+def mlp_of(layer: nn.Module) -> Tuple[Optional[nn.Module], Optional[str]]:
+    """The layer's MLP, or None and why the lever cannot tile it."""
+    for name in MLP_NAMES:
+        mlp = getattr(layer, name, None)
+        if not isinstance(mlp, nn.Module):
+            continue
+        kind = type(mlp).__name__
+        if any(hasattr(mlp, a) for a in ("experts", "router")) or "moe" in kind.lower() or "sparse" in kind.lower():
+            return None, (
+                f"{type(layer).__name__}.{name} is a mixture of experts ({kind}): its routing is kept, never "
+                f"recomputed, and tiles would route apart"
+            )
+        params = [
+            p
+            for p in inspect.signature(mlp.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
+        if len(params) != 1:
+            return None, (
+                f"{type(layer).__name__}.{name} ({kind}) takes {len(params)} arguments without defaults; the lever "
+                f"tiles an MLP that takes the hidden states alone"
+            )
+        return mlp, None
+    return None, (
+        f"{type(layer).__name__} holds no MLP the lever knows (an attribute {', '.join(map(repr, MLP_NAMES))})"
+    )
+
+
+def default_tiles(mlp: nn.Module) -> int:
+    """Intermediate size over hidden size, rounded up (2 where the sizes cannot be read)."""
+    linears = [m for m in mlp.modules() if isinstance(m, nn.Linear)] or [
+        m for m in mlp.modules() if hasattr(m, "weight") and getattr(m.weight, "dim", lambda: 0)() == 2
+    ]
+    if not linears:
+        return 2
+    first = linears[0].weight
+    hidden = first.shape[1] if isinstance(linears[0], nn.Linear) else first.shape[0]
+    widest = max(max(m.weight.shape) for m in linears)
+    return max(1, math.ceil(widest / max(1, hidden)))
+
+
+def parse(option: str, n_layers: int) -> Dict[int, Optional[int]]:
+    """The layers an option tiles and each one's tile count (None: the default): "0-7:tiles4;8-9", "" every layer."""
+    out: Dict[int, Optional[int]] = {}
+    for part in option.split(";") if option else [""]:
+        entry = SYNTAX.entry(part) if part else PlanEntry(SYNTAX.plan)
+        tiles = int(entry.parameter[len("tiles") :]) if entry.parameter else None
+        for i in entry.select(n_layers):
+            out[i] = tiles
+    return out
+
+
+def option_of(tiles: Dict[int, Optional[int]], n_layers: int) -> str:
+    """`parse`'s inverse, grouped by tile count ("" for every layer at the default)."""
+    by_count: Dict[Optional[int], List[int]] = {}
+    for i, t in sorted(tiles.items()):
+        by_count.setdefault(t, []).append(i)
+    parts = []
+    for t, layers in sorted(by_count.items(), key=lambda kv: kv[1][0]):
+        where = "" if layers == list(range(n_layers)) else layer_selector(layers)
+        parts.append(":".join(p for p in (where, f"tiles{t}" if t else "") if p))
+    return ";".join(parts)
+
+
+def tiled(mlp_forward, x: torch.Tensor, tiles: int) -> torch.Tensor:
+    """`mlp_forward` over `tiles` tiles of `x`'s tokens (its leading dimensions), each under checkpoint: the output
+    is `mlp_forward(x)`'s, each tile's intermediates made again in backward."""
+    flat = x.reshape(-1, x.shape[-1])
+    outs = [
+        checkpoint(mlp_forward, tile.unsqueeze(0), use_reentrant=False, preserve_rng_state=True)
+        for tile in flat.tensor_split(min(tiles, flat.shape[0]))
+    ]
+    out = torch.cat(outs, dim=1) if len(outs) > 1 else outs[0]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+_TILES = "_memopt_mlp_tiles"  # the MLP's attribute holding its tile count while the lever runs it
+
+
+def _tiled_forward(mlp_self, *args, **kwargs):
+    """The forward the lever puts on an MLP instance: tiled in training, the MLP's own otherwise (evaluation, no
+    grad, or a call with more than the hidden states)."""
+    tiles = vars(mlp_self).get(_TILES)
+    own = type(mlp_self).forward.__get__(mlp_self)
+    if (
+        tiles is None
+        or not (mlp_self.training and torch.is_grad_enabled())
+        or kwargs
+        or len(args) != 1
+        or not torch.is_tensor(args[0])
+        or args[0].dim() < 2
+    ):
+        return own(*args, **kwargs)
+    return tiled(own, args[0], tiles)
+
+
+class TiledMLP(Lever):
+    """The lever on one model's layers (`protocol.Lever`). Its mechanism: `install` puts `_tiled_forward` on each
+    chosen layer's MLP instance (removed whole by `remove`: the instance's own forward, or the one there before);
+    `run_as` changes the layers and tile counts between steps."""
+
+    syntax = SYNTAX
+    name = SYNTAX.name
+
+    @classmethod
+    def build(cls, model, settings, asked: Optional[PlanEntry], n_layers: int):
+        """Installed where `MLP+` was asked (every layer it names must hold an MLP the lever tiles, else refused
+        with the reason); under `auto` with a budget in MiB, built off and measured after step one, offered to the
+        solver where the layers' MLPs can be tiled."""
+        if asked is None and (settings.budget is None or settings.budget.budget_mb is None):
+            return None, None
+        lever = cls(model)
+        if asked is None:
+            if not any(m is not None for m in lever.mlps):
+                return None, f"`MLP+` cannot run on it: {lever.why_not[0]}"
+            lever.run_as(None)
+            return lever, None
+        option = SYNTAX.option(asked, len(lever.layers))
+        chosen = parse(option, len(lever.layers))
+        missing = [i for i in chosen if lever.mlps[i] is None]
+        if missing:
+            raise ValueError(
+                f"`--memory_opt_config` has {str(asked)!r}, but layer {missing[0]} cannot be tiled: "
+                f"{lever.why_not[missing[0]]}; drop `MLP+`, or name the layers it can tile"
+            )
+        lever.run_as(option)
+        return lever, None
+
+    def __init__(self, model: nn.Module):
+        self.layers = distinct(find_layers(model))
+        found = [mlp_of(layer) for layer in self.layers]
+        self.mlps: List[Optional[nn.Module]] = [m for m, _ in found]
+        self.why_not: List[Optional[str]] = [w for _, w in found]
+        self.tiles: Dict[int, Optional[int]] = {}  # the layers tiled and each one's count (None: the default)
+        self._option: Optional[str] = None
+        self._put: Dict[int, object] = {}  # layer index -> what the MLP instance's forward was before ours
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        for i, tiles in self.tiles.items():
+            mlp = self.mlps[i]
+            vars(mlp)[_TILES] = tiles or default_tiles(mlp)
+            self._put[i] = vars(mlp).get("forward")
+            mlp.forward = types.MethodType(_tiled_forward, mlp)
+        self.installed = True
+
+    def remove(self) -> None:
+        for i, before in self._put.items():
+            mlp = self.mlps[i]
+            vars(mlp).pop(_TILES, None)
+            if before is None:
+                vars(mlp).pop("forward", None)
+            else:
+                mlp.forward = before
+        self._put = {}
+        self.installed = False
+
+    def run_as(self, option: Optional[str]) -> None:
+        self.remove()
+        self._option = option
+        self.tiles = {} if option is None else parse(option, len(self.layers))
+        if option is not None:
+            self.install()
+
+    @property
+    def option(self) -> Optional[str]:
+        return self._option if self.installed else None
+
+    def tiles_at(self, index: int) -> Optional[int]:
+        """The tile count layer `index`'s MLP runs with now (None: not tiled)."""
+        if not self.installed or index not in self.tiles:
+            return None
+        return self.tiles[index] or default_tiles(self.mlps[index])
+
+    # -- its measurement --------------------------------------------------------------------------------------------
+    def after_step_one(self, profile, resets: bool) -> None:
+        result = measure(self, profile, resets)
+        if isinstance(result, str):
+            profile.lever_problems[self.name] = result
+        else:
+            profile.levers[self.name] = result
+
+    def choices(self, profile, measured=None) -> List[LeverChoice]:
+        return choices(self, profile, measured)
+
+    def rows(self, profile, drop) -> List[FoundPlan]:
+        measured = profile.levers.get(self.name)
+        if measured is None:
+            return []
+        out = []
+        for count, option in sorted(measured.options.items()):
+            if count == 1:
+                continue
+            on = self.installed and all(
+                self.tiles_at(i) == count for i in range(len(self.layers)) if measured.tiled(i)
+            )
+            plan = f"MLP+:1:-1@tiles{count}"
+            saving = measured.options[1].held_bytes - option.held_bytes
+            out.append(
+                FoundPlan(
+                    config=plan,
+                    enabled=on,
+                    frequency=measured.layers,
+                    saving_bytes=float(saving),
+                    applied_count=measured.layers if on else 0,
+                    recompute_seconds=max(0.0, option.seconds - measured.options[1].seconds) * measured.layers,
+                    head=True,
+                )
+            )
+        return out
+
+    def notes(self, profile) -> List[str]:
+        out = []
+        if self.installed:
+            counts = sorted({self.tiles_at(i) for i in self.tiles})
+            out.append(
+                f"`MLP+`: {len(self.tiles)} layer(s)' MLP run in {', '.join(map(str, counts))} tile(s) of tokens, "
+                f"each tile's intermediates made again in backward"
+            )
+        measured, problem = profile.levers.get(self.name), profile.lever_problems.get(self.name)
+        if measured is not None:
+            whole = measured.options[1]
+            out.append(
+                f"the layers' MLPs (`MLP+` rows): one MLP run alone after step one on its input's shape "
+                f"({measured.tokens:,} tokens, hidden {measured.hidden}), whole and in each tile count, read after "
+                f"every op once after a warm-up; whole it held {whole.held_bytes / MIB:,.1f} MiB at most, "
+                f"{whole.kept_bytes / MIB:,.1f} MiB kept for backward; SAVING is what a row's MLP holds less at its "
+                f"most, per layer, TIME what it adds to a step in all {measured.layers} layer(s)"
+            )
+        elif problem:
+            out.append(f"the layers' MLPs were not measured each way they can run: {problem}")
+        return out
+
+
+@dataclass(frozen=True)
+class TilingOption:
+    """One MLP run one way (1 tile: whole), measured aside: the most it held above its start, what it kept for
+    backward (held after its forward), and its seconds (forward and backward)."""
+
+    held_bytes: int
+    kept_bytes: int
+    seconds: float
+
+
+@dataclass
+class MLPMeasure:
+    """The MLP measured after step one on its input's shape, whole (1 tile) and in each tile count; which layers it
+    stands for (those whose MLP has the same class and shapes)."""
+
+    tokens: int
+    hidden: int
+    options: Dict[int, TilingOption]
+    same: List[int] = field(default_factory=list)  # the layers this measure stands for
+
+    @property
+    def layers(self) -> int:
+        return len(self.same)
+
+    def tiled(self, index: int) -> bool:
+        return index in self.same
+
+
+def _signature(mlp: nn.Module) -> tuple:
+    return (type(mlp).__name__, tuple((n, tuple(p.shape), p.dtype) for n, p in mlp.named_parameters()))
+
+
+def tile_counts(tokens: int, default: int) -> List[int]:
+    """Tile counts worth offering: 2, 4 and 8, and the default (intermediate size over hidden size), while a tile
+    keeps at least one token."""
+    return sorted({c for c in (2, 4, 8, default) if 1 < c <= min(tokens, MOST_TILES)})
+
+
+def measure(lever: TiledMLP, profile, resets: bool = True):
+    """One MLP run alone on the first tiled-able layer's input shape (hidden states drawn from a generator of the
+    measurement's own: the process's streams stay the user's), whole and in each tile count of `tile_counts` and the
+    ones running, read aside (`measure.aside`); it stands for every layer whose MLP has the same class and
+    shapes. Returns an `MLPMeasure`, or the reason there is none."""
+    from ..measure.aside import held_aside
+
+    first = next((i for i, m in enumerate(lever.mlps) if m is not None), None)
+    if first is None:
+        return lever.why_not[0] or "no layer holds an MLP the lever tiles"
+    shape = profile.layers[first].shape if first < len(profile.layers) else ()
+    if len(shape) < 2:
+        return "step one's layers took no hidden states to count the tokens by"
+    mlp = lever.mlps[first]
+    how = sharded(mlp)
+    if how is not None:
+        return f"the MLP's weights are sharded ({how}): measured alone they would be gathered on one process's say"
+    params = [p for p in mlp.parameters() if p.requires_grad]
+    weight = next(mlp.parameters())
+    same = [i for i, m in enumerate(lever.mlps) if m is not None and _signature(m) == _signature(mlp)]
+    tokens, hidden = math.prod(shape[:-1]), shape[-1]
+    running = (c for c in (lever.tiles_at(i) for i in same) if c)
+    counts = sorted({1, *tile_counts(tokens, default_tiles(mlp)), *running})
+    own = torch.Generator(device=weight.device).manual_seed(0)
+    x = torch.randn(1, tokens, hidden, generator=own, dtype=weight.dtype, device=weight.device, requires_grad=True)
+    forward = type(mlp).forward.__get__(mlp)
+    kept: Dict[int, int] = {}
+
+    def run(count: int) -> None:
+        from ..measure.aside import current_bytes
+
+        start = current_bytes(weight.device.type)
+        out = forward(x) if count == 1 else tiled(forward, x, count)
+        kept[count] = current_bytes(weight.device.type) - start - out.numel() * out.element_size()
+        grads = torch.autograd.grad(out, [x, *params], torch.ones_like(out))
+        del grads, out
+
+    held, times = {}, {}
+    training = mlp.training
+    mlp.train()
+    try:
+        for count in counts:  # once each, not timed: the kernels' set-up
+            held_aside(lambda: run(count), weight.device.type, resets)
+        for _ in range(REPEATS):
+            for count in counts:
+                most, seconds = held_aside(lambda: run(count), weight.device.type, resets)
+                if count not in held:
+                    held[count] = most
+                times.setdefault(count, []).append(seconds)
+    finally:
+        mlp.train(training)
+    options = {c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c])) for c in counts}
+    return MLPMeasure(tokens, hidden, options, same)
+
+
+def choices(lever: TiledMLP, profile, measured_policy=None) -> List[LeverChoice]:
+    """The ways the layers' MLPs can run, as the solver weighs them: off, and every layer the measure stands for in
+    each tile count; each moving the segments it acts in by what it holds less than the measured step's way. In a
+    layer step one recomputed whole, its own backward segment (the MLP's intermediates made back at once, or one
+    tile's); in a layer step one kept, every segment its tensors are held in (what the MLP kept for backward), its
+    own backward's by what the MLP held at most. Seconds: the MLP's time more than whole, in every layer tiled."""
+    measured: Optional[MLPMeasure] = profile.levers.get(lever.name)
+    ran = lever.option
+    if measured is None or profile.memory is None:
+        return [LeverChoice(lever.name, ran, lever.plan())]
+    n = len(lever.layers)
+    modes = [p.mode for p in measured_policy.layers] if measured_policy is not None else ["layer"] * n
+    names = [s.name for s in profile.memory.segments]
+    ran_count = {i: lever.tiles_at(i) or 1 for i in measured.same}
+
+    def moves(count: int) -> Tuple[Tuple[str, int], ...]:
+        out: Dict[str, int] = {}
+        option = measured.options[count]
+        for i in measured.same:
+            before = measured.options[ran_count[i]]
+            own = f"layer {i} backward"
+            out[own] = out.get(own, 0) + before.held_bytes - option.held_bytes
+            if modes[i] != "layer":  # kept through the step after its forward, until its own backward
+                held_in = [f"layer {j} forward" for j in range(i + 1, n)] + [HEAD_SEGMENT]
+                held_in += [f"layer {j} backward" for j in range(i + 1, n)]
+                for name in held_in:
+                    out[name] = out.get(name, 0) + before.kept_bytes - option.kept_bytes
+        return tuple((name, b) for name, b in out.items() if b and any(s.startswith(name) for s in names))
+
+    fastest = min(o.seconds for o in measured.options.values())
+    out = [LeverChoice(lever.name, None, "", moves(1), (measured.options[1].seconds - fastest) * measured.layers)]
+    for count in sorted(measured.options):
+        if count == 1:
+            continue
+        option = option_of({i: count for i in measured.same}, n)
+        out.append(
+            LeverChoice(
+                lever.name,
+                option,
+                str(SYNTAX.entry(option)),
+                moves(count),
+                (measured.options[count].seconds - fastest) * measured.layers,
+            )
+        )
+    return out
+
+
+LEVER = TiledMLP

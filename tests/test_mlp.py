@@ -1,0 +1,147 @@
+"""The tiled MLP lever (`MLP+`, `backends/torch/levers/mlp.py`): a decoder layer's MLP over tiles of tokens, each
+tile's intermediates made again in backward. On gated and plain MLPs of six families it trains as the plain model
+(the loss bitwise, the gradients to the weights' summation order), alone, inside whole-layer recompute and beside op
+plans in the same layer, with dropout in the MLP; it is refused with the reason on a mixture of experts; it comes
+off whole; its rows are measured; `auto` chooses it where the budget needs it and keeps the budget."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import optimum_memopt
+from optimum_memopt.backends.torch.levers.mlp import default_tiles, mlp_of, parse, tiled
+
+VOCAB, SEQ = 128, 64
+SMALL = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=112, num_hidden_layers=2, num_attention_heads=2,
+    num_key_value_heads=1, max_position_embeddings=SEQ, n_embd=32, n_layer=2, n_head=2, n_positions=SEQ, n_inner=112,
+    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attention_dropout=0.0, hidden_dropout=0.0, tie_word_embeddings=False,
+    use_cache=False, head_dim=16, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)  # fmt: skip
+FAMILIES = ["llama", "gpt2", "phi3", "gpt_neox", "gemma", "qwen2"]
+
+
+def model_of(kind: str, seed: int = 0, **changes):
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(kind, **{**SMALL, **changes})
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config)
+
+
+def run(kind: str, plans, steps: int = 2, **changes):
+    """Losses and the first step's gradients of `kind` trained `steps` SGD steps with `plans` (None: plain)."""
+    model = model_of(kind, **changes)
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, plans, reports_steps=True) if plans else None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    torch.manual_seed(2)  # the dropout masks' stream, the same in every run
+    losses, grads = [], None
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            handle.step_done()
+    return losses, grads, model, handle
+
+
+def same_training(plain, ours, exact_first: bool = True):
+    (pl, pg, *_), (ol, og, *_) = plain, ours
+    if exact_first:
+        assert torch.equal(pl[0], ol[0]), (pl, ol)  # the first forward: bitwise (the MLP is row-wise)
+    assert pg.keys() == og.keys()
+    for name in pg:
+        torch.testing.assert_close(og[name], pg[name], rtol=1e-5, atol=1e-6, msg=name)
+    for a, b in zip(pl, ol):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_the_tiled_mlp_trains_as_the_plain_model(kind):
+    plain = run(kind, None)
+    ours = run(kind, "MLP+:1:-1@tiles4")
+    same_training(plain, ours)
+    handle = ours[3]
+    lever = handle.levers["mlp"]
+    assert [lever.tiles_at(i) for i in range(2)] == [4, 4] and handle.policy.levers == {"mlp": "tiles4"}
+
+
+def test_a_tiled_mlp_is_exact_row_by_row():
+    """One MLP, whole and in tiles: the output and the input's gradient bitwise, the weights' to summation order."""
+    model = model_of("llama")
+    mlp, _ = mlp_of(model.model.layers[0])
+    x = torch.randn(2, 48, 32, requires_grad=True)
+    y = mlp(x)
+    y.backward(torch.ones_like(y))
+    gx, gw = x.grad.clone(), [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad()
+    y2 = tiled(mlp.forward, x, 5)  # 96 tokens in 5 uneven tiles
+    assert torch.equal(y, y2)
+    y2.backward(torch.ones_like(y2))
+    assert torch.equal(gx, x.grad)
+    for a, p in zip(gw, mlp.parameters()):
+        torch.testing.assert_close(p.grad, a, rtol=1e-5, atol=1e-6)
+    assert default_tiles(mlp) == 4  # 112 / 32, rounded up
+
+
+@pytest.mark.parametrize(
+    "plans", ["Layer+:1:-1,MLP+:1:-1@tiles4", "Layer+:1:-1@0,MLP+:1:-1@0-1:tiles2", "Mul+:1:-1,MLP+:1:-1@1:tiles4"]
+)
+def test_the_tiled_mlp_runs_inside_whole_layer_recompute_and_beside_op_plans(plans):
+    """Nested in a layer checkpointed whole (the recompute brings the layer back but the MLP's tiles, made one at a
+    time in its backward), and in a layer whose other ops' outputs the engine recomputes from recipes."""
+    same_training(run("llama", None), run("llama", plans))
+
+
+def test_dropout_in_a_tiled_mlp_draws_the_plain_runs_masks():
+    """GPT-2's MLP ends in a dropout: tiles draw their masks in tokens' order, each restored for its recompute; on
+    the CPU the masks are the plain run's (the run trains as the plain one)."""
+    plain = run("gpt2", None, resid_pdrop=0.1)
+    ours = run("gpt2", "MLP+:1:-1@tiles4", resid_pdrop=0.1)
+    same_training(plain, ours)
+
+
+def test_the_tiled_mlp_comes_off_whole():
+    model = model_of("llama")
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    before = model(input_ids=ids, labels=ids).loss
+    handle = optimum_memopt.optimize_memory(model, "MLP+:1:-1@tiles2")
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert all("forward" in vars(m) for m in mlps)
+    handle.remove()
+    assert not any("forward" in vars(m) or "_memopt_mlp_tiles" in vars(m) for m in mlps)
+    assert torch.equal(model(input_ids=ids, labels=ids).loss, before)
+
+
+def test_a_mixture_of_experts_is_refused_with_the_reason():
+    model = model_of(
+        "qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1
+    )
+    with pytest.raises(ValueError, match=r"'MLP\+:1:-1'.*layer 0 cannot be tiled: .*mixture of experts"):
+        optimum_memopt.optimize_memory(model, "MLP+:1:-1")
+
+
+def test_the_tiling_grammar():
+    from optimum_memopt.plans import PlanError, parse_inline
+
+    assert parse("0-1:tiles4;3", 4) == {0: 4, 1: 4, 3: None} and parse("", 2) == {0: None, 1: None}
+    assert str(parse_inline("mlp+:1:-1@0-7:Tiles4")[0]) == "MLP+:1:-1@0-7:tiles4"
+    with pytest.raises(PlanError, match=r"tiling 'tokens1024'; expected 'tilesN' \(N tiles of tokens\)"):
+        parse_inline("MLP+:1:-1@tokens1024")
+
+
+def test_its_rows_are_measured_after_step_one():
+    _, _, _, handle = run("llama", "Layer+:1:-1,MLP+:1:-1@tiles2", steps=2)
+    report = handle.report()
+    rows = {p.config: p for p in report.plans if p.config.startswith("MLP+")}
+    assert "MLP+:1:-1@tiles2" in rows and rows["MLP+:1:-1@tiles2"].enabled
+    assert rows["MLP+:1:-1@tiles2"].saving_bytes > 0  # one tile's intermediates at a time
+    assert any(n.startswith("the layers' MLPs (`MLP+` rows)") for n in report.notes), report.notes
+    assert "MLP+:1:-1@tiles2" in report.requested
