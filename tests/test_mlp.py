@@ -2,7 +2,7 @@
 tile's intermediates made again in backward. On gated and plain MLPs of six families it trains as the plain model
 (the loss bitwise, the gradients to the weights' summation order), alone, inside whole-layer recompute and beside op
 plans in the same layer, with dropout in the MLP; it is refused with the reason on a mixture of experts; it comes
-off whole; its rows are measured; `auto` chooses it where the budget needs it and keeps the budget."""
+off whole; its rows are measured. (`auto` does not weigh it yet: `TiledMLP.choices` says why.)"""
 
 import pytest
 import torch
@@ -145,3 +145,4 @@ def test_its_rows_are_measured_after_step_one():
     assert rows["MLP+:1:-1@tiles2"].saving_bytes > 0  # one tile's intermediates at a time
     assert any(n.startswith("the layers' MLPs (`MLP+` rows)") for n in report.notes), report.notes
     assert "MLP+:1:-1@tiles2" in report.requested
+

@@ -19,7 +19,10 @@ The tile count is a number (`MLP+:1:-1@tiles4`), or by default the intermediate 
 up): tiles whose intermediates hold about what the MLP's input holds. It is never derived from a batch's length:
 ranks whose batches differ in length would tile differently, and under ZeRO-3 (which gathers the weights at each
 tile's call, in the forward and in the recompute) ranks calling a different number of times wait on each other
-forever. `auto` decides on rank 0, as for every lever (the policy is broadcast).
+forever. With a count, every rank tiles alike.
+
+`auto` does not weigh it yet (`TiledMLP.choices` says why); the table's `MLP+` rows say what one MLP holds less each
+way, measured after step one.
 
 Refused with the reason: a layer whose MLP the lever does not find (an attribute `mlp`, `feed_forward` or `ffn` whose
 forward takes the hidden states alone), and a mixture of experts (its routing is kept, never recomputed, by the
@@ -42,7 +45,6 @@ from ....memory import MIB
 from ....plans import FoundPlan, LeverSyntax, PlanEntry, layer_selector
 from ..apply.layers import distinct, find_layers
 from ..decide.budget import LeverChoice
-from ..measure.profile import HEAD_SEGMENT
 from .protocol import Lever, sharded
 
 logger = logging.getLogger(__name__)
@@ -59,7 +61,7 @@ SYNTAX = LeverSyntax(
 )
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # where a decoder layer holds its MLP, in transformers' families
 REPEATS = 3  # each tiling is timed this many times (interleaved), its median taken
-MOST_TILES = 64  # the most tiles `auto` is offered
+MOST_TILES = 64  # the most tiles measured for the table
 
 
 def mlp_of(layer: nn.Module) -> Tuple[Optional[nn.Module], Optional[str]]:
@@ -169,16 +171,11 @@ class TiledMLP(Lever):
     @classmethod
     def build(cls, model, settings, asked: Optional[PlanEntry], n_layers: int):
         """Installed where `MLP+` was asked (every layer it names must hold an MLP the lever tiles, else refused
-        with the reason); under `auto` with a budget in MiB, built off and measured after step one, offered to the
-        solver where the layers' MLPs can be tiled."""
-        if asked is None and (settings.budget is None or settings.budget.budget_mb is None):
+        with the reason), and measured after step one (the table's `MLP+` rows). Not built under `auto`, which does
+        not weigh it yet (`choices`)."""
+        if asked is None:
             return None, None
         lever = cls(model)
-        if asked is None:
-            if not any(m is not None for m in lever.mlps):
-                return None, f"`MLP+` cannot run on it: {lever.why_not[0]}"
-            lever.run_as(None)
-            return lever, None
         option = SYNTAX.option(asked, len(lever.layers))
         chosen = parse(option, len(lever.layers))
         missing = [i for i in chosen if lever.mlps[i] is None]
@@ -247,7 +244,13 @@ class TiledMLP(Lever):
             profile.levers[self.name] = result
 
     def choices(self, profile, measured=None) -> List[LeverChoice]:
-        return choices(self, profile, measured)
+        """The way it runs now, alone: `auto` does not weigh tiling yet. What tiling lowers a step's peak by is what
+        it lowers the peak of each tiled layer's own backward by, and that peak may fall outside the MLP (in the
+        attention's backward, with an eager attention's probabilities): the MLP measured alone gives the most it can
+        be, not what it is, and a choice resting on the most would peak over its budget (it did, by 4.7 MiB of a
+        predicted 16.7, on a decoder with eager attention). Measuring the layer's backward outside its MLP apart is
+        what it needs first."""
+        return [LeverChoice(self.name, self.option, self.plan())]
 
     def rows(self, profile, drop) -> List[FoundPlan]:
         measured = profile.levers.get(self.name)
@@ -389,53 +392,6 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
         mlp.train(training)
     options = {c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c])) for c in counts}
     return MLPMeasure(tokens, hidden, options, same)
-
-
-def choices(lever: TiledMLP, profile, measured_policy=None) -> List[LeverChoice]:
-    """The ways the layers' MLPs can run, as the solver weighs them: off, and every layer the measure stands for in
-    each tile count; each moving the segments it acts in by what it holds less than the measured step's way. In a
-    layer step one recomputed whole, its own backward segment (the MLP's intermediates made back at once, or one
-    tile's); in a layer step one kept, every segment its tensors are held in (what the MLP kept for backward), its
-    own backward's by what the MLP held at most. Seconds: the MLP's time more than whole, in every layer tiled."""
-    measured: Optional[MLPMeasure] = profile.levers.get(lever.name)
-    ran = lever.option
-    if measured is None or profile.memory is None:
-        return [LeverChoice(lever.name, ran, lever.plan())]
-    n = len(lever.layers)
-    modes = [p.mode for p in measured_policy.layers] if measured_policy is not None else ["layer"] * n
-    names = [s.name for s in profile.memory.segments]
-    ran_count = {i: lever.tiles_at(i) or 1 for i in measured.same}
-
-    def moves(count: int) -> Tuple[Tuple[str, int], ...]:
-        out: Dict[str, int] = {}
-        option = measured.options[count]
-        for i in measured.same:
-            before = measured.options[ran_count[i]]
-            own = f"layer {i} backward"
-            out[own] = out.get(own, 0) + before.held_bytes - option.held_bytes
-            if modes[i] != "layer":  # kept through the step after its forward, until its own backward
-                held_in = [f"layer {j} forward" for j in range(i + 1, n)] + [HEAD_SEGMENT]
-                held_in += [f"layer {j} backward" for j in range(i + 1, n)]
-                for name in held_in:
-                    out[name] = out.get(name, 0) + before.kept_bytes - option.kept_bytes
-        return tuple((name, b) for name, b in out.items() if b and any(s.startswith(name) for s in names))
-
-    fastest = min(o.seconds for o in measured.options.values())
-    out = [LeverChoice(lever.name, None, "", moves(1), (measured.options[1].seconds - fastest) * measured.layers)]
-    for count in sorted(measured.options):
-        if count == 1:
-            continue
-        option = option_of({i: count for i in measured.same}, n)
-        out.append(
-            LeverChoice(
-                lever.name,
-                option,
-                str(SYNTAX.entry(option)),
-                moves(count),
-                (measured.options[count].seconds - fastest) * measured.layers,
-            )
-        )
-    return out
 
 
 LEVER = TiledMLP
