@@ -146,3 +146,38 @@ def test_its_rows_are_measured_after_step_one():
     assert any(n.startswith("the layers' MLPs (`MLP+` rows)") for n in report.notes), report.notes
     assert "MLP+:1:-1@tiles2" in report.requested
 
+
+def test_a_lora_on_the_mlp_with_dropout_trains_as_the_plain_peft_model():
+    """PEFT's LoRA on the MLP's three projections, its dropout on: each tile draws its LoRA masks in tokens' order and
+    its recompute draws them again from the state kept for it; the run trains as the plain PEFT run."""
+    from peft import LoraConfig, get_peft_model
+
+    def lora(**changes):
+        model = model_of("llama", **changes)
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["gate_proj", "up_proj", "down_proj"])
+        return get_peft_model(model, config)
+
+    def train(plans):
+        model = lora()
+        model.train()
+        handle = optimum_memopt.optimize_memory(model, plans, reports_steps=True) if plans else None
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+        data = torch.Generator().manual_seed(1)
+        torch.manual_seed(2)
+        losses = []
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+            if handle is not None:
+                handle.step_done()
+        return losses, handle
+
+    plain, _ = train(None)
+    tiled_losses, handle = train("Layer+:1:-1@0,MLP+:1:-1@tiles4")
+    assert torch.equal(plain[0], tiled_losses[0])
+    torch.testing.assert_close(tiled_losses, plain, rtol=1e-5, atol=1e-6)
+    assert handle.levers["mlp"].tiles_at(1) == 4

@@ -83,6 +83,7 @@ def decoder(plans: str, out: str, rank: int) -> None:
     trainer.train()
     handle = trainer.memopt_handle
     lever = handle.levers.get("loss") if handle is not None else None
+    tiled = handle.levers.get("mlp") if handle is not None else None
     params = torch.cat([p.detach().float().flatten() for p in trainer.plain_model.parameters()])
     report = {
         "rank": rank,
@@ -91,6 +92,7 @@ def decoder(plans: str, out: str, rank: int) -> None:
         "param_sum": float(params.sum()),
         "param_abs_sum": float(params.abs().sum()),
         "head": dict(lever.last, calls=lever.calls) if lever is not None else None,
+        "tiles": [tiled.tiles_at(i) for i in range(3)] if tiled is not None else None,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
