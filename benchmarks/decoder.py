@@ -33,7 +33,8 @@ class DecoderArguments:
         metadata={
             "help": "`titan`: selective activation checkpointing of every layer as torchtitan's `op` mode does it "
             "(torch.utils.checkpoint with a policy: SDPA outputs and every other matmul saved, the rest recomputed); "
-            "with `--memory_opt_backend none`."
+            "`trl`: TRL's (`trl.models.enable_selective_activation_checkpointing`: transformers' checkpointing with "
+            "the attention op's output saved, needs `--activation_checkpointing`); with `--memory_opt_backend none`."
         },
     )
 
@@ -117,8 +118,17 @@ def main(argv=None):
                 "`--sac titan` recomputes with torch's own checkpointing: add `--memory_opt_backend none`"
             )
         apply_titan_sac(model)
+    elif d.sac == "trl":
+        from trl.models import enable_selective_activation_checkpointing
+
+        if args.memory_opt_on or not (args.gradient_checkpointing or getattr(args, "activation_checkpointing", False)):
+            raise SystemExit(
+                "`--sac trl` turns TRL's policy on inside transformers' checkpointing: add `--memory_opt_backend none "
+                "--activation_checkpointing`"
+            )
+        enable_selective_activation_checkpointing(model)
     elif d.sac:
-        raise SystemExit(f"`--sac {d.sac}`: the one policy here is `titan`")
+        raise SystemExit(f"`--sac {d.sac}`: the policies here are `titan` and `trl`")
     trainer = MemoptTrainer(model=model, args=args, train_dataset=Tokens(d.samples, d.seq, d.vocab))
     trainer.train()
 

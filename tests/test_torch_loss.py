@@ -512,7 +512,9 @@ def test_the_head_is_measured_only_within_what_step_one_left_free(tmp_path):
     run = wide_run(tmp_path, "adamw", memory_opt_config="Loss+:1:-1@chunks1")
     profile = run.memopt_handle.profile
     assert profile.levers.get("loss") is None
-    assert profile.lever_problems["loss"].startswith("the way the step ran the head (Loss+:1:-1@chunks1) was not run alone: ")
+    assert profile.lever_problems["loss"].startswith(
+        "the way the step ran the head (Loss+:1:-1@chunks1) was not run alone: "
+    )
     assert f"the head and loss were not measured each way they can run: {profile.lever_problems['loss']}" in (
         run.memopt_handle.report().notes
     )
