@@ -7,6 +7,8 @@ wall time on this machine, and writes every figure to a JSON file (BENCHMARKS.md
 
     python benchmarks/plan_8b.py --out benchmarks/plan_8b.json
     python benchmarks/plan_8b.py --models Llama-3.1-8B --methods full --fsdp 8 --out benchmarks/plan_8b_fsdp8.json
+    python benchmarks/plan_8b.py --models Llama-3.1-8B --methods lora --seqs 65536 131072 \
+        --plans 'Layer+:1:-1,Loss+:1:-1@chunks64,MLP+:1:-1@tiles8' --out benchmarks/plan_8b_long.json
 """
 
 import argparse
@@ -64,6 +66,9 @@ def main(argv=None) -> int:
     p.add_argument("--methods", nargs="+", default=["lora", "full"])
     p.add_argument("--fsdp", type=int, default=1, help="processes FSDP2 shards over (1: none)")
     p.add_argument("--search", action="store_true", help="also find the largest batch and sequence (more dry runs)")
+    p.add_argument(
+        "--plans", default=None, help="plans of your own, a row of the table (`yours`), as in ALST's recipe"
+    )
     a = p.parse_args(argv)
     records = []
     for name, config in configs().items():
@@ -82,6 +87,7 @@ def main(argv=None) -> int:
                     device="H100-80GB",
                     search=a.search,
                     fsdp=a.fsdp,
+                    plans=a.plans,
                 )
                 seconds = time.perf_counter() - began
                 sharded = f", FSDP2 over {a.fsdp}" if a.fsdp > 1 else ""

@@ -14,9 +14,10 @@ The torch backend also takes (ONNX Runtime's backend refuses them):
   (layers 0, 2, 4... as transformers' ``every_n_layers``), ``Layer+:1:-1@0+5+9`` (items joined by ``+``);
 * a lever beyond the layers' op plans, by its plan name (each lever module under ``backends/torch/levers/`` declares
   its `LeverSyntax`): its layers as an op plan's (a count, or an ``@`` selector) where the lever acts in layers, and
-  its parameter after them, ``@LAYERS:PARAMETER`` (``Name+:1:-1@0-7:tiles4``: layers 0 to 7, 4 tiles), or alone
-  after ``@`` (``Loss+:1:-1@chunks8``: the head and loss in 8 chunks; ``Name+:1:4@tiles2``: the first 4 layers, 2
-  tiles). A parameter is a word and a number (``chunks8``, ``tokens1024``), the words the lever's syntax lists.
+  its parameter after them, ``@LAYERS:PARAMETER`` (``MLP+:1:-1@0-7:tiles4``: the MLP of layers 0 to 7 in 4 tiles),
+  or alone after ``@`` (``Loss+:1:-1@chunks8``: the head and loss in 8 chunks; ``MLP+:1:4@tiles2``: the first 4
+  layers' MLP in 2 tiles). A parameter is a word and a number (``chunks8``, ``tiles4``), the words the lever's syntax
+  lists.
 
 A backend describes what it found as *cluster ids*: one or more plans joined by commas
 (``Cast+:1:-1,Gelu+:2:-1``), which `parse_cluster_id` reads.
@@ -83,8 +84,13 @@ class LeverSyntax:
         return ":".join(part for part in (layers, entry.parameter) if part)
 
     def entry(self, option: str) -> "PlanEntry":
-        """The entry that asks for `option` (`option`'s inverse): `Loss+:1:-1@chunks8`, `Name+:1:-1@0-3:tiles4`."""
+        """The entry that asks for `option` (one entry's: `option`'s inverse): `Loss+:1:-1@chunks8`,
+        `MLP+:1:-1@0-3:tiles4`."""
         return parse_entry(f"{self.plan}:1:-1@{option}" if option else f"{self.plan}:1:-1")
+
+    def entries(self, option: str) -> List["PlanEntry"]:
+        """The entries that ask for `option`, one per part where a policy joined several (`0:tiles2;1:tiles4`)."""
+        return [self.entry(part) for part in option.split(";")] if option else [self.entry("")]
 
     def parameter_problem(self, parameter: str) -> Optional[str]:
         """What is wrong with `parameter` for this lever, or None."""
@@ -327,7 +333,7 @@ def _lever_entry(
         elif not syntax.layers or (_PARAMETER_RE.match(first.strip()) and not first.lower().startswith("every")):
             parameter = first.strip()
         else:
-            layers = first.strip()
+            layers = _checked_selector(prefix, first.strip())  # an empty one refused, as an op plan's
         if parameter or colon or not syntax.layers:
             bad = syntax.parameter_problem(parameter)
             if bad:

@@ -60,6 +60,7 @@ def test_an_entry_names_a_levers_layers_and_its_parameter_together(stash, text, 
         ("Stash+:1:-1@0-1:tiles2", "has copy count 'tiles2'; expected 'copiesN' (N copies in flight), N from 1"),
         ("Stash+:1:-1@0-1:copies0", "has copy count 'copies0'"),
         ("Stash+:1:-1@0-1:", "has copy count ''"),
+        ("Stash+:1:-1@", "has layer selector '' with an empty item"),
         (
             "Stash+:1:2@0-1:copies2",
             "gives both a count (2) and layers (@0-1); give one, as in 'Stash+:1:-1@0-1:copies2'",
@@ -106,6 +107,7 @@ def test_the_policy_holds_each_lever_as_its_name_and_option(stash):
 
 
 # -- the solver ----------------------------------------------------------------------------------------------------
+@pytest.mark.torch_backend
 def test_the_solver_searches_the_product_of_the_levers_options_and_prices_overlap_past_its_window(stash):
     """Two levers, each with options moving the segments they act in: `fit` returns the least total cost among
     every combination of their options and the layers' choices whose predicted peak fits (brute force), with an
@@ -159,6 +161,7 @@ def test_the_solver_searches_the_product_of_the_levers_options_and_prices_overla
 
 
 # -- the backend: built, installed, reported, removed --------------------------------------------------------------
+@pytest.mark.torch_backend
 def test_a_lever_is_built_installed_reported_and_removed_whole(stash):
     import torch
 
@@ -264,6 +267,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.torch_backend
 def test_a_new_lever_is_one_module_in_levers_and_one_registration_line(tmp_path):
     """A copy of the package, the double written as `levers/stash.py` and its line added to `REGISTERED`, nothing
     else changed: its entries parse, the ORT backend refuses them, it trains installed and reported, comes off

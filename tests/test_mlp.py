@@ -11,6 +11,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import optimum_memopt
 from optimum_memopt.backends.torch.levers.mlp import default_tiles, mlp_of, parse, tiled
 
+pytestmark = pytest.mark.torch_backend
+
 VOCAB, SEQ = 128, 64
 SMALL = dict(
     vocab_size=VOCAB, hidden_size=32, intermediate_size=112, num_hidden_layers=2, num_attention_heads=2,
@@ -181,3 +183,13 @@ def test_a_lora_on_the_mlp_with_dropout_trains_as_the_plain_peft_model():
     assert torch.equal(plain[0], tiled_losses[0])
     torch.testing.assert_close(tiled_losses, plain, rtol=1e-5, atol=1e-6)
     assert handle.levers["mlp"].tiles_at(1) == 4
+
+
+def test_entries_on_layers_apart_give_each_its_own_tile_count():
+    model = model_of("llama")
+    handle = optimum_memopt.optimize_memory(model, "MLP+:1:-1@0:tiles2,MLP+:1:-1@1:tiles4")
+    lever = handle.levers["mlp"]
+    assert (lever.tiles_at(0), lever.tiles_at(1)) == (2, 4) and handle.policy.levers == {"mlp": "0:tiles2;1:tiles4"}
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert "MLP+:1:-1@0:tiles2" in handle.report().requested and "MLP+:1:-1@1:tiles4" in handle.report().requested

@@ -49,12 +49,12 @@ class Stash(Lever):
     name = SYNTAX.name
 
     @classmethod
-    def build(cls, model, settings, asked, n_layers):
+    def build(cls, model, settings, option, n_layers):
         """Installed where asked; under `auto` with a budget in MiB, built off and measured for the solver."""
-        if asked is None and (settings.budget is None or settings.budget.budget_mb is None):
+        if option is None and (settings.budget is None or settings.budget.budget_mb is None):
             return None, None
         lever = cls(model)
-        lever.run_as(None if asked is None else SYNTAX.option(asked, n_layers))
+        lever.run_as(option)
         return lever, None
 
     def __init__(self, model):

@@ -69,15 +69,15 @@ def _one_plan_per_module(model, layers, policy: RecomputePolicy, shared, setting
     return RecomputePolicy([policy.layers[i] for i in firsts], policy.requests, [*policy.notes, note], policy.levers)
 
 
-def _build_levers(model: nn.Module, settings: WrapSettings, n_layers: int):
-    """Every registered lever built on the model (`levers.protocol.Lever.build`): those the plans ask for, installed;
-    those `auto` measures; and why each other one was not, by name, for the table's notes."""
+def _build_levers(model: nn.Module, settings: WrapSettings, policy: RecomputePolicy):
+    """Every registered lever built on the model (`levers.protocol.Lever.build`): those the plans ask for (the
+    policy's option for each), installed; those `auto` measures; and why each other one was not, by name, for the
+    table's notes."""
     from .levers import lever_classes
 
     built, why_not = {}, {}
     for cls in lever_classes():
-        asked = [e for e in settings.entries if e.enabled and e.subgraph == cls.syntax.plan]
-        lever, why = cls.build(model, settings, asked[0] if asked else None, n_layers)
+        lever, why = cls.build(model, settings, policy.levers.get(cls.name), len(policy.layers))
         if lever is not None:
             built[cls.name] = lever
         elif why:
@@ -179,7 +179,7 @@ class TorchBackend(Backend):
                 no_twin = f"the model could not be copied onto the meta device for it ({type(e).__name__}: {e})"
         model = self.apply_policy(model, policy)
         state = getattr(model, STATE)
-        state.levers, state.lever_problems = _build_levers(model, settings, len(state.layers))
+        state.levers, state.lever_problems = _build_levers(model, settings, policy)
         state.reset_peaks = settings.reset_peaks
         state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
         if settings.budget is not None:

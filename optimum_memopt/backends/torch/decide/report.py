@@ -62,7 +62,7 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile, levers: Sequence
     canonical = [e for r in policy.requests for e in r.canonical]
     whole_plans = [str(r.entry) for r in policy.requests if r.entry.subgraph == LAYER_PLAN]
     # the levers' plans are theirs, not layer requests: named beside them
-    lever_plans = [str(_lever_entry(name, option)) for name, option in policy.levers.items()]
+    lever_plans = [str(e) for name, option in policy.levers.items() for e in lever_named(name).entries(option)]
     level = policy.level
     notes = list(policy.notes)
     routed = [i for i, rec in enumerate(profile.layers) if any(ROUTING in why for why in rec.why_not.values())]
@@ -193,11 +193,6 @@ def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
         f"the plans' change shows (a planned tensor is let go of after its last use in the forward; a replayed "
         f"layer brings its tensors back one at a time)"
     )
-
-
-def _lever_entry(name: str, option: str):
-    """The plan entry of the lever named `name` running `option`."""
-    return lever_named(name).entry(option)
 
 
 def _seconds(profile: ModelProfile, name: str) -> float:

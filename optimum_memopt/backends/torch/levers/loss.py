@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ....memory import MIB
-from ....plans import FoundPlan, LeverSyntax, PlanEntry
+from ....plans import FoundPlan, LeverSyntax
 from ..decide.budget import LeverChoice
 from ..measure.profile import HEAD_SEGMENT
 from .head_form import head_form
@@ -248,8 +248,8 @@ class ChunkedLoss(Lever):
         self.installed = False
 
     @classmethod
-    def build(cls, model, settings, asked: Optional[PlanEntry], n_layers: int):
-        """The lever on the model's head (`protocol.Lever.build`): installed where `Loss+` was asked (`asked`, its
+    def build(cls, model, settings, option: Optional[str], n_layers: int):
+        """The lever on the model's head (`protocol.Lever.build`): installed where `Loss+` was asked (`option`, its
         chunking), refused with the reason where it cannot run; under `auto` with a budget in MiB, on a causal LM it
         can run on, there to run step one's head in chunks and measure each way after it (the table's `Loss+` rows,
         the solver's head options). Elsewhere nothing is measured: measuring runs the head between steps, above
@@ -261,13 +261,13 @@ class ChunkedLoss(Lever):
                 f"whole (and the Trainer hands such a loss no labels to the model)"
             )
         if problem is not None:
-            if asked is not None:
+            if option is not None:
                 raise ValueError(
-                    f"`--memory_opt_config` has {str(asked)!r}, but {problem}; drop `Loss+` to train with the head "
-                    f"whole"
+                    f"`--memory_opt_config` has {str(SYNTAX.entry(option))!r}, but {problem}; drop `Loss+` to train "
+                    f"with the head whole"
                 )
             return None, (f"`Loss+` cannot run on it: {problem}" if causal_lm(model) is not None else None)
-        if asked is None:
+        if option is None:
             if settings.budget is None or settings.budget.share is not None:
                 return None, (
                     "they are measured where `Loss+` or `--memory_opt_config auto` with `--memory_budget_mb` is "
@@ -280,13 +280,13 @@ class ChunkedLoss(Lever):
             # starts (each way measured after step one, where it fits what step one's peak left free)
             lever.run_as("")
             return lever, None
-        lever = cls(causal_lm(model), Chunking.from_selector(SYNTAX.option(asked)))
+        lever = cls(causal_lm(model), Chunking.from_selector(option))
         lever.smoothing = settings.label_smoothing or None
         if lever.trl:
             logger.warning(
                 "`%s`: the model's head is chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own "
                 "forward; it is not chunked twice, and the step's head and loss are what TRL's head makes of them",
-                asked,
+                SYNTAX.entry(option),
             )
         lever.install()
         return lever, None

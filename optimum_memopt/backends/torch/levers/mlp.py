@@ -169,19 +169,19 @@ class TiledMLP(Lever):
     name = SYNTAX.name
 
     @classmethod
-    def build(cls, model, settings, asked: Optional[PlanEntry], n_layers: int):
-        """Installed where `MLP+` was asked (every layer it names must hold an MLP the lever tiles, else refused
-        with the reason), and measured after step one (the table's `MLP+` rows). Not built under `auto`, which does
-        not weigh it yet (`choices`)."""
-        if asked is None:
+    def build(cls, model, settings, option: Optional[str], n_layers: int):
+        """Installed where `MLP+` was asked (`option`: every layer it names must hold an MLP the lever tiles, else
+        refused with the reason), and measured after step one (the table's `MLP+` rows). Not built under `auto`,
+        which does not weigh it yet (`choices`)."""
+        if option is None:
             return None, None
         lever = cls(model)
-        option = SYNTAX.option(asked, len(lever.layers))
         chosen = parse(option, len(lever.layers))
         missing = [i for i in chosen if lever.mlps[i] is None]
         if missing:
+            plans = ",".join(str(e) for e in SYNTAX.entries(option))
             raise ValueError(
-                f"`--memory_opt_config` has {str(asked)!r}, but layer {missing[0]} cannot be tiled: "
+                f"`--memory_opt_config` has {plans!r}, but layer {missing[0]} cannot be tiled: "
                 f"{lever.why_not[missing[0]]}; drop `MLP+`, or name the layers it can tile"
             )
         lever.run_as(option)

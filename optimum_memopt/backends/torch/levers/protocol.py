@@ -26,7 +26,7 @@ The defaults below are a lever that measures nothing and offers only what it run
 
 from typing import Callable, ClassVar, List, Optional, Tuple
 
-from ....plans import FoundPlan, LeverSyntax, PlanEntry
+from ....plans import FoundPlan, LeverSyntax
 from ..decide.budget import LeverChoice
 
 
@@ -38,13 +38,12 @@ class Lever:
 
     # -- its mechanism ------------------------------------------------------------------------------------------
     @classmethod
-    def build(
-        cls, model, settings, asked: Optional[PlanEntry], n_layers: int
-    ) -> Tuple[Optional["Lever"], Optional[str]]:
+    def build(cls, model, settings, option: Optional[str], n_layers: int) -> Tuple[Optional["Lever"], Optional[str]]:
         """The lever on `model` (being wrapped with `settings`, its `n_layers` layers), installed where the plans ask
-        for it (`asked`, its entry), or there to be measured for `auto`'s budget; or None, with why not where the
-        table should say it (None: nothing to say). A lever asked for that cannot run raises ValueError naming the
-        entry and the reason (never trains silently without it)."""
+        for it (`option`: what the policy holds for it, `RecomputePolicy.levers`; None where the plans do not name
+        it), or there to be measured for `auto`'s budget; or None, with why not where the table should say it (None:
+        nothing to say). A lever asked for that cannot run raises ValueError naming its plan and the reason (never
+        trains silently without it)."""
         raise NotImplementedError
 
     def install(self) -> None:
@@ -66,7 +65,7 @@ class Lever:
     def plan(self) -> str:
         """The option running now as a plan entry ("" off)."""
         option = self.option
-        return "" if option is None else str(self.syntax.entry(option))
+        return "" if option is None else ",".join(str(e) for e in self.syntax.entries(option))
 
     def smooths_labels(self) -> bool:
         """Whether the loss the lever computes applies the Trainer's label smoothing itself."""
