@@ -132,6 +132,13 @@ def main(argv=None):
     p.add_argument("--hand_tiles", type=int, default=4)
     p.add_argument("--compile_budgets", type=float, nargs="*", default=[0.0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument(
+        "--speeds_only",
+        nargs="*",
+        default=None,
+        help="skip the search: time these configurations (their labels' first words, as in `whole +` or `ours:`) at "
+        "`--lengths`, in `--rounds` interleaved rounds",
+    )
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "long_context.json"))
     a = p.parse_args(argv)
     a.script_flags = shape(a) + (["--use_cpu"] if a.device == "cpu" else []) + ["--seed", "42"]
@@ -143,16 +150,21 @@ def main(argv=None):
     print(f"budget: eager's peak at {a.base_seq} tokens, batch 1: {budget:.1f} MiB", flush=True)
     rows = configurations(a, budget)
 
-    print("\nthe longest sequence that fits", flush=True)
+    lengths = a.lengths or [2 * a.base_seq, 4 * a.base_seq]
     found, seen_by = {}, {}
-    for label, script, flags in rows:
+    if a.speeds_only is not None:  # the lengths taken as fitting (a search's answer read before), timed only
+        rows = [r for r in rows if any(r[0].startswith(prefix) for prefix in a.speeds_only)]
+        found = {label: max(lengths) for label, _, _ in rows}
+        seen_by = {label: {} for label, _, _ in rows}
+    else:
+        print("\nthe longest sequence that fits", flush=True)
+    for label, script, flags in rows if a.speeds_only is None else []:
         seen_by[label] = seen = {}
         if label == "eager":
             seen[a.base_seq] = base
         found[label] = longest(a, budget, script, label, flags, seen)
         print(f"-> {label}: {found[label]}", flush=True)
 
-    lengths = a.lengths or [2 * a.base_seq, 4 * a.base_seq]
     print(f"\nsamples/s at {lengths} tokens", flush=True)
     speed = {n: {label: [] for label, _, _ in rows} for n in lengths}
     for r in range(a.rounds):
@@ -167,15 +179,15 @@ def main(argv=None):
 
     table = []
     for label, _, _ in rows:
-        row = {"configuration": label, "longest_seq": found[label]}
+        row = {"configuration": label, "longest_seq": found[label] if a.speeds_only is None else None}
         for n in lengths:
             ok = speed[n][label]
             if ok:
                 row[f"samples_per_s_{n}"] = statistics.median(m.samples_per_s for m in ok)
                 row[f"peak_mb_{n}"] = statistics.median(m.peak_mb for m in ok)
         table.append(row)
-    auto_out = [(seq, m) for seq, m in seen_by["ours: auto"].items() if m.ok]
-    auto_out += [(n, m) for n in lengths for m in speed[n]["ours: auto"]]
+    auto_out = [(seq, m) for seq, m in seen_by.get("ours: auto", {}).items() if m.ok]
+    auto_out += [(n, m) for n in lengths for m in speed[n].get("ours: auto", [])]
     report = {
         "budget_mb": budget,
         "base_seq": a.base_seq,
