@@ -187,9 +187,15 @@ def test_a_lora_on_the_mlp_with_dropout_trains_as_the_plain_peft_model():
 
 def test_entries_on_layers_apart_give_each_its_own_tile_count():
     model = model_of("llama")
-    handle = optimum_memopt.optimize_memory(model, "MLP+:1:-1@0:tiles2,MLP+:1:-1@1:tiles4")
+    handle = optimum_memopt.optimize_memory(model, "MLP+:1:-1@0:tiles2,MLP+:1:-1@1:tiles4", reports_steps=True)
     lever = handle.levers["mlp"]
     assert (lever.tiles_at(0), lever.tiles_at(1)) == (2, 4) and handle.policy.levers == {"mlp": "0:tiles2;1:tiles4"}
-    ids = torch.randint(0, VOCAB, (2, SEQ))
-    model(input_ids=ids, labels=ids).loss.backward()
-    assert "MLP+:1:-1@0:tiles2" in handle.report().requested and "MLP+:1:-1@1:tiles4" in handle.report().requested
+    for _ in range(2):
+        ids = torch.randint(0, VOCAB, (2, SEQ))
+        model(input_ids=ids, labels=ids).loss.backward()
+        handle.step_done()
+    report = handle.report()
+    assert "MLP+:1:-1@0:tiles2" in report.requested and "MLP+:1:-1@1:tiles4" in report.requested
+    rows = {p.config: p for p in report.plans if p.config.startswith("MLP+")}
+    assert (rows["MLP+:1:-1@tiles2"].applied_count, rows["MLP+:1:-1@tiles4"].applied_count) == (1, 1)  # 1 of 2 each
+    assert rows["MLP+:1:-1@tiles2"].enabled and not rows["MLP+:1:-1@tiles8"].enabled

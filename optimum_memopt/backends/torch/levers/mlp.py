@@ -260,18 +260,16 @@ class TiledMLP(Lever):
         for count, option in sorted(measured.options.items()):
             if count == 1:
                 continue
-            on = self.installed and all(
-                self.tiles_at(i) == count for i in range(len(self.layers)) if measured.tiled(i)
-            )
-            plan = f"MLP+:1:-1@tiles{count}"
+            applied = [i for i in measured.same if self.tiles_at(i) == count]  # the layers running it now
             saving = measured.options[1].held_bytes - option.held_bytes
             out.append(
                 FoundPlan(
-                    config=plan,
-                    enabled=on,
+                    config=f"MLP+:1:-1@tiles{count}",
+                    enabled=bool(applied),
                     frequency=measured.layers,
                     saving_bytes=float(saving),
-                    applied_count=measured.layers if on else 0,
+                    applied_count=len(applied),
+                    applied_saving_bytes=float(saving * len(applied)),
                     recompute_seconds=max(0.0, option.seconds - measured.options[1].seconds) * measured.layers,
                     head=True,
                 )
@@ -324,9 +322,6 @@ class MLPMeasure:
     @property
     def layers(self) -> int:
         return len(self.same)
-
-    def tiled(self, index: int) -> bool:
-        return index in self.same
 
 
 def _signature(mlp: nn.Module) -> tuple:
