@@ -642,7 +642,11 @@ def dry_run(
                 with _autocast(spec.autocast, device):
                     model(*args, **kwargs)
 
-            running = layer_order(model, layers, forward)
+            count.aside += 1  # finding the order runs a forward of its own, before the steps: none of their peak
+            try:
+                running = layer_order(model, layers, forward)
+            finally:
+                count.aside -= 1
             getattr(model, STATE).running = running
             if running_into is not None:  # known before the steps, which may raise (`auto` finding nothing fits)
                 running_into.append(running)
