@@ -18,15 +18,7 @@ from helpers import tiny_decoder as decoder
 from torch_engine import engine, keep, pair, step
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
-from optimum_memopt.backends.torch.decide.budget import (
-    LeverChoice,
-    fit,
-    fit_share,
-    freed_bytes,
-    plan_entries,
-    predict,
-    selector,
-)
+from optimum_memopt.backends.torch.decide.budget import LeverChoice, fit, fit_share, freed_bytes, plan_entries, predict
 from optimum_memopt.backends.torch.decide.planner import MARGIN, BudgetPlanner
 from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
 from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
@@ -35,6 +27,7 @@ from optimum_memopt.backends.torch.measure.profile import HEAD_SEGMENT, Segment,
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 from optimum_memopt.memory import MIB
 from optimum_memopt.plans import PlanError, parse_inline
+from optimum_memopt.plans import layer_selector as selector
 
 pytestmark = pytest.mark.torch_backend
 

@@ -377,10 +377,5 @@ def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:
     entries = []
     for (whole, ops), layers in sorted(groups.items(), key=lambda kv: kv[1][0]):
         subgraph = LAYER_PLAN if whole else "".join(f"{name}+" for name in sorted(ops))
-        entries.append(PlanEntry(subgraph, 1, -1, selector(layers)))
+        entries.append(PlanEntry(subgraph, 1, -1, layer_selector(layers)))
     return entries
-
-
-def selector(layers: Sequence[int]) -> str:
-    """Layer indexes as a plan selector: [0, 1, 2, 5] -> '0-2+5'."""
-    return layer_selector(layers)
