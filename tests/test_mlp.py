@@ -2,7 +2,7 @@
 tile's intermediates made again in backward. On gated and plain MLPs of six families it trains as the plain model
 (the loss bitwise, the gradients to the weights' summation order), alone, inside whole-layer recompute and beside op
 plans in the same layer, with dropout in the MLP; it is refused with the reason on a mixture of experts; it comes
-off whole; its rows are measured. (`auto` does not weigh it yet: `TiledMLP.choices` says why.)"""
+off whole; its rows are measured; `auto` weighs it, and chooses it where only tiles fit."""
 
 import pytest
 import torch
@@ -199,3 +199,58 @@ def test_entries_on_layers_apart_give_each_its_own_tile_count():
     rows = {p.config: p for p in report.plans if p.config.startswith("MLP+")}
     assert (rows["MLP+:1:-1@tiles2"].applied_count, rows["MLP+:1:-1@tiles4"].applied_count) == (1, 1)  # 1 of 2 each
     assert rows["MLP+:1:-1@tiles2"].enabled and not rows["MLP+:1:-1@tiles8"].enabled
+
+
+def _auto_run(budget_mb: float, steps: int = 3):
+    """A Llama-shaped decoder whose MLP holds most of a layer (intermediate 7x hidden), 1,024 tokens, trained in a
+    loop of one's own under `auto` (step one measured with every layer recomputed whole)."""
+    model = model_of(
+        "llama", hidden_size=32, intermediate_size=224, max_position_embeddings=1024, num_attention_heads=2
+    )
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, "auto", budget_mb=budget_mb, reports_steps=True, say=lambda s: None)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (1, 1024), generator=data)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        handle.step_done()
+    state = getattr(model, "_memopt_recompute")
+    return handle, state.planner, state.profile
+
+
+def test_auto_tiles_the_mlp_where_only_tiles_fit_and_its_prediction_holds():
+    """`auto` weighs the tiled MLP beside the layers' recompute and the head's chunks: step one's layers are read in
+    the stretches their MLP runs in (`Segment.parts`), and each tiling moves those by what one MLP held less,
+    measured alone. Under a budget between the least peak without tiles and the least with them, it tiles the MLPs,
+    and the step after its choice peaks as predicted, under the budget."""
+    from optimum_memopt.backends.torch.decide.budget import fit
+
+    _, planner, profile = _auto_run(10_000.0)  # a budget anything fits: step one and the levers' options, measured
+    layers = [seg for seg in planner.solved.segments if seg.name.startswith("layer")]
+    assert all(seg.parts and max(p for _, p in seg.parts) == seg.peak_bytes for seg in layers)
+    assert {tag for seg in layers for tag, _ in seg.parts} >= {"mlp forward", "mlp backward", "after mlp backward"}
+    loss, mlp = planner.levers["loss"], planner.levers["mlp"]
+    assert any(c.option for c in mlp) and all(c.recomputed for c in mlp if c.option)
+
+    def floor(options) -> float:
+        solved = fit(profile, planner.solved, 0, planner.measured_policy, 0, planner.per_layer,
+                     [loss, options])  # fmt: skip
+        return solved.floor.peak_mb
+
+    untiled, tiled_floor = floor([c for c in mlp if c.option is None]), floor(mlp)
+    assert tiled_floor < untiled - 0.5, (tiled_floor, untiled)
+    budget = (tiled_floor + untiled) / 2
+
+    handle, planner, _ = _auto_run(budget)
+    choice = planner.fits[-1]
+    assert choice.lever("mlp").option, choice.config()  # tiles: nothing fits without them
+    check = planner.verified[-1]
+    assert check["measured_peak_mb"] <= budget
+    assert abs(check["measured_peak_mb"] - check["predicted_peak_mb"]) <= 0.01 * check["predicted_peak_mb"], check
+    assert handle.levers["mlp"].option == choice.lever("mlp").option  # it runs what was chosen
+    tiled_layers = choice.lever("mlp").recomputed
+    assert "MLP+" in choice.config() and all(choice.choice[i].whole for i in tiled_layers)  # tiles in whole layers

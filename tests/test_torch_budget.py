@@ -808,3 +808,63 @@ def test_a_check_under_its_prediction_keeps_the_choice():
     assert first.recompute_seconds > 0 and state.policy == first.policy()
     assert (check["predicted_peak_mb"] - check["measured_peak_mb"]) * MIB == pytest.approx(kept_once, abs=2)
     assert said[-1].endswith(f"within the budget of {budget / MIB:,.1f} MiB") and len(said) == 2
+
+
+def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_whole_layers_only(profile):
+    """A lever acting inside the layers (the tiled MLP) moves the stretches of a segment its module runs in
+    (`Segment.parts`, `LeverChoice.less_parts`): the segment's peak is the highest stretch so moved, a stretch it
+    does not act in stays. Its options that need their layers recomputed whole (`recomputed`) are weighed with those
+    layers recomputed whole and no other way: the least total time of every combination that fits, by brute force."""
+    from optimum_memopt.backends.torch.measure.graph import whole_layer
+
+    per_layer = candidates(profile)
+    q = freed_bytes(profile, whole())
+    base = 10 << 20
+    segs = [Segment(f"layer {i} forward", i + 1, 0, base + 900, parts=(("", base + 100), ("mlp forward", base + 900)))
+            for i in range(L)]  # fmt: skip
+    segs.append(Segment(HEAD_SEGMENT, L, 0, base + 500))
+    for i in reversed(range(L)):
+        parts = (
+            ("", base),
+            ("mlp backward", base + 2000),
+            ("mlp forward", base + 6000),
+            ("after mlp backward", base + 3000),
+        )
+        segs.append(Segment(f"layer {i} backward", i, 0, base + 6000, parts=parts))
+    segs.append(Segment("after backward: the optimizer step and the next batch", 0, 0, base))
+    mem = StepMemory("cpu", segs, 0, "test")
+
+    def tiles(layers, seconds):
+        parts = tuple((f"layer {i} backward", "mlp forward", 5000) for i in layers)
+        parts += tuple((f"layer {i} forward", "mlp forward", 400) for i in layers)
+        return LeverChoice("mlp", "x", "MLP+", seconds=seconds, less_parts=parts, recomputed=tuple(layers))
+
+    one = tiles([L - 1], 0.001)
+    assert predict(mem, q, q, levers=[one]).peak_bytes == base + 6000  # the other layers' backward still peak there
+    moved = predict(mem, q, q, levers=[tiles(range(L), 0.003)])
+    assert moved.peak_bytes == base + 3000 and "backward" in moved.where  # the attention's stretch is the top now
+
+    options = [LeverChoice("mlp"), one, tiles(range(L), 0.003)]
+    wholes = []
+    for rec in profile.layers:
+        w = whole_layer(rec.graph, rec.op_seconds)
+        wholes.append(Candidate(frozenset(), True, w.freed_bytes, w.seconds))
+    chosen = set()
+    for budget in (base + 6000 - min(q) // 2, base + 3000, base + 6000 + 10_000, base + 2999):
+        best = None
+        for option in options:
+            allowed = [[wholes[i]] if i in option.recomputed else per_layer[i] for i in range(L)]
+            for combo in itertools.product(*allowed):
+                if predict(mem, q, [c.freed_bytes for c in combo], levers=[option]).peak_bytes <= budget:
+                    t = sum(c.seconds for c in combo) + option.seconds
+                    best = t if best is None or t < best - 1e-12 else best
+        result = fit(profile, mem, budget, whole(), levers=[options])
+        if best is None:
+            assert result.choice is None, budget
+            continue
+        assert result.choice is not None and result.predicted.peak_bytes <= budget
+        assert result.recompute_seconds == pytest.approx(best)
+        tiled = result.lever("mlp").recomputed
+        assert all(result.choice[i].whole for i in tiled)
+        chosen.add(len(tiled))
+    assert chosen == {0, L}, chosen  # untiled where it fits so, every layer tiled where only that fits

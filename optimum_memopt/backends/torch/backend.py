@@ -180,6 +180,9 @@ class TorchBackend(Backend):
         model = self.apply_policy(model, policy)
         state = getattr(model, STATE)
         state.levers, state.lever_problems = _build_levers(model, settings, policy)
+        for lever in state.levers.values():  # the stretches a lever acts in inside the layers, read apart
+            for module, name in lever.marks():
+                state.mark_inside(module, name)
         state.reset_peaks = settings.reset_peaks
         state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
         if settings.budget is not None:

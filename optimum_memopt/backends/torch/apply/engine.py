@@ -55,6 +55,7 @@ class RecomputeState:
         self.levers: dict = {}  # the levers beyond the layers running on this model, by name (`levers/`): held here
         self.lever_problems: dict = {}  # why a lever could not run or measure, by name (said in the table's notes)
         self._levers_measured = False
+        self._inner_marks: list = []  # the hooks marking the levers' modules inside the layers (`mark_inside`)
         self.optimizer = None  # the trainer's, where it says (`TorchBackend.on_optimizer_ready`): `auto`'s dry run
         self._ran: List[int] = []  # the layers whose training forward ran in this step, in order (first steps)
         self._orders: List[List[int]] = []  # the first steps' `_ran`, where their first layer did not run
@@ -95,6 +96,9 @@ class RecomputeState:
 
     def uninstall(self) -> None:
         self._forwards.uninstall()
+        for handle in self._inner_marks:
+            handle.remove()
+        self._inner_marks = []
         self.routing.remove()
         if self._readings is not None:
             self._readings.remove()
@@ -102,6 +106,35 @@ class RecomputeState:
         if self._aux_check is not None:
             self._aux_check.remove()
             self._aux_check = None
+
+    def mark_inside(self, module: nn.Module, name: str) -> None:
+        """Mark `module`'s stretches inside its layer in the steps watched (`StepWatch.inside`): its training forward
+        starting ("NAME forward", in a layer's recompute too) and ending ("after NAME forward"), its backward starting
+        (the gradient of its output made: "NAME backward") and ending (its input's: "after NAME backward"). A lever
+        acting inside a layer (`Lever.marks`) is weighed by the stretches its module runs in."""
+
+        def before(mod, args):
+            watch = self.watch
+            if watch is None or not (mod.training and torch.is_grad_enabled()):
+                return
+            watch.inside(f"{name} forward")
+            first = next((t for t in tensors_in(args) if t.requires_grad), None)
+            if first is not None and not _torch_api.in_backward():  # a recompute's tensors see no backward
+                first.register_hook(lambda grad: watch.inside(f"after {name} backward"))
+
+        def after(mod, args, output):
+            watch = self.watch
+            if watch is None or not (mod.training and torch.is_grad_enabled()):
+                return
+            watch.inside(f"after {name} forward")
+            first = first_grad_tensor(output) if output is not None else None
+            if first is not None and not _torch_api.in_backward():
+                first.register_hook(lambda grad: watch.inside(f"{name} backward"))
+
+        self._inner_marks += [
+            module.register_forward_pre_hook(before),
+            module.register_forward_hook(after, always_call=True),
+        ]
 
     def _check_aux_loss(self, module, args, output) -> None:
         """After step one's training forward (an MoE whose routers train): its aux loss carries a gradient, or the

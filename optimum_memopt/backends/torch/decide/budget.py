@@ -117,8 +117,11 @@ def _moved(
     seg: Segment, measured_freed: Sequence[int], freed: Sequence[int], levers: Sequence["LeverChoice"] = ()
 ) -> int:
     held = seg.held
-    moved = seg.peak_bytes + sum(measured_freed[:held]) - sum(freed[:held])
-    return moved - sum(c.less_in(seg.name) for c in levers)
+    by = sum(measured_freed[:held]) - sum(freed[:held]) - sum(c.less_in(seg.name) for c in levers)
+    if not seg.parts:
+        return seg.peak_bytes + by
+    # marked inside (`StepWatch.inside`): the highest of its stretches, each moved by what the levers hold less there
+    return max(peak - sum(c.less_in_part(seg.name, tag) for c in levers) for tag, peak in seg.parts) + by
 
 
 def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -> StepMemory:
@@ -127,9 +130,7 @@ def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -
     steps measured on several processes, each freeing what its own graphs say, are put side by side (`merged`)."""
     last = len(memory.segments) - 1
     segments = [
-        Segment(
-            s.name, s.held, s.start_bytes, _moved(s, measured_freed, [0] * s.held) + (extra if k < last else 0), s.own
-        )
+        s.shifted(_moved(s, measured_freed, [0] * s.held) + (extra if k < last else 0) - s.peak_bytes)
         for k, s in enumerate(memory.segments)
     ]
     return StepMemory(memory.device, segments, memory.start_bytes, memory.how)
@@ -144,7 +145,7 @@ def merged(kept: Sequence[StepMemory], measured_freed: Sequence[int]) -> StepMem
         on = f" on rank {rank}" if len(kept) > 1 else ""
         for s in memory.segments:
             back = sum(measured_freed[: s.held])
-            segments.append(Segment(s.name + on, s.held, s.start_bytes, s.peak_bytes - back, s.own))
+            segments.append(s.shifted(-back, s.name + on))
     first = kept[0]
     return StepMemory(first.device, segments, first.start_bytes, first.how)
 
@@ -162,7 +163,11 @@ class LeverChoice:
     as an offload's) is `overlap_seconds`, hidden under `window_seconds` of the step's compute: only what it runs
     past the window costs (`cost`). `returned`: what its forward returns that a caller may keep through the whole
     step (the model's own head's logits, in a loop that keeps `outputs`), counted held in every segment but the
-    last."""
+    last. `less_parts`: the bytes it holds less in a stretch of a segment marked inside (`profile.Segment.parts`),
+    as (segment prefix, the stretch's mark, bytes): a lever acting inside a layer (the tiled MLP) lowers the stretches
+    its module runs in, and a segment's peak is the highest of its stretches so moved. `recomputed`: the layers the
+    option needs recomputed whole (the tiled MLP is weighed there only: in a layer kept, what its saves hold less
+    would show in every later segment, which no stretch's reading says)."""
 
     lever: str
     option: Optional[str] = None
@@ -172,10 +177,22 @@ class LeverChoice:
     returned: int = 0
     overlap_seconds: float = 0.0
     window_seconds: float = 0.0
+    less_parts: Tuple[Tuple[str, str, int], ...] = ()
+    recomputed: Tuple[int, ...] = ()
 
     def less_in(self, segment: str) -> int:
         """What this option holds less than the measured step's in the segment named `segment`."""
         return sum(b for prefix, b in self.less if segment.startswith(prefix))
+
+    def less_in_part(self, segment: str, part: str) -> int:
+        """What this option holds less than the measured step's in the stretch `part` of the segment `segment`."""
+        return sum(b for prefix, tag, b in self.less_parts if tag == part and segment.startswith(prefix))
+
+    def less_mb(self) -> Dict[str, float]:
+        """What it holds less by segment (and stretch, "segment: stretch"), in MiB: solver.json's figures."""
+        out = {prefix: b / MIB for prefix, b in self.less}
+        out.update({f"{prefix}: {tag}": b / MIB for prefix, tag, b in self.less_parts})
+        return out
 
     @property
     def cost(self) -> float:
@@ -233,9 +250,7 @@ class Fit:
             "config": self.config() if self.choice else None,
             "per_layer": [c.label for c in self.choice] if self.choice else None,
             "levers": {c.lever: c.label for c in self.levers} if self.choice else None,
-            "levers_freed_mb": (
-                {c.lever: {prefix: b / MIB for prefix, b in c.less} for c in self.levers} if self.choice else None
-            ),
+            "levers_freed_mb": ({c.lever: c.less_mb() for c in self.levers} if self.choice else None),
             "predicted_peak_mb": self.predicted.peak_mb if self.predicted else None,
             "predicted_peak_in": self.predicted.where if self.predicted else None,
             "predicted_segments": [{"name": name, "peak_mb": value / MIB} for name, value in self.segments],
@@ -273,14 +288,17 @@ def fit(
     result.budget_bytes = budget_bytes
     best, first_why = None, None
     for combo in itertools.product(*levers):
+        allowed = _allowed(profile, per_layer, combo)
+        if allowed is None:
+            continue
         extra = extra_bytes + sum(c.returned for c in combo)
         needs, why_not = _needs(memory, q, budget_bytes, extra, combo, len(per_layer))
-        if why_not is None and _floor(memory, q, per_layer, extra_bytes, combo).peak_bytes > budget_bytes:
+        if why_not is None and _floor(memory, q, allowed, extra_bytes, combo).peak_bytes > budget_bytes:
             why_not = (
                 f"with each layer recomputing the most it can, the step still peaks at "
                 f"{result.floor.peak_mb:,.1f} MiB ({result.floor.where}), over the budget"
             )
-        choice = choose(per_layer, 0, prefix_needs=needs) if why_not is None else None
+        choice = choose(allowed, 0, prefix_needs=needs) if why_not is None else None
         if why_not is None and choice is None:  # the bytes are there, but not in the solver's units
             why_not = "no choice frees the bytes needed in the units the solver counts in"
         if choice is None:
@@ -325,6 +343,23 @@ def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, levers: S
     return needs, None
 
 
+def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice]):
+    """Each layer's candidates with the levers' options `levers`: only the whole layer where an option needs it
+    recomputed whole (`LeverChoice.recomputed`; offered even where a set of op plans frees as much for less, which
+    `solver.candidates` keeps instead); None where such a layer has no graph to recompute it by."""
+    whole = {i for c in levers for i in c.recomputed if i < len(per_layer)}
+    if not whole:
+        return per_layer
+    allowed = list(per_layer)
+    for i in whole:
+        rec = profile.layers[i] if i < len(profile.layers) else None
+        if rec is None or rec.graph is None:
+            return None
+        done = whole_layer(rec.graph, rec.op_seconds)
+        allowed[i] = [Candidate(frozenset(), True, done.freed_bytes, done.seconds)]
+    return allowed
+
+
 def _floor(memory: StepMemory, q, per_layer, extra_bytes: int, levers: Sequence[LeverChoice]) -> Prediction:
     most = [max(c.freed_bytes for c in options) for options in per_layer]
     return predict(memory, q, most, extra_bytes + sum(c.returned for c in levers), levers)
@@ -362,8 +397,11 @@ def _start(profile, memory, measured, extra_bytes, per_layer, levers: Sequence[S
     combined so that the step holds least)."""
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
-    combos = itertools.product(*levers)
-    floor = min((_floor(memory, q, per_layer, extra_bytes, c) for c in combos), key=lambda p: p.peak_bytes)
+    combos = [(c, _allowed(profile, per_layer, c)) for c in itertools.product(*levers)]
+    floor = min(
+        (_floor(memory, q, allowed, extra_bytes, c) for c, allowed in combos if allowed is not None),
+        key=lambda p: p.peak_bytes,
+    )
     result = Fit(0, measured=predict(memory, q, q, extra_bytes), floor=floor)
     return per_layer, q, result
 

@@ -487,14 +487,7 @@ class BudgetPlanner:
                 for opts in self.per_layer
             ],
             "lever_candidates": {
-                name: [
-                    {
-                        "config": c.label,
-                        "freed_mb": {prefix: b / MIB for prefix, b in c.less},
-                        "recompute_ms": c.cost * 1000,
-                    }
-                    for c in options
-                ]
+                name: [{"config": c.label, "freed_mb": c.less_mb(), "recompute_ms": c.cost * 1000} for c in options]
                 for name, options in self.levers.items()
             },
             "fits": [f.as_dict() for f in self.fits],

@@ -21,8 +21,9 @@ ranks whose batches differ in length would tile differently, and under ZeRO-3 (w
 tile's call, in the forward and in the recompute) ranks calling a different number of times wait on each other
 forever. With a count, every rank tiles alike.
 
-`auto` does not weigh it yet (`TiledMLP.choices` says why); the table's `MLP+` rows say what one MLP holds less each
-way, measured after step one.
+`auto` weighs it (`TiledMLP.choices`) on layers recomputed whole: step one's segments are read in the stretches each
+layer's MLP runs in (`marks`: its forward, its recompute and backward), and each tiling moves those stretches by what
+one MLP, measured alone after step one, held less. The table's `MLP+` rows say what one MLP holds less each way.
 
 Refused with the reason: a layer whose MLP the lever does not find (an attribute `mlp`, `feed_forward` or `ffn` whose
 forward takes the hidden states alone), and a mixture of experts (its routing is kept, never recomputed, by the
@@ -171,10 +172,18 @@ class TiledMLP(Lever):
     @classmethod
     def build(cls, model, settings, option: Optional[str], n_layers: int):
         """Installed where `MLP+` was asked (`option`: every layer it names must hold an MLP the lever tiles, else
-        refused with the reason), and measured after step one (the table's `MLP+` rows). Not built under `auto`,
-        which does not weigh it yet (`choices`)."""
+        refused with the reason), and measured after step one (the table's `MLP+` rows); under `auto` with a budget
+        in MiB, built off, its MLPs marked in the steps watched and measured after step one, for the solver to weigh
+        (`choices`). Elsewhere nothing."""
         if option is None:
-            return None, None
+            budget = getattr(settings, "budget", None)
+            if budget is None or budget.share is not None:
+                return None, None
+            lever = cls(model)
+            if all(m is None for m in lever.mlps):
+                why = next((w for w in lever.why_not if w), "no layer holds an MLP")
+                return None, f"`MLP+` cannot run on it: {why}"
+            return lever, None
         lever = cls(model)
         chosen = parse(option, len(lever.layers))
         missing = [i for i in chosen if lever.mlps[i] is None]
@@ -236,6 +245,10 @@ class TiledMLP(Lever):
         return self.tiles[index] or default_tiles(self.mlps[index])
 
     # -- its measurement --------------------------------------------------------------------------------------------
+    def marks(self):
+        """Every layer's MLP, marked as "mlp": step one's segments hold the peak of the stretches it runs in."""
+        return [(m, MARK) for m in distinct_mlps(self.mlps)]
+
     def after_step_one(self, profile, resets: bool) -> None:
         result = measure(self, profile, resets)
         if isinstance(result, str):
@@ -244,13 +257,64 @@ class TiledMLP(Lever):
             profile.levers[self.name] = result
 
     def choices(self, profile, measured=None) -> List[LeverChoice]:
-        """The way it runs now, alone: `auto` does not weigh tiling yet. What tiling lowers a step's peak by is what
-        it lowers the peak of each tiled layer's own backward by, and that peak may fall outside the MLP (in the
-        attention's backward, with an eager attention's probabilities): the MLP measured alone gives the most it can
-        be, not what it is, and a choice resting on the most would peak over its budget (it did, by 4.7 MiB of a
-        predicted 16.7, on a decoder with eager attention). Measuring the layer's backward outside its MLP apart is
-        what it needs first."""
-        return [LeverChoice(self.name, self.option, self.plan())]
+        """The options `auto` weighs: off; every layer in each tile count measured; and the layers whose own backward
+        peaks highest, one more at a time, in the count that holds least. Each on layers recomputed whole only
+        (`LeverChoice.recomputed`): there the MLP's saves are made in its layer's backward and gone after, so tiling
+        moves no segment but the tiled layer's own forward and backward, in the stretches the MLP runs in (step one's
+        `Segment.parts`, marked by `marks`). It moves those by what one MLP held less, measured alone: in its layer's
+        forward, its forward under a checkpoint (as a layer recomputed whole runs it); in its layer's backward, its
+        forward and backward with autograd's saves (the layer's recompute and backward). Where the MLP was not
+        measured, or step one's segments were not marked inside, the way it runs now alone (with the reason in the
+        table's notes)."""
+        running = [LeverChoice(self.name, self.option, self.plan(), recomputed=tuple(sorted(self.tiles)))]
+        measured_mlp = profile.levers.get(self.name)
+        memory = profile.memory
+        if measured_mlp is None or memory is None or not any(seg.parts for seg in memory.segments):
+            return running
+        counts = sorted(c for c in measured_mlp.options if c > 1)
+        if not counts:
+            return running
+        layers = [i for i in measured_mlp.same if i < len(profile.layers)]
+        best = min(counts, key=lambda c: (measured_mlp.options[c].held_bytes, c))
+        by_peak = sorted(layers, key=lambda i: -_own_backward_peak(memory, i))
+        tilings: List[Dict[int, Optional[int]]] = [{}]
+        tilings += [{i: c for i in layers} for c in counts]
+        tilings += [{i: best for i in by_peak[:k]} for k in range(1, len(by_peak))]
+        if self.installed and self.tiles:
+            tilings.append({i: self.tiles_at(i) for i in self.tiles})
+        out, seen = [], set()
+        for tiling in tilings:
+            key = tuple(sorted(tiling.items()))
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(self._choice(tiling, measured_mlp, memory))
+        return out
+
+    def _choice(self, tiling: Dict[int, int], measured, memory) -> LeverChoice:
+        """The option tiling `tiling`'s layers (index -> tile count), as the solver weighs it against the step as it
+        ran (`tiles_at`: the counts it ran)."""
+        whole = measured.options[1]
+        parts = []
+        for i in sorted(set(tiling) | {i for i in self.tiles if self.installed}):
+            now, then = tiling.get(i, 1), self.tiles_at(i) or 1
+            if now == then or now not in measured.options or then not in measured.options:
+                continue
+            a, b = measured.options[now], measured.options[then]
+            forward = b.checkpointed_bytes - a.checkpointed_bytes  # what it holds less than the measured count
+            backward = b.held_bytes - a.held_bytes
+            parts.append((f"layer {i} forward", f"{MARK} forward", forward))
+            recomputes = _stretches(memory, i)
+            for tag in (f"{MARK} forward", f"after {MARK} forward") if recomputes else (f"{MARK} backward",):
+                parts.append((f"layer {i} backward", tag, backward))
+        seconds = sum(
+            max(0.0, measured.options[c].seconds - whole.seconds) for c in tiling.values() if c in measured.options
+        )
+        option = option_of({i: c for i, c in tiling.items()}, len(self.layers)) if tiling else None
+        plan = "" if option is None else ",".join(str(e) for e in SYNTAX.entries(option))
+        return LeverChoice(
+            self.name, option, plan, seconds=seconds, less_parts=tuple(parts), recomputed=tuple(sorted(tiling))
+        )
 
     def rows(self, profile, drop) -> List[FoundPlan]:
         measured = profile.levers.get(self.name)
@@ -299,14 +363,45 @@ class TiledMLP(Lever):
         return out
 
 
+MARK = "mlp"  # the name the MLPs' stretches are marked by inside a layer's segments (`Segment.parts`)
+
+
+def distinct_mlps(mlps) -> List[nn.Module]:
+    out = []
+    for m in mlps:
+        if m is not None and all(m is not o for o in out):
+            out.append(m)
+    return out
+
+
+def _own_backward_peak(memory, index: int) -> int:
+    """The peak of layer `index`'s own backward in the step as measured (0 where it has no segment)."""
+    name = f"layer {index} backward"
+    return max((s.peak_bytes for s in memory.segments if s.name == name or s.name.startswith(name + " ")), default=0)
+
+
+def _stretches(memory, index: int) -> bool:
+    """Whether layer `index`'s backward recomputed its MLP in the step as measured (a stretch "mlp forward" in it):
+    the MLP's backward is then that stretch and the next; else (its saves kept) the stretch "mlp backward"."""
+    name = f"layer {index} backward"
+    return any(
+        tag == f"{MARK} forward"
+        for s in memory.segments
+        if s.name == name or s.name.startswith(name + " ")
+        for tag, _ in s.parts
+    )
+
+
 @dataclass(frozen=True)
 class TilingOption:
-    """One MLP run one way (1 tile: whole), measured aside: the most it held above its start, what it kept for
-    backward (held after its forward), and its seconds (forward and backward)."""
+    """One MLP run one way (1 tile: whole), measured aside: the most it held above its start (its forward and
+    backward, with autograd's saves), what it kept for backward (held after its forward), the most its forward held
+    run under a checkpoint (as in a layer recomputed whole: nothing saved), and its seconds (forward and backward)."""
 
     held_bytes: int
     kept_bytes: int
     seconds: float
+    checkpointed_bytes: int = 0
 
 
 @dataclass
@@ -371,12 +466,19 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
         grads = torch.autograd.grad(out, [x, *params], torch.ones_like(out))
         del grads, out
 
-    held, times = {}, {}
+    def forward_checkpointed(count: int) -> None:
+        out = checkpoint(
+            (lambda t: forward(t)) if count == 1 else (lambda t: tiled(forward, t, count)), x, use_reentrant=False
+        )
+        del out
+
+    held, times, checkpointed = {}, {}, {}
     training = mlp.training
     mlp.train()
     try:
         for count in counts:  # once each, not timed: the kernels' set-up
             held_aside(lambda: run(count), weight.device.type, resets)
+            checkpointed[count], _ = held_aside(lambda: forward_checkpointed(count), weight.device.type, resets)
         for _ in range(REPEATS):
             for count in counts:
                 most, seconds = held_aside(lambda: run(count), weight.device.type, resets)
@@ -385,7 +487,7 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
                 times.setdefault(count, []).append(seconds)
     finally:
         mlp.train(training)
-    options = {c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c])) for c in counts}
+    options = {c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c]), checkpointed[c]) for c in counts}
     return MLPMeasure(tokens, hidden, options, same)
 
 

@@ -13,12 +13,14 @@ class only:
    model as it was), `run_as(option)` between steps (the solver's choice), `option` (what runs now).
 3. **Its measurement**: `after_step_one(profile, resets)`, between step one and step two: each option's bytes by
    segment and its seconds, read aside on the step's shapes, stored as pure data in `profile.levers[name]` (or why
-   not in `profile.lever_problems[name]`).
+   not in `profile.lever_problems[name]`). A lever acting inside the layers names its modules (`marks`): step one's
+   segments then hold the peak of each stretch those modules run in (`profile.Segment.parts`).
 4. **Its rows for the table**: `rows(profile, drop)` (one `FoundPlan` per option measured; `drop` gives PEAK DROP for
    an option's `LeverChoice`s) and `notes(profile)`.
 5. **Its options for the solver**: `choices(profile, measured)`, `budget.LeverChoice`s: the bytes each option holds
-   less than the measured step's by segment, its seconds on the compute's path, and the work that overlaps compute
-   (an offload's copy) against the window it hides in. The solver searches the product of the levers' options around
+   less than the measured step's by segment (or by a segment's stretch: `less_parts`), its seconds on the compute's
+   path, the work that overlaps compute (an offload's copy) against the window it hides in, and the layers it needs
+   recomputed whole (`recomputed`). The solver searches the product of the levers' options around
    the layers' programme (`budget.fit`).
 
 The defaults below are a lever that measures nothing and offers only what it runs.
@@ -72,6 +74,12 @@ class Lever:
         return False
 
     # -- its measurement ----------------------------------------------------------------------------------------
+    def marks(self) -> List[Tuple[object, str]]:
+        """The modules inside the layers the lever acts on, each with a name: the step's watch reads the stretches
+        each runs in apart (its forward, its backward: `engine.RecomputeState.mark_inside`, `profile.Segment.parts`),
+        which its options' `LeverChoice.less_parts` move. By default none."""
+        return []
+
     def after_step_one(self, profile, resets: bool) -> None:
         """Between step one and step two: measure each option into `profile.levers[name]` (or say why not in
         `profile.lever_problems[name]`). `resets`: whether the device's peak may be reset to read aside."""

@@ -57,6 +57,15 @@ class Segment:
     start_bytes: int  # the reading as it began
     peak_bytes: int  # the highest reading in it (`StepMemory.how`)
     own: Optional[int] = None  # the layer whose forward (own = held - 1) or backward (own = held) this is
+    # the peak of each stretch between the inner marks inside it (`StepWatch.inside`: a lever's module starting its
+    # forward, ending it, its backward starting and ending), in order, each named by the mark that opened it ("" the
+    # stretch from the segment's start); empty where nothing marked inside it or the peak counter is not reset
+    parts: Tuple[Tuple[str, int], ...] = ()
+
+    def shifted(self, by: int, name: Optional[str] = None) -> "Segment":
+        """The segment with every reading of its peak moved by `by` bytes (and renamed to `name`)."""
+        parts = tuple((tag, peak + by) for tag, peak in self.parts)
+        return Segment(name or self.name, self.held, self.start_bytes, self.peak_bytes + by, self.own, parts)
 
 
 @dataclass

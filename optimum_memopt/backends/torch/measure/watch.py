@@ -60,6 +60,8 @@ class StepWatch:
         self._open: Optional[Tuple[str, int, int, Optional[int]]] = None  # (name, held, start bytes, own layer)
         self._stage = "waiting"  # -> forward -> head -> backward -> after -> done
         self._last = -1
+        self._parts: List[Tuple[str, int]] = []  # the open segment's stretches between inner marks, closed so far
+        self._part = ""  # the mark that opened the open stretch ("" the segment's start)
 
     @property
     def how(self) -> str:
@@ -83,11 +85,26 @@ class StepWatch:
         current, peak = self._read()
         if self._open is not None:
             opened, opened_held, start, opened_own = self._open
-            self.segments.append(Segment(opened, opened_held, start, max(peak, start, current), opened_own))
+            parts = tuple(self._parts + [(self._part, max(peak, current))]) if self._parts else ()
+            most = max([peak, start, current] + [p for _, p in parts])
+            self.segments.append(Segment(opened, opened_held, start, most, opened_own, parts))
         if self.resets:
             self.meter.reset_peak()
         self._open = (name, held, current, own) if name is not None else None
+        self._parts, self._part = [], ""
         return current
+
+    def inside(self, mark: str) -> None:
+        """An inner mark in a layer's forward or backward segment (a lever's module starting or ending its forward or
+        its backward: `engine.mark_inside`): the stretch since the last mark closes with its peak, and one named
+        `mark` opens; the segment keeps each stretch's peak (`Segment.parts`), its own the highest of them. Only where
+        the peak counter is reset at the marks (else a stretch's peak cannot be told from the segment's)."""
+        if not self.resets or self._open is None or self._stage not in ("forward", "forward-last", "backward"):
+            return
+        current, peak = self._read()
+        self._parts.append((self._part, max(peak, current)))
+        self.meter.reset_peak()
+        self._part = mark
 
     def _wrong(self, what: str) -> None:
         if self.problem is None:
