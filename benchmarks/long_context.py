@@ -31,6 +31,9 @@ sys.path.insert(0, ROOT)
 
 from optimum_memopt.advisor import run_child  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fit_search import largest_fitting  # noqa: E402
+
 DECODER = os.path.join(ROOT, "benchmarks", "decoder.py")
 COMPILE = os.path.join(ROOT, "benchmarks", "compile_budget.py")
 PLAIN = ["--memory_opt_backend", "none"]
@@ -81,40 +84,13 @@ def measure(a, script, label, flags, seq):
 
 def longest(a, budget, script, label, flags, seen):
     """The longest sequence (a multiple of `--seq_step`) whose peak fits the budget, and every measurement made."""
-    step = a.seq_step
 
-    def at(seq):
+    def measured(seq):
         if seq not in seen:
             seen[seq] = measure(a, script, label, flags, seq)
-        m = seen[seq]
-        return m.ok and m.peak_mb <= budget
+        return seen[seq]
 
-    if not at(step):
-        return 0
-    low, high = step, None
-    second = 2 * step
-    if at(second):
-        low = second
-        one, two = seen[step].peak_mb, seen[second].peak_mb
-        per = (two - one) / step
-        guess = int((budget - two) / per) // step * step + second if per > 0 else second * 4
-        guess = max(second + step, min(guess, a.max_seq))
-        stride = step
-        while guess <= a.max_seq:  # the line undershot (a peak nearly flat in the length, as `auto`'s): strides double
-            if at(guess):
-                low = guess
-                guess += stride
-                stride *= 2
-            else:
-                high = guess
-                break
-        while high is not None and high - low > step:  # the line was off: narrow down
-            mid = (low + high) // 2 // step * step
-            if at(mid):
-                low = mid
-            else:
-                high = mid
-    return low
+    return largest_fitting(measured, a.seq_step, a.max_seq, budget)
 
 
 def main(argv=None):

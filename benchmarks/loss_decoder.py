@@ -30,6 +30,9 @@ sys.path.insert(0, ROOT)
 
 from optimum_memopt.advisor import run_child  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fit_search import largest_fitting  # noqa: E402
+
 DECODER = os.path.join(ROOT, "benchmarks", "decoder.py")
 COMPILE = os.path.join(ROOT, "benchmarks", "compile_budget.py")
 SHAPE = ["--layers", "8", "--hidden", "256", "--intermediate", "768", "--heads", "4", "--seq", "512"]
@@ -71,40 +74,13 @@ def measure(a, script, label, flags, batch):
 
 def largest(a, budget, script, label, flags, seen):
     """The largest batch (a multiple of `--batch_step`) whose peak fits the budget, and every measurement made."""
-    step = a.batch_step
 
-    def at(batch):
+    def measured(batch):
         if batch not in seen:
             seen[batch] = measure(a, script, label, flags, batch)
-        m = seen[batch]
-        return m.ok and m.peak_mb <= budget
+        return seen[batch]
 
-    if not at(step):
-        return 0
-    low, high = step, None
-    second = 2 * step
-    if at(second):
-        low = second
-        one, two = seen[step].peak_mb, seen[second].peak_mb
-        per = (two - one) / step
-        guess = int((budget - two) / per) // step * step + second if per > 0 else second * 4
-        guess = max(second + step, min(guess, a.max_batch))
-        stride = step
-        while guess <= a.max_batch:  # the line undershot (a peak flat in the batch, as `auto`'s): strides double
-            if at(guess):
-                low = guess
-                guess += stride
-                stride *= 2
-            else:
-                high = guess
-                break
-        while high is not None and high - low > step:  # the line was off: narrow down
-            mid = (low + high) // 2 // step * step
-            if at(mid):
-                low = mid
-            else:
-                high = mid
-    return low
+    return largest_fitting(measured, a.batch_step, a.max_batch, budget)
 
 
 def main(argv=None):

@@ -11,7 +11,8 @@ trains a fresh copy (seed 0) for `--steps` SGD steps on two 16-token sequences a
 plain run: `equal` (bitwise), `within 1e-5` (relative, what chunked losses reach: a sum in another order), `differs`
 (with the largest relative difference), `refused` (the plugin said why, quoted), or `error` (the exception). A family
 that cannot be built or trained plainly at that size says so and is left out of the modes. Modes: level 1; layer 0
-recomputed whole (`Layer+:1:-1@0`); the head and loss in 2 chunks (`Loss+:1:-1@chunks2`); `auto` under a budget it
+recomputed whole (`Layer+:1:-1@0`); the head and loss in 2 chunks (`Loss+:1:-1@chunks2`); every layer's MLP in 2 tiles
+of tokens (`MLP+:1:-1@tiles2`); `auto` under a budget it
 meets by choosing nothing (the path: its measurement and choice, and the steps after), with the choice said; and
 `auto` under a tight budget, halfway from the least any choice reaches to eager's peak (both from the
 run before), with its choice, the budget, and any check that read over it. Both `auto` runs take three steps more
@@ -46,6 +47,7 @@ MODES = {
     "level 1": dict(level=1),
     "Layer+@0": dict(plans="Layer+:1:-1@0"),
     "Loss+ chunks2": dict(plans="Loss+:1:-1@chunks2"),
+    "MLP+ tiles2": dict(plans="MLP+:1:-1@tiles2"),
     "auto": dict(plans="auto", budget_mb=1e6),
     # halfway from the least any choice reaches to eager's peak, both from the "auto" run before it
     "auto tight": dict(plans="auto", budget_mb=None),

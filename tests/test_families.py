@@ -32,6 +32,13 @@ def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
         assert row["Loss+ chunks2"].startswith("refused: its forward does not call its backbone"), row
     else:
         assert row["Loss+ chunks2"] in ("equal", "within 1e-5"), row
+    tiles = row["MLP+ tiles2"]  # the MLP in tiles: as plain to the weights' summation order, or refused with why
+    if kind == "qwen3_moe":
+        assert tiles.startswith("refused: ") and "mixture of experts" in tiles, row
+    elif kind in ("llama", "gpt2", "gemma3", "electra"):
+        assert tiles in ("equal", "within 1e-5"), row
+    else:
+        assert tiles in ("equal", "within 1e-5") or tiles.startswith("refused: "), row
     if kind == "hrm_text":  # its layers run in cycles: step one cannot be measured layer by layer, said in step one
         assert row["auto"].startswith(
             "error: RuntimeError: `plans='auto'` measures step one layer by layer, but a step of HrmTextForCausalLM "
@@ -57,4 +64,4 @@ def test_the_table_goes_between_its_markers(tmp_path):
     families.write(str(doc), families.table(rows + [{"family": "bart", "plain": "trains"}]))  # replaced, not added
     text = doc.read_text()
     assert text.count(families.BEGIN) == 1 and "| bart | trains |" in text and text.startswith("# Compatibility")
-    assert "Trained as plain: level 1 1, Layer+@0 1, Loss+ chunks2 0, auto 0, auto tight 0." in text
+    assert "Trained as plain: level 1 1, Layer+@0 1, Loss+ chunks2 0, MLP+ tiles2 0, auto 0, auto tight 0." in text
