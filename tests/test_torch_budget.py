@@ -868,3 +868,27 @@ def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_w
         assert all(result.choice[i].whole for i in tiled)
         chosen.add(len(tiled))
     assert chosen == {0, L}, chosen  # untiled where it fits so, every layer tiled where only that fits
+
+
+def test_the_step_after_the_last_check_is_counted_only_up_to_its_first_layer():
+    """On the CPU the steps `auto` measures are counted op by op (several times slower); its last check is read at
+    the next step's first layer, and the rest of that step runs uncounted: only step one and the check are slow."""
+    from optimum_memopt import optimize_memory
+    from optimum_memopt.backends.torch import _torch_api
+
+    model = decoder()
+    model.train()
+    handle = optimize_memory(model, "auto", budget_mb=1e6, reports_steps=True, say=lambda s: None)
+    modes = []
+    model.model.layers[-1].register_forward_hook(lambda *a: modes.append(len(_torch_api.dispatch_modes())))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        ids = torch.randint(0, 512, (2, 64), generator=data)
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        handle.step_done()
+    planner = getattr(model, "_memopt_recompute").planner
+    assert planner.stage == "done" and len(planner.verified) == 1
+    assert [m > 0 for m in modes] == [True, True, False, False], modes  # step one, the check; not the two after

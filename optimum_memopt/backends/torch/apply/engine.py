@@ -295,6 +295,8 @@ class RecomputeState:
         if starts:
             if self.planner is not None and (self._step_ended or self.planner.stage == "start"):
                 self.planner.at_step_start(self, _device(args, kwargs))
+                if self._readings is not None and not self.measuring():  # its last check read: this step is not
+                    self._readings.stop()
             self._step_ended = False
             if self.profile is None and self._recording is None:
                 self._recording = [LayerProfile() for _ in self.layers]

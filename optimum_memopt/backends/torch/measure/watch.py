@@ -309,6 +309,15 @@ class StepReadings:
             handle.remove()
         self._handles = []
 
+    def stop(self) -> None:
+        """Count no more of the step under way: the steps measured are over at its first layer (`auto`'s last check
+        read there). Its forward's mode is left where it is on top (its backward and optimizer step then run
+        uncounted, at the speed of a step not measured)."""
+        mode = self._mode
+        if mode is not None and _torch_api.dispatch_mode_on_top(mode):
+            mode.__exit__(None, None, None)
+            self._mode, self._depth, self._counted = None, 0, False
+
     def _before(self, module, args, kwargs):
         if self._stale is not None and _torch_api.dispatch_mode_on_top(self._stale):
             self._stale.__exit__(None, None, None)
