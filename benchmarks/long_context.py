@@ -18,6 +18,7 @@ at each length, medians. `auto`'s predicted peak is read from its `memory_auto/s
 
     python benchmarks/long_context.py                   # hours on 2 CPU cores (the sequence is searched per way)
     python benchmarks/long_context.py --rounds 1 --compile_budgets --max_seq 8192   # a quicker look
+    python benchmarks/long_context.py --only "ours:" --rounds 0      # one configuration's search alone
 """
 
 import argparse
@@ -115,6 +116,12 @@ def main(argv=None):
         help="skip the search: time these configurations (their labels' first words, as in `whole +` or `ours:`) at "
         "`--lengths`, in `--rounds` interleaved rounds",
     )
+    p.add_argument(
+        "--only",
+        nargs="*",
+        default=None,
+        help="search and time these configurations only (their labels' first words), the others left out of the run",
+    )
     p.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "long_context.json"))
     a = p.parse_args(argv)
     a.script_flags = shape(a) + (["--use_cpu"] if a.device == "cpu" else []) + ["--seed", "42"]
@@ -127,6 +134,8 @@ def main(argv=None):
     rows = configurations(a, budget)
 
     lengths = a.lengths or [2 * a.base_seq, 4 * a.base_seq]
+    if a.only is not None:
+        rows = [r for r in rows if any(r[0].startswith(prefix) for prefix in a.only)]
     found, seen_by = {}, {}
     if a.speeds_only is not None:  # the lengths taken as fitting (a search's answer read before), timed only
         rows = [r for r in rows if any(r[0].startswith(prefix) for prefix in a.speeds_only)]

@@ -819,30 +819,32 @@ def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_w
 
     per_layer = candidates(profile)
     q = freed_bytes(profile, whole())
-    base = 10 << 20
-    segs = [Segment(f"layer {i} forward", i + 1, 0, base + 900, parts=(("", base + 100), ("mlp forward", base + 900)))
+    base, k = 10 << 20, 100  # k: the stretches' figures apart by more than a message's 0.1 MiB
+    segs = [Segment(f"layer {i} forward", i + 1, 0, base + 900 * k, parts=(("", base + 100 * k), ("mlp forward", base + 900 * k)))
             for i in range(L)]  # fmt: skip
-    segs.append(Segment(HEAD_SEGMENT, L, 0, base + 500))
+    segs.append(Segment(HEAD_SEGMENT, L, 0, base + 500 * k))
     for i in reversed(range(L)):
         parts = (
             ("", base),
-            ("mlp backward", base + 2000),
-            ("mlp forward", base + 6000),
-            ("after mlp backward", base + 3000),
+            ("mlp backward", base + 2000 * k),
+            ("mlp forward", base + 6000 * k),
+            ("after mlp backward", base + 3000 * k),
         )
-        segs.append(Segment(f"layer {i} backward", i, 0, base + 6000, parts=parts))
+        segs.append(Segment(f"layer {i} backward", i, 0, base + 6000 * k, parts=parts))
     segs.append(Segment("after backward: the optimizer step and the next batch", 0, 0, base))
     mem = StepMemory("cpu", segs, 0, "test")
 
     def tiles(layers, seconds):
-        parts = tuple((f"layer {i} backward", "mlp forward", 5000) for i in layers)
-        parts += tuple((f"layer {i} forward", "mlp forward", 400) for i in layers)
+        parts = tuple((f"layer {i} backward", "mlp forward", 5000 * k) for i in layers)
+        parts += tuple((f"layer {i} forward", "mlp forward", 400 * k) for i in layers)
         return LeverChoice("mlp", "x", "MLP+", seconds=seconds, less_parts=parts, recomputed=tuple(layers))
 
     one = tiles([L - 1], 0.001)
-    assert predict(mem, q, q, levers=[one]).peak_bytes == base + 6000  # the other layers' backward still peak there
+    assert (
+        predict(mem, q, q, levers=[one]).peak_bytes == base + 6000 * k
+    )  # the other layers' backward still peak there
     moved = predict(mem, q, q, levers=[tiles(range(L), 0.003)])
-    assert moved.peak_bytes == base + 3000 and "backward" in moved.where  # the attention's stretch is the top now
+    assert moved.peak_bytes == base + 3000 * k and "backward" in moved.where  # the attention's stretch is the top now
 
     options = [LeverChoice("mlp"), one, tiles(range(L), 0.003)]
     wholes = []
@@ -850,7 +852,7 @@ def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_w
         w = whole_layer(rec.graph, rec.op_seconds)
         wholes.append(Candidate(frozenset(), True, w.freed_bytes, w.seconds))
     chosen = set()
-    for budget in (base + 6000 - min(q) // 2, base + 3000, base + 6000 + 10_000, base + 2999):
+    for budget in (base + 6000 * k - min(q) // 2, base + 3000 * k, base + 6100 * k, base + 2999 * k):
         best = None
         for option in options:
             allowed = [[wholes[i]] if i in option.recomputed else per_layer[i] for i in range(L)]
@@ -863,11 +865,19 @@ def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_w
             assert result.choice is None, budget
             continue
         assert result.choice is not None and result.predicted.peak_bytes <= budget
-        assert result.recompute_seconds == pytest.approx(best)
+        assert result.recompute_seconds == pytest.approx(best), (
+            budget - base,
+            [c.label for c in result.choice],
+            result.lever("mlp").recomputed,
+        )
         tiled = result.lever("mlp").recomputed
         assert all(result.choice[i].whole for i in tiled)
         chosen.add(len(tiled))
     assert chosen == {0, L}, chosen  # untiled where it fits so, every layer tiled where only that fits
+    # nothing fits: said of the option that comes closest (every layer tiled), not of the first one tried
+    closest = fit(profile, mem, base + 2999 * k, whole(), levers=[[options[2]]]).why_not
+    assert fit(profile, mem, base + 2999 * k, whole(), levers=[options]).why_not == closest
+    assert "10.3 MiB in layer 0 backward" in closest, closest
 
 
 def test_the_step_after_the_last_check_is_counted_only_up_to_its_first_layer():

@@ -286,14 +286,15 @@ def fit(
     the least total time wins (the options' `cost` included)."""
     per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer, levers)
     result.budget_bytes = budget_bytes
-    best, first_why = None, None
+    best, closest = None, None  # closest: (the least peak of a combination that does not fit, why it does not)
     for combo in itertools.product(*levers):
         allowed = _allowed(profile, per_layer, combo)
         if allowed is None:
             continue
         extra = extra_bytes + sum(c.returned for c in combo)
         needs, why_not = _needs(memory, q, budget_bytes, extra, combo, len(per_layer))
-        if why_not is None and _floor(memory, q, allowed, extra_bytes, combo).peak_bytes > budget_bytes:
+        least = _floor(memory, q, allowed, extra_bytes, combo).peak_bytes
+        if why_not is None and least > budget_bytes:
             why_not = (
                 f"with each layer recomputing the most it can, the step still peaks at "
                 f"{result.floor.peak_mb:,.1f} MiB ({result.floor.where}), over the budget"
@@ -302,13 +303,14 @@ def fit(
         if why_not is None and choice is None:  # the bytes are there, but not in the solver's units
             why_not = "no choice frees the bytes needed in the units the solver counts in"
         if choice is None:
-            first_why = first_why or why_not
+            if closest is None or least < closest[0]:  # said of the levers' options that come closest
+                closest = (least, why_not)
             continue
         seconds = sum(c.seconds for c in choice) + sum(c.cost for c in combo)
         if best is None or seconds < best[0]:
             best = (seconds, choice, combo)
     if best is None:
-        result.why_not = first_why
+        result.why_not = closest[1] if closest is not None else "no option of the levers can run with the layers"
         return result
     _, result.choice, result.levers = best
     freed = [c.freed_bytes for c in result.choice]

@@ -82,8 +82,8 @@ def choose(
     if needs:
         needs[-1] = max(needs[-1], math.ceil(need_bytes))
     cap_bytes = max(needs, default=0)
-    if cap_bytes <= 0:
-        return [KEEP for _ in per_layer]
+    if cap_bytes <= 0:  # nothing to free: each layer kept, or its quickest where keeping it is not offered
+        return [KEEP if KEEP in options else min(options, key=lambda c: c.seconds) for options in per_layer]
     most = 0
     for options, need in zip(per_layer, needs):
         most += max(c.freed_bytes for c in options)
