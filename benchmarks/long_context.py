@@ -159,7 +159,7 @@ def main(argv=None):
                     continue
                 first = r == 0 and n in seen_by[label]
                 m = seen_by[label][n] if first else measure(a, script, label, flags, n)
-                if m.ok:
+                if m.ok and m.peak_mb <= budget:  # a run over the budget does not fit: no speed for it
                     speed[n][label].append(m)
 
     table = []
