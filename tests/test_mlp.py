@@ -254,3 +254,38 @@ def test_auto_tiles_the_mlp_where_only_tiles_fit_and_its_prediction_holds():
     assert handle.levers["mlp"].option == choice.lever("mlp").option  # it runs what was chosen
     tiled_layers = choice.lever("mlp").recomputed
     assert "MLP+" in choice.config() and all(choice.choice[i].whole for i in tiled_layers)  # tiles in whole layers
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_mlp_is_run_alone_only_where_its_bound_fits_what_step_one_left_free(autocast):
+    """Each tile count is run alone after step one only where its bound by the shapes fits under step one's peak
+    (a whole MLP at long sequence is more than a tiled step holds: run between steps, it would not fit on a device
+    where the tiled step does). The bound holds what each count held, under autocast too (the MLP is run in step
+    one's autocast, as the step runs it); with no room, nothing is run and the reason is said."""
+    import dataclasses
+
+    from optimum_memopt.backends.torch.levers.mlp import measure
+
+    model = model_of("llama")
+    # layer 1's MLP runs whole: step one holds it, and every count fits what the step's peak leaves free
+    handle = optimum_memopt.optimize_memory(model, "Layer+:1:-1,MLP+:1:-1@0:tiles2", reports_steps=True)
+    ids = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model(input_ids=ids, labels=ids).loss.backward()
+    handle.step_done()
+    state = getattr(model, "_memopt_recompute")
+    assert state.profile.autocast == ("bfloat16" if autocast else None)
+    measured = state.profile.levers["mlp"]
+    assert set(measured.options) == {1, 2, 4, 8} and not measured.why_not, measured.why_not
+    for count, option in measured.options.items():
+        assert 0 < option.held_bytes <= option.bound_bytes, (count, option)
+    whole, tiles = measured.options[1], measured.options[4]
+    assert tiles.held_bytes < whole.held_bytes and tiles.checkpointed_bytes < whole.checkpointed_bytes
+
+    lever = handle.levers["mlp"]
+    memory = state.profile.memory
+    tight = dataclasses.replace(
+        state.profile, memory=dataclasses.replace(memory, segments=[s.shifted(-s.peak_bytes) for s in memory.segments])
+    )
+    why = measure(lever, tight)
+    assert isinstance(why, str) and "step one's peak left 0.0 MiB free" in why, why

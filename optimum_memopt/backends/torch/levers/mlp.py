@@ -63,6 +63,7 @@ SYNTAX = LeverSyntax(
 MLP_NAMES = ("mlp", "feed_forward", "ffn")  # where a decoder layer holds its MLP, in transformers' families
 REPEATS = 3  # each tiling is timed this many times (interleaved), its median taken
 MOST_TILES = 64  # the most tiles measured for the table
+BOUND_MARGIN = 0.25  # the first tile count's bound by the shapes is taken this much higher (`measure`)
 
 
 def mlp_of(layer: nn.Module) -> Tuple[Optional[nn.Module], Optional[str]]:
@@ -265,11 +266,15 @@ class TiledMLP(Lever):
         forward, its forward under a checkpoint (as a layer recomputed whole runs it); in its layer's backward, its
         forward and backward with autograd's saves (the layer's recompute and backward). Where the MLP was not
         measured, or step one's segments were not marked inside, the way it runs now alone (with the reason in the
-        table's notes)."""
+        table's notes); a count not run alone (its bound did not fit what step one's peak left free) is not offered,
+        and where the count a layer ran was not run alone, nothing else is (no change from it can be priced)."""
         running = [LeverChoice(self.name, self.option, self.plan(), recomputed=tuple(sorted(self.tiles)))]
         measured_mlp = profile.levers.get(self.name)
         memory = profile.memory
         if measured_mlp is None or memory is None or not any(seg.parts for seg in memory.segments):
+            return running
+        ran = {self.tiles_at(i) or 1 for i in range(len(self.layers)) if self.mlps[i] is not None}
+        if not ran <= set(measured_mlp.options):
             return running
         counts = sorted(c for c in measured_mlp.options if c > 1)
         if not counts:
@@ -277,7 +282,7 @@ class TiledMLP(Lever):
         layers = [i for i in measured_mlp.same if i < len(profile.layers)]
         best = min(counts, key=lambda c: (measured_mlp.options[c].held_bytes, c))
         by_peak = sorted(layers, key=lambda i: -_own_backward_peak(memory, i))
-        tilings: List[Dict[int, Optional[int]]] = [{}]
+        tilings: List[Dict[int, Optional[int]]] = [{}] if 1 in measured_mlp.options else []
         tilings += [{i: c for i in layers} for c in counts]
         tilings += [{i: best for i in by_peak[:k]} for k in range(1, len(by_peak))]
         if self.installed and self.tiles:
@@ -294,11 +299,13 @@ class TiledMLP(Lever):
     def _choice(self, tiling: Dict[int, int], measured, memory) -> LeverChoice:
         """The option tiling `tiling`'s layers (index -> tile count), as the solver weighs it against the step as it
         ran (`tiles_at`: the counts it ran)."""
-        whole = measured.options[1]
+        base = (
+            measured.options[1] if 1 in measured.options else min(measured.options.values(), key=lambda o: o.seconds)
+        )
         parts = []
         for i in sorted(set(tiling) | {i for i in self.tiles if self.installed}):
-            now, then = tiling.get(i, 1), self.tiles_at(i) or 1
-            if now == then or now not in measured.options or then not in measured.options:
+            now, then = tiling.get(i, 1), self.tiles_at(i) or 1  # both run alone (`choices` offers no other)
+            if now == then:
                 continue
             a, b = measured.options[now], measured.options[then]
             forward = b.checkpointed_bytes - a.checkpointed_bytes  # what it holds less than the measured count
@@ -307,9 +314,7 @@ class TiledMLP(Lever):
             recomputes = _stretches(memory, i)
             for tag in (f"{MARK} forward", f"after {MARK} forward") if recomputes else (f"{MARK} backward",):
                 parts.append((f"layer {i} backward", tag, backward))
-        seconds = sum(
-            max(0.0, measured.options[c].seconds - whole.seconds) for c in tiling.values() if c in measured.options
-        )
+        seconds = sum(max(0.0, measured.options[c].seconds - base.seconds) for c in tiling.values())
         option = option_of({i: c for i, c in tiling.items()}, len(self.layers)) if tiling else None
         plan = "" if option is None else ",".join(str(e) for e in SYNTAX.entries(option))
         return LeverChoice(
@@ -318,7 +323,7 @@ class TiledMLP(Lever):
 
     def rows(self, profile, drop) -> List[FoundPlan]:
         measured = profile.levers.get(self.name)
-        if measured is None:
+        if measured is None or 1 not in measured.options:  # the whole MLP not run alone: nothing to say less than
             return []
         out = []
         for count, option in sorted(measured.options.items()):
@@ -349,7 +354,12 @@ class TiledMLP(Lever):
                 f"each tile's intermediates made again in backward"
             )
         measured, problem = profile.levers.get(self.name), profile.lever_problems.get(self.name)
-        if measured is not None:
+        if measured is not None and 1 not in measured.options:
+            out.append(
+                f"the layers' MLPs (`MLP+`) have no rows: one MLP run alone after step one was not run whole "
+                f"({measured.why_not.get(1, 'not run')})"
+            )
+        elif measured is not None:
             whole = measured.options[1]
             out.append(
                 f"the layers' MLPs (`MLP+` rows): one MLP run alone after step one on its input's shape "
@@ -402,6 +412,7 @@ class TilingOption:
     kept_bytes: int
     seconds: float
     checkpointed_bytes: int = 0
+    bound_bytes: int = 0  # the most it could hold before it ran, by the shapes (`measure`; checked by the tests)
 
 
 @dataclass
@@ -411,8 +422,9 @@ class MLPMeasure:
 
     tokens: int
     hidden: int
-    options: Dict[int, TilingOption]
+    options: Dict[int, TilingOption]  # by tile count (1: whole), those run
     same: List[int] = field(default_factory=list)  # the layers this measure stands for
+    why_not: Dict[int, str] = field(default_factory=dict)  # the counts not run, and why (their bound did not fit)
 
     @property
     def layers(self) -> int:
@@ -431,10 +443,15 @@ def tile_counts(tokens: int, default: int) -> List[int]:
 
 def measure(lever: TiledMLP, profile, resets: bool = True):
     """One MLP run alone on the first tiled-able layer's input shape (hidden states drawn from a generator of the
-    measurement's own: the process's streams stay the user's), whole and in each tile count of `tile_counts` and the
-    ones running, read aside (`measure.aside`); it stands for every layer whose MLP has the same class and
-    shapes. Returns an `MLPMeasure`, or the reason there is none."""
-    from ..measure.aside import held_aside
+    measurement's own: the process's streams stay the user's), under step one's autocast, whole and in each tile
+    count of `tile_counts` and the ones running, read aside (`measure.aside`); it stands for every layer whose MLP
+    has the same class and shapes. Never with more memory than step one's peak left free: the counts run from the
+    most tiles down, each only where its bound fits: for the first, by the shapes (`BOUND_MARGIN` higher); for each
+    after, what the count before held scaled by the tokens a tile holds (what a count holds is a part of its own and
+    a part that grows with a tile's tokens: scaled whole, both are over-counted, never under). A count left out, and
+    those after it, are said in `why_not`. Returns an `MLPMeasure`, or the reason there is none."""
+    from .. import _torch_api
+    from ..measure.aside import current_bytes, held_aside
 
     first = next((i for i, m in enumerate(lever.mlps) if m is not None), None)
     if first is None:
@@ -442,53 +459,93 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
     shape = profile.layers[first].shape if first < len(profile.layers) else ()
     if len(shape) < 2:
         return "step one's layers took no hidden states to count the tokens by"
+    if profile.memory is None:
+        return (
+            "step one's memory was not read, so how much the MLP run alone may take without going above step one's "
+            "peak is not known"
+        )
     mlp = lever.mlps[first]
     how = sharded(mlp)
     if how is not None:
         return f"the MLP's weights are sharded ({how}): measured alone they would be gathered on one process's say"
     params = [p for p in mlp.parameters() if p.requires_grad]
     weight = next(mlp.parameters())
+    device = weight.device.type
     same = [i for i, m in enumerate(lever.mlps) if m is not None and _signature(m) == _signature(mlp)]
     tokens, hidden = math.prod(shape[:-1]), shape[-1]
     running = (c for c in (lever.tiles_at(i) for i in same) if c)
-    counts = sorted({1, *tile_counts(tokens, default_tiles(mlp)), *running})
+    counts = sorted({1, *tile_counts(tokens, default_tiles(mlp)), *running}, reverse=True)  # the most tiles first
+    autocast = getattr(torch, profile.autocast) if profile.autocast else None
+    itemsize = max(weight.element_size(), torch.finfo(autocast).bits // 8 if autocast is not None else 0)
+    widest = max((max(p.shape) for p in mlp.parameters() if p.dim() == 2), default=hidden)  # Linear's or Conv1D's
+    # the first count's bound: what any count holds besides its tiles' intermediates (the output, its gradient and
+    # the input's, the tiles' outputs put together; the weights' gradients, summed and a tile's), and what a token of
+    # a tile adds (its intermediates kept and their gradients: twelve rows of the widest projection, more than the
+    # gated and the GELU MLPs of transformers' families hold; checked by tests/test_mlp.py)
+    fixed = 4 * tokens * hidden * itemsize + 2 * sum(p.numel() * p.element_size() for p in params)
+    per_token = 12 * widest * itemsize
     own = torch.Generator(device=weight.device).manual_seed(0)
     x = torch.randn(1, tokens, hidden, generator=own, dtype=weight.dtype, device=weight.device, requires_grad=True)
     forward = type(mlp).forward.__get__(mlp)
     kept: Dict[int, int] = {}
 
     def run(count: int) -> None:
-        from ..measure.aside import current_bytes
-
-        start = current_bytes(weight.device.type)
-        out = forward(x) if count == 1 else tiled(forward, x, count)
-        kept[count] = current_bytes(weight.device.type) - start - out.numel() * out.element_size()
+        start = current_bytes(device)
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            out = forward(x) if count == 1 else tiled(forward, x, count)
+        kept[count] = current_bytes(device) - start - out.numel() * out.element_size()
         grads = torch.autograd.grad(out, [x, *params], torch.ones_like(out))
         del grads, out
 
     def forward_checkpointed(count: int) -> None:
-        out = checkpoint(
-            (lambda t: forward(t)) if count == 1 else (lambda t: tiled(forward, t, count)), x, use_reentrant=False
-        )
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            out = checkpoint(
+                (lambda t: forward(t)) if count == 1 else (lambda t: tiled(forward, t, count)), x, use_reentrant=False
+            )
         del out
 
-    held, times, checkpointed = {}, {}, {}
+    def rows(count: int) -> int:
+        return -(-tokens // count)
+
+    held, times, checkpointed, why_not, bounds = {}, {}, {}, {}, {}
+    fake = _torch_api.is_fake(weight)
     training = mlp.training
     mlp.train()
     try:
-        for count in counts:  # once each, not timed: the kernels' set-up
-            held_aside(lambda: run(count), weight.device.type, resets)
-            checkpointed[count], _ = held_aside(lambda: forward_checkpointed(count), weight.device.type, resets)
+        last = None  # the count run before: (its tile's tokens, what it held)
+        for count in counts:  # once each, not timed (the kernels' set-up), where its bound fits
+            if last is None:
+                bounds[count] = int((fixed + rows(count) * per_token) * (1 + BOUND_MARGIN))
+            else:
+                bounds[count] = -(-last[1] * rows(count) // last[0])
+            bound = bounds[count]
+            room = profile.memory.peak.peak_bytes - current_bytes(device)
+            if bound > room and not fake:  # a dry run's tensors hold no memory: every count is run
+                for rest in counts[counts.index(count) :]:
+                    why_not[rest] = (
+                        f"{'it' if rest == count else f'{count} tile(s) before it'} could hold up to "
+                        f"{bound / MIB:,.1f} MiB, and step one's peak left {max(room, 0) / MIB:,.1f} MiB free"
+                    )
+                break
+            most, _ = held_aside(lambda: run(count), device, resets)
+            checkpointed[count], _ = held_aside(lambda: forward_checkpointed(count), device, resets)
+            last = (rows(count), most)
+        measured = [c for c in counts if c in checkpointed]
         for _ in range(REPEATS):
-            for count in counts:
-                most, seconds = held_aside(lambda: run(count), weight.device.type, resets)
+            for count in measured:
+                most, seconds = held_aside(lambda: run(count), device, resets)
                 if count not in held:
                     held[count] = most
                 times.setdefault(count, []).append(seconds)
     finally:
         mlp.train(training)
-    options = {c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c]), checkpointed[c]) for c in counts}
-    return MLPMeasure(tokens, hidden, options, same)
+    if not measured:
+        return f"the MLP was not run alone in any tile count: {why_not[counts[0]]}"
+    options = {
+        c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c]), checkpointed[c], bounds[c])
+        for c in measured
+    }
+    return MLPMeasure(tokens, hidden, options, same, why_not)
 
 
 LEVER = TiledMLP
