@@ -340,8 +340,11 @@ def test_the_largest_batch_and_sequence_found_fit_and_one_more_does_not():
     config.max_position_embeddings, config.num_key_value_heads = 1 << 14, 4
     plan = optimum_memopt.plan(config, batch=2, seq=128, budget_mb=12)
     reach = plan.reach
-    assert reach["under"] == "level 1 + Loss+" and reach["batch"] > 2 and reach["seq"] > 128, reach
-    floor = dict(plans="Layer+:1:-1,Loss+:1:-1", kernels=CudaKernels(DEVICES[DEFAULT_DEVICE].capability))
+    # the least `auto` reaches: the layers recomputed whole, the head in chunks, the MLPs in 8 tiles
+    assert reach["under"] == "level 1 + Loss+ + MLP+ (8 tiles)" and reach["batch"] > 2 and reach["seq"] > 128, reach
+    floor = dict(
+        plans="Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8", kernels=CudaKernels(DEVICES[DEFAULT_DEVICE].capability)
+    )
     budget = 12 * 2**20
     for field, step in (("batch", 1), ("seq", 128)):
         found = reach[field]
@@ -476,3 +479,28 @@ def test_memopt_plan_over_several_processes_without_fsdp_is_ddps(tmp_path):
     assert "DDP over 4 processes (each: the whole model and DDP's gradient buckets)" in run.stdout
     record = json.loads((tmp_path / "ddp.json").read_text())
     assert record["step"]["ddp"] == 4 and record["step"]["fsdp"] == 1
+
+
+def test_autos_row_is_its_choices_step_which_a_runs_step_one_runs():
+    """`auto`'s dry run measures step one with every layer recomputed whole (each MLP whole) and runs its choice in
+    step two; a training run's `auto` starts from a dry run of its own step and runs the choice from step one. Where
+    the choice tiles the MLPs at a length whose untiled step does not fit, the row is the choice's step (it fits),
+    not the measuring step (Llama-3.1-8B LoRA at 131,072 tokens on an H100 read 79,551 MiB, "no", for a choice of
+    tiled MLPs), and how far `auto` reaches is searched from the least it reaches: the MLPs tiled too."""
+    import optimum_memopt
+
+    config = tiny(layers=2, vocab=256)
+    config.intermediate_size, config.max_position_embeddings = 1792, 1024
+    config.num_attention_heads = config.num_key_value_heads = 1  # the MLP, not eager attention's scores, is the most
+    rows = {c.name: c for c in optimum_memopt.plan(config, batch=1, seq=1024).configurations}
+    untiled, tiled = rows["level 1 + Loss+"].peak_mb, rows["level 1 + Loss+ + MLP+ (8 tiles)"].peak_mb
+    assert tiled < untiled - 1, (tiled, untiled)
+    budget = (tiled + untiled) / 2
+    plan = optimum_memopt.plan(config, batch=1, seq=1024, budget_mb=budget)
+    auto = plan.configurations[-1]
+    assert auto.name == "auto" and "MLP+" in auto.choice, (auto.choice, auto.problem)
+    assert auto.fits and auto.peak_mb <= budget and auto.peak_at.startswith("step 2"), (auto.peak_mb, auto.peak_at)
+    assert sum(auto.parts_mb.values()) == pytest.approx(auto.peak_mb)
+    table = plan.table()
+    assert "(its row: the choice's step, which a run's step one runs)" in table
+    assert plan.reach["under"] == "level 1 + Loss+ + MLP+ (8 tiles)" and plan.reach["batch"] >= 1, plan.reach

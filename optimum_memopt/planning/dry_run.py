@@ -138,6 +138,8 @@ class PartsCount(StorageCount):
         self.step = 0  # the training step running (set by the driver)
         self.where = "before the layers"  # the mark the step passed last (`_marks`)
         self.step_top = 0  # the highest count of the step running
+        self.step_top_parts: Dict[str, int] = dict(self.parts)  # the step's highest count by part, and where
+        self.step_top_at = ""
         self.ops: Optional[OpCosts] = None  # each op's FLOPs and bytes, where the driver counts them
 
     def see(self, t: torch.Tensor) -> None:
@@ -205,6 +207,7 @@ class PartsCount(StorageCount):
             self.ops.add(func, args, kwargs or {}, out)
         if self.current > self.step_top and not self.aside:  # a lever's measurement aside is not the step's
             self.step_top = self.current
+            self.step_top_parts, self.step_top_at = dict(self.parts), f"step {self.step}, {self.where}"
             if self.current > self.top:
                 self.top, self.top_parts = self.current, dict(self.parts)
                 self.top_at = f"step {self.step}, {self.where}"
@@ -264,6 +267,7 @@ class DryRun:
     fit: object = None  # `auto`'s first choice (`budget.Fit`), where asked
     problem: Optional[str] = None
     step_peaks: List[int] = field(default_factory=list)  # each step's highest count
+    step_parts: List[tuple] = field(default_factory=list)  # each step's highest count by part, and where it was
     step_seconds: Optional[float] = None  # the last step on the cost device's roofline
     # where the step ran layers but not the layer list's first (a VLM's tower on text alone): what to say, the flag
     # for the layers that ran (`RecomputeState.first_layer_idle`)
@@ -661,11 +665,12 @@ def dry_run(
         handles = _marks(model, layers, count)
         before = count.current
         _prime(optimizer, params, count)
-        step_peaks = []
+        step_peaks, step_parts = [], []
         try:
             for step in range(1, steps + 1):
                 count.step, count.phase, count.where = step, OTHER, "before the layers"
                 count.step_top = count.current
+                count.step_top_parts, count.step_top_at = dict(count.parts), f"step {step}, {count.where}"
                 if step == steps and cost_device is not None:
                     count.ops = OpCosts()
                 for _ in range(spec.grad_accum):
@@ -683,6 +688,7 @@ def dry_run(
                 if handle is not None:
                     handle.step_done()
                 step_peaks.append(count.step_top)
+                step_parts.append((dict(count.step_top_parts), count.step_top_at))
         finally:
             for h in handles:
                 h.remove()
@@ -695,6 +701,7 @@ def dry_run(
         steps=steps,
         seconds=time.perf_counter() - began,
         step_peaks=step_peaks,
+        step_parts=step_parts,
         running=running,
         attention=dict(attention.ran) if attention is not None else None,
     )

@@ -135,7 +135,9 @@ def format_plan(plan: Plan) -> str:
         lines.append("  ".join(cells) + "  " + r[-1])
     for c in plan.configurations:
         if c.choice is not None:
-            lines.append(f"auto chose: {f'`--memory_opt_config {c.choice}`' if c.choice else 'nothing recomputed'}")
+            chose = f"`--memory_opt_config {c.choice}`" if c.choice else "nothing recomputed"
+            step = " (its row: the choice's step, which a run's step one runs)" if plan.spec.fsdp == 1 else ""
+            lines.append(f"auto chose: {chose}{step}")
     if plan.reach is not None:
         r = plan.reach
         capped = " (the model's max_position_embeddings)" if r["seq"] and r["seq"] >= r["seq_cap"] else ""
@@ -183,6 +185,9 @@ def _config(model: Union[str, object]):
 
 
 _LEVEL1 = "level 1 (every layer recomputed)"
+_TILED_PLANS = "Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8"  # the least memory `auto` reaches on a dense causal LM
+_TILED = "level 1 + Loss+ + MLP+ (8 tiles)"
+_FLOOR_PLANS = {"level 1 + Loss+": "Layer+:1:-1,Loss+:1:-1", _TILED: _TILED_PLANS}
 
 
 def _configurations(causal: bool, plans: Optional[str], level: int, budget_mb: Optional[float]) -> List[tuple]:
@@ -201,6 +206,7 @@ def _configurations(causal: bool, plans: Optional[str], level: int, budget_mb: O
         out.append(
             ("level 1 + Loss+", "--memory_opt_config 'Layer+:1:-1,Loss+:1:-1'", dict(plans="Layer+:1:-1,Loss+:1:-1"))
         )
+        out.append((_TILED, f"--memory_opt_config '{_TILED_PLANS}'", dict(plans=_TILED_PLANS)))
     if plans and plans != "auto":
         out.append((f"yours: {plans}", f"--memory_opt_config '{plans}'", dict(plans=plans)))
     elif level:
@@ -274,15 +280,19 @@ def plan(
         except (RuntimeError, ValueError) as e:
             conf.problem = _short(str(e))
         else:
-            _fill(conf, result, budget_mb)
+            # a run of one process starts `auto` from a dry run of its own step: its step one runs the choice
+            _fill(conf, result, budget_mb, choice_only=kwargs.get("plans") == "auto" and spec.fsdp == 1)
             if kwargs.get("plans") == "auto":
                 out.auto_solver = result.solver
                 if result.auto is not None and result.auto.get("config") is not None:
                     conf.choice = result.auto["config"]
         out.configurations.append(conf)
-    floor = next((c for c in out.configurations if c.name == ("level 1 + Loss+" if causal else _LEVEL1)), None)
-    if search and budget_mb is not None and floor is not None and floor.peak_mb is not None:
-        out.reach = _reach(spec, causal, budget_mb, floor, held, kernels)
+    # the least memory `auto` reaches: every layer recomputed whole, the head in chunks, and the MLPs in the most tiles
+    # it weighs where the layers' MLPs can be tiled (a mixture of experts' cannot: that row says why)
+    floors = [_TILED, "level 1 + Loss+"] if causal else [_LEVEL1]
+    floor = next((c for n in floors for c in out.configurations if c.name == n and c.peak_mb is not None), None)
+    if search and budget_mb is not None and floor is not None:
+        out.reach = _reach(spec, floor, budget_mb, held, kernels)
     return out
 
 
@@ -338,8 +348,8 @@ def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known
     return (fits or None), runs
 
 
-def _reach(spec: StepSpec, causal: bool, budget_mb: float, floor: Configuration, held: int = 0, kernels=None) -> dict:
-    kwargs = dict(plans="Layer+:1:-1,Loss+:1:-1") if causal else dict(level=1)
+def _reach(spec: StepSpec, floor: Configuration, budget_mb: float, held: int = 0, kernels=None) -> dict:
+    kwargs = dict(level=1) if floor.name == _LEVEL1 else dict(plans=_FLOOR_PLANS[floor.name])
     kwargs["held_bytes"], kwargs["kernels"] = held, kernels
     budget = budget_mb * MIB
     known = int((floor.peak_mb or 0) * MIB)
@@ -350,11 +360,18 @@ def _reach(spec: StepSpec, causal: bool, budget_mb: float, floor: Configuration,
     return {"batch": batch, "seq": seq, "seq_cap": int(most_tokens), "under": floor.name, "runs": runs}
 
 
-def _fill(conf: Configuration, result: DryRun, budget_mb: Optional[float]) -> None:
-    conf.peak_mb = result.peak_bytes / MIB
+def _fill(conf: Configuration, result: DryRun, budget_mb: Optional[float], choice_only: bool = False) -> None:
+    """The configuration's figures from its dry run: the whole run's highest count; `auto`'s (`choice_only`), its
+    choice's step's, the last: a training run's `auto` starts from a dry run of its own step, and its step one runs
+    the choice (`backends.torch.decide.from_plan`), never the step this dry run measured the choice from (every layer
+    recomputed whole, the MLP whole: at long sequence more than the choice)."""
+    peak, parts, at = result.peak_bytes, result.parts, result.peak_at
+    if choice_only and result.step_parts:
+        peak, (parts, at) = result.step_peaks[-1], result.step_parts[-1]
+    conf.peak_mb = peak / MIB
     conf.before_training_mb = result.before_training_bytes / MIB
-    conf.parts_mb = {p: b / MIB for p, b in result.parts.items()}
-    conf.peak_at = result.peak_at
+    conf.parts_mb = {p: b / MIB for p, b in parts.items()}
+    conf.peak_at = at
     conf.fits = None if budget_mb is None else conf.peak_mb <= budget_mb
     conf.step_seconds = result.step_seconds
     conf.dry_run_seconds = result.seconds
