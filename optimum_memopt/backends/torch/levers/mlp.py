@@ -248,7 +248,7 @@ class TiledMLP(Lever):
     # -- its measurement --------------------------------------------------------------------------------------------
     def marks(self):
         """Every layer's MLP, marked as "mlp": step one's segments hold the peak of the stretches it runs in."""
-        return [(m, MARK) for m in distinct_mlps(self.mlps)]
+        return [(m, MARK) for m in distinct([m for m in self.mlps if m is not None])]
 
     def after_step_one(self, profile, resets: bool) -> None:
         result = measure(self, profile, resets)
@@ -374,14 +374,6 @@ class TiledMLP(Lever):
 
 
 MARK = "mlp"  # the name the MLPs' stretches are marked by inside a layer's segments (`Segment.parts`)
-
-
-def distinct_mlps(mlps) -> List[nn.Module]:
-    out = []
-    for m in mlps:
-        if m is not None and all(m is not o for o in out):
-            out.append(m)
-    return out
 
 
 def _own_backward_peak(memory, index: int) -> int:
