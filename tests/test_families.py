@@ -1,8 +1,9 @@
 """The breadth sweep (`scripts/families.py`) on a representative subset, inside CI's time: a dense decoder (Llama),
 GPT-2 (its head tied to its input embeddings), an MoE (Qwen3-MoE), a hybrid of convolutions and attention (LFM2), an encoder-decoder's causal LM (BART's), a
 vision-language model trained on text alone (Gemma 3, whose layer list starts with its vision tower), ELECTRA's
-generator (its head projects the hidden states before its output embeddings, another width), and HRM (its layers
-run in cycles, which `auto` cannot measure: refused with the reason). Each mode trains
+generator (its head projects the hidden states before its output embeddings, another width), HRM (its layers
+run in cycles, which `auto` cannot measure: refused with the reason), and RWKV (its feed-forward carries a state:
+not tiled, said, and `auto` trains). Each mode trains
 as the plain run (bitwise where its plans are exact, within 1e-5 where the head's loss is summed in chunks) or is
 refused with its reason; the table is written between its markers."""
 
@@ -19,7 +20,9 @@ import families  # noqa: E402
 EXACT = ("level 1", "Layer+@0")
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3_moe", "lfm2", "bart", "gemma3", "electra", "hrm_text"])
+@pytest.mark.parametrize(
+    "kind", ["llama", "gpt2", "qwen3_moe", "lfm2", "bart", "gemma3", "electra", "hrm_text", "rwkv"]
+)
 def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
     # Gemma 3 on text alone: its tower's layers never run, and a loop of one's own gives `auto` no dry run to see it
     # before step one: three steps find the layers that run, the fourth is measured over them, the fifth chooses
@@ -37,6 +40,8 @@ def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
         assert tiles.startswith("refused: ") and "Qwen3MoeDecoderLayer.mlp is a mixture of exper" in tiles, row
     elif kind == "electra":  # BERT's layer: its MLP is two modules (`intermediate`, and `output` with the residual)
         assert tiles.startswith("refused: ") and "ElectraLayer holds no MLP the lever knows" in tiles, row
+    elif kind == "rwkv":  # its feed-forward shifts tokens and carries a state: not a row-wise MLP
+        assert tiles.startswith("refused: ") and "RwkvBlock.feed_forward (RwkvFeedForward) takes" in tiles, row
     elif kind in ("llama", "gpt2", "gemma3"):
         assert tiles in ("equal", "within 1e-5"), row
     else:

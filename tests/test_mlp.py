@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import optimum_memopt
+from optimum_memopt.backends.torch.levers import mlp
 from optimum_memopt.backends.torch.levers.mlp import default_tiles, mlp_of, parse, tiled
 
 pytestmark = pytest.mark.torch_backend
@@ -130,6 +131,47 @@ def test_a_mixture_of_experts_is_refused_with_the_reason():
         optimum_memopt.optimize_memory(model, "MLP+:1:-1")
 
 
+def test_after_a_step_in_tiles_every_layer_run_otherwise_stays_recomputed_and_only_counts_run_are_offered():
+    """A step measured with an MLP in tiles kept only the tiles' inputs: an option running that layer's MLP whole
+    again keeps the layer recomputed whole (kept, it would hold the MLP's intermediates from its forward to its
+    backward, which no stretch of the step measured gives). Where the whole MLP was not run alone (after a step with
+    every MLP in tiles its bound did not fit what the step's peak left free), no option runs any layer whole."""
+
+    def step(plans):
+        model = model_of("llama")
+        handle = optimum_memopt.optimize_memory(model, plans, reports_steps=True)
+        ids = torch.randint(0, VOCAB, (2, SEQ))
+        model(input_ids=ids, labels=ids).loss.backward()
+        handle.step_done()
+        return handle.levers["mlp"], handle.profile
+
+    lever, profile = step("Layer+:1:-1,MLP+:1:-1@0:tiles2")  # layer 1's MLP whole: room to run it whole alone
+    assert 1 in profile.levers["mlp"].options
+    options = {c.option: c for c in lever.choices(profile)}
+    assert options[None].recomputed == (0,)  # layer 0 whole again: recomputed whole still
+    for c in options.values():
+        assert set(c.recomputed) == {0} | set(mlp.parse(c.option, 2) if c.option else ()), c
+
+    lever, profile = step("Layer+:1:-1,MLP+:1:-1@tiles2")
+    assert 1 not in profile.levers["mlp"].options, profile.levers["mlp"].why_not
+    offered = lever.choices(profile)
+    assert len(offered) > 1 and all(set(mlp.parse(c.option, 2)) == {0, 1} for c in offered), offered
+
+
+def test_an_mlp_taking_more_than_the_hidden_states_is_refused_with_the_reason():
+    """RWKV's feed-forward takes a state and shifts tokens: not row-wise, never tiled."""
+    from torch import nn
+
+    class Stateful(nn.Module):
+        def forward(self, hidden, state=None):
+            return hidden, state
+
+    layer = nn.Module()
+    layer.feed_forward = Stateful()
+    found, why = mlp_of(layer)
+    assert found is None and "takes more than the hidden states (`state`)" in why, why
+
+
 def test_the_tiling_grammar():
     from optimum_memopt.plans import PlanError, parse_inline
 
@@ -149,40 +191,70 @@ def test_its_rows_are_measured_after_step_one():
     assert "MLP+:1:-1@tiles2" in report.requested
 
 
-def test_a_lora_on_the_mlp_with_dropout_trains_as_the_plain_peft_model():
-    """PEFT's LoRA on the MLP's three projections, its dropout on: each tile draws its LoRA masks in tokens' order and
-    its recompute draws them again from the state kept for it; the run trains as the plain PEFT run."""
+def _lora_run(plans, dropout: float, caplog=None):
+    """PEFT's LoRA on the MLP's three projections (its B matrices drawn, not zero: the LoRA path counts from the
+    first step), trained 3 SGD steps; the losses and the handle."""
     from peft import LoraConfig, get_peft_model
 
-    def lora(**changes):
-        model = model_of("llama", **changes)
-        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["gate_proj", "up_proj", "down_proj"])
-        return get_peft_model(model, config)
+    model = model_of("llama")
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["gate_proj", "up_proj", "down_proj"])
+    model = get_peft_model(model, config)
+    init = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=init) * 0.1)
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, plans, reports_steps=True) if plans else None
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    data = torch.Generator().manual_seed(1)
+    torch.manual_seed(2)
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, VOCAB, (2, SEQ), generator=data)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            handle.step_done()
+    return losses, handle, model
 
-    def train(plans):
-        model = lora()
-        model.train()
-        handle = optimum_memopt.optimize_memory(model, plans, reports_steps=True) if plans else None
-        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        data = torch.Generator().manual_seed(1)
-        torch.manual_seed(2)
-        losses = []
-        for _ in range(3):
-            ids = torch.randint(0, VOCAB, (2, SEQ), generator=data)
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.detach())
-            opt.step()
-            opt.zero_grad()
-            if handle is not None:
-                handle.step_done()
-        return losses, handle
 
-    plain, _ = train(None)
-    tiled_losses, handle = train("Layer+:1:-1@0,MLP+:1:-1@tiles4")
+def test_a_lora_on_the_mlp_trains_as_the_plain_peft_model():
+    """PEFT's LoRA on the MLP's three projections, without dropout: the tiled MLP trains as the plain PEFT run."""
+    plain, _, _ = _lora_run(None, 0.0)
+    tiled_losses, handle, _ = _lora_run("Layer+:1:-1@0,MLP+:1:-1@tiles4", 0.0)
     assert torch.equal(plain[0], tiled_losses[0])
     torch.testing.assert_close(tiled_losses, plain, rtol=1e-5, atol=1e-6)
     assert handle.levers["mlp"].tiles_at(1) == 4
+
+
+def test_an_mlp_drawing_several_times_is_said_to_train_another_draw_and_auto_never_tiles_it(caplog):
+    """LoRA's dropout on each of the MLP's three projections: tile by tile, the three draws interleave, so the tiles'
+    masks are not the whole MLP's. Asked for by hand, the tiles run and the first tiled forward says the run is
+    another draw (the losses differ from the plain run's: the truth, not hidden); the MLP measured after step one
+    counts three draws a forward, and `auto` offers no tiling of it (the table's notes say why). Its modules say it
+    draws before any forward runs (`draws_by_modules`)."""
+    import logging
+
+    from optimum_memopt.backends.torch.levers.mlp import draws_by_modules
+
+    plain, _, _ = _lora_run(None, 0.1)
+    with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
+        tiled_losses, handle, model = _lora_run("Layer+:1:-1,MLP+:1:-1@tiles4", 0.1)
+    said = [r.getMessage() for r in caplog.records if "draws at random" in r.getMessage()]
+    assert len(said) == 2 and "draws at random 3 time(s) a forward" in said[0], said  # once per layer's MLP
+    assert not torch.equal(plain[0], tiled_losses[0])  # the masks differ, as said
+    lever = handle.levers["mlp"]
+    profile = handle.profile
+    assert profile.levers["mlp"].draws == 3
+    assert [c.option for c in lever.choices(profile)] == [lever.option]  # only what runs: nothing else offered
+    assert any("`auto` does not tile the MLPs: one draws at random 3 time(s)" in n for n in handle.report().notes)
+    assert draws_by_modules(lever.mlps[0])
+    _, _, undrawn = _lora_run(None, 0.0)
+    assert not draws_by_modules(undrawn.base_model.model.model.layers[0].mlp)
 
 
 def test_entries_on_layers_apart_give_each_its_own_tile_count():

@@ -12,8 +12,10 @@ price is one more MLP forward a step in the tiled layers.
 Exact: the MLP is row-wise (each token's output depends on that token alone), so each tile's output and input
 gradient are those rows of the whole MLP's, bitwise (the same kernels on fewer rows); the weights' gradients are
 summed tile by tile, equal to the summation order. A dropout inside the MLP draws its masks tile by tile, in tokens'
-order: on the CPU the same masks as the whole tensor's where the kernel draws element by element (tested against the
-plain run); otherwise the run is a different draw of the same distribution, said where it is.
+order: with one draw a forward, on the CPU, the same masks as the whole tensor's (its kernel draws element by element;
+tested against the plain run); with several (two dropouts, LoRA's on each projection) the draws interleave tile by
+tile, and a GPU's generator advances per call: the run is another draw of the same distribution, said at the first
+tiled forward (`exact_draws`), and `auto` never tiles such an MLP.
 
 The tile count is a number (`MLP+:1:-1@tiles4`), or by default the intermediate size over the hidden size (rounded
 up): tiles whose intermediates hold about what the MLP's input holds. It is never derived from a batch's length:
@@ -44,6 +46,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ....memory import MIB
 from ....plans import FoundPlan, LeverSyntax, PlanEntry, layer_selector
+from .. import _torch_api
 from ..apply.layers import distinct, find_layers
 from ..decide.budget import LeverChoice
 from .protocol import Lever, sharded
@@ -78,15 +81,12 @@ def mlp_of(layer: nn.Module) -> Tuple[Optional[nn.Module], Optional[str]]:
                 f"{type(layer).__name__}.{name} is a mixture of experts ({kind}): its routing is kept, never "
                 f"recomputed, and tiles would route apart"
             )
-        params = [
-            p
-            for p in inspect.signature(mlp.forward).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
-        if len(params) != 1:
+        params = [p for p in inspect.signature(mlp.forward).parameters.values() if p.kind != p.VAR_KEYWORD]
+        if len(params) != 1 or params[0].kind == params[0].VAR_POSITIONAL:
+            more = ", ".join(f"`{p.name}`" for p in params[1:]) or "any number of arguments"
             return None, (
-                f"{type(layer).__name__}.{name} ({kind}) takes {len(params)} arguments without defaults; the lever "
-                f"tiles an MLP that takes the hidden states alone"
+                f"{type(layer).__name__}.{name} ({kind}) takes more than the hidden states ({more}); the lever tiles "
+                f"an MLP that takes the hidden states alone and acts on each token apart"
             )
         return mlp, None
     return None, (
@@ -142,7 +142,42 @@ def tiled(mlp_forward, x: torch.Tensor, tiles: int) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+class _Draws(_torch_api.TorchDispatchMode):
+    """Counts the ops that draw from a random generator (`torch.Tag.nondeterministic_seeded`: dropout's, `rand`'s)
+    while it is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def exact_draws(draws: int, device: str) -> bool:
+    """Whether an MLP drawing `draws` times a forward draws, in tiles, the masks it draws whole: none drawn; or one
+    draw on the CPU, whose kernel draws element by element in tokens' order (tested: GPT-2's MLP). Two draws or more
+    (two dropouts; LoRA's dropout on each projection) interleave tile by tile, and a GPU's generator advances per
+    call: another draw of the same distribution."""
+    return draws == 0 or (draws == 1 and device == "cpu")
+
+
+def draws_by_modules(mlp: nn.Module) -> bool:
+    """Whether `mlp` may draw at random in training, by its modules alone (before any forward ran): a dropout module
+    with a rate above 0 (LoRA's included), or a float attribute named for a dropout above 0 (a functional one)."""
+    for m in mlp.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        if any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
+            return True
+    return False
+
+
 _TILES = "_memopt_mlp_tiles"  # the MLP's attribute holding its tile count while the lever runs it
+_DRAWN = "_memopt_mlp_drawn"  # set on an MLP once its first tiled forward's draws were counted
+_WHOLE_SAID = "_memopt_mlp_whole_said"  # set on an MLP once a call it could not tile was said
 
 
 def _tiled_forward(mlp_self, *args, **kwargs):
@@ -150,16 +185,31 @@ def _tiled_forward(mlp_self, *args, **kwargs):
     grad, or a call with more than the hidden states)."""
     tiles = vars(mlp_self).get(_TILES)
     own = type(mlp_self).forward.__get__(mlp_self)
-    if (
-        tiles is None
-        or not (mlp_self.training and torch.is_grad_enabled())
-        or kwargs
-        or len(args) != 1
-        or not torch.is_tensor(args[0])
-        or args[0].dim() < 2
-    ):
+    if tiles is None or not (mlp_self.training and torch.is_grad_enabled()):
         return own(*args, **kwargs)
-    return tiled(own, args[0], tiles)
+    if kwargs or len(args) != 1 or not torch.is_tensor(args[0]) or args[0].dim() < 2:
+        if not vars(mlp_self).get(_WHOLE_SAID):
+            vars(mlp_self)[_WHOLE_SAID] = True
+            logger.warning(
+                "`MLP+`: %s was called in training with more than the hidden states (%s); it runs whole there",
+                type(mlp_self).__name__, ", ".join([*(type(a).__name__ for a in args), *kwargs]),
+            )  # fmt: skip
+        return own(*args, **kwargs)
+    if vars(mlp_self).get(_DRAWN) or _torch_api.in_backward():
+        return tiled(own, args[0], tiles)
+    vars(mlp_self)[_DRAWN] = True  # its first tiled training forward: its draws counted, said where tiles change them
+    with _Draws() as draws:
+        out = tiled(own, args[0], tiles)
+    per_tile = draws.count / max(1, min(tiles, args[0].shape[:-1].numel()))
+    if not exact_draws(math.ceil(per_tile), args[0].device.type):
+        logger.warning(
+            "`MLP+`: %s draws at random %d time(s) a forward (dropout); in %d tiles it draws its masks tile by tile, "
+            "other masks than the whole MLP draws (%s): the run trains as another draw of the same distribution, not "
+            "as the run without the plugin. `auto` does not tile such an MLP",
+            type(mlp_self).__name__, math.ceil(per_tile), tiles,
+            "several draws interleave" if per_tile > 1 else "a GPU's generator advances per call",
+        )  # fmt: skip
+    return out
 
 
 class TiledMLP(Lever):
@@ -221,6 +271,8 @@ class TiledMLP(Lever):
         for i, before in self._put.items():
             mlp = self.mlps[i]
             vars(mlp).pop(_TILES, None)
+            vars(mlp).pop(_DRAWN, None)
+            vars(mlp).pop(_WHOLE_SAID, None)
             if before is None:
                 vars(mlp).pop("forward", None)
             else:
@@ -251,7 +303,10 @@ class TiledMLP(Lever):
         return [(m, MARK) for m in distinct([m for m in self.mlps if m is not None])]
 
     def after_step_one(self, profile, resets: bool) -> None:
-        result = measure(self, profile, resets)
+        try:
+            result = measure(self, profile, resets)
+        except Exception as e:  # a measurement for the table and the solver: its failure costs the run nothing else
+            result = f"running one MLP alone failed ({type(e).__name__}: {e})"
         if isinstance(result, str):
             profile.lever_problems[self.name] = result
         else:
@@ -266,12 +321,15 @@ class TiledMLP(Lever):
         forward, its forward under a checkpoint (as a layer recomputed whole runs it); in its layer's backward, its
         forward and backward with autograd's saves (the layer's recompute and backward). Where the MLP was not
         measured, or step one's segments were not marked inside, the way it runs now alone (with the reason in the
-        table's notes); a count not run alone (its bound did not fit what step one's peak left free) is not offered,
-        and where the count a layer ran was not run alone, nothing else is (no change from it can be priced)."""
+        table's notes); a count not run alone (its bound did not fit what step one's peak left free) is
+        not offered, and where the count a layer ran was not run alone, nothing else is (no change from it can be
+        priced)."""
         running = [LeverChoice(self.name, self.option, self.plan(), recomputed=tuple(sorted(self.tiles)))]
         measured_mlp = profile.levers.get(self.name)
         memory = profile.memory
         if measured_mlp is None or memory is None or not any(seg.parts for seg in memory.segments):
+            return running
+        if not exact_draws(measured_mlp.draws, memory.device):  # tiles would train another draw: never chosen
             return running
         ran = {self.tiles_at(i) or 1 for i in range(len(self.layers)) if self.mlps[i] is not None}
         if not ran <= set(measured_mlp.options):
@@ -290,11 +348,20 @@ class TiledMLP(Lever):
         out, seen = [], set()
         for tiling in tilings:
             key = tuple(sorted(tiling.items()))
-            if key in seen:
+            if key in seen or not self._priced(tiling, measured_mlp):
                 continue
             seen.add(key)
             out.append(self._choice(tiling, measured_mlp, memory))
         return out
+
+    def _touched(self, tiling: Dict[int, int]) -> List[int]:
+        """The layers a tiling tiles, and those the step as measured tiled (which it may run whole again)."""
+        return sorted(set(tiling) | {i for i in self.tiles if self.installed})
+
+    def _priced(self, tiling: Dict[int, int], measured) -> bool:
+        """Whether every count `tiling` changes a layer from or to was run alone (a layer it leaves out runs whole:
+        after a step one in tiles, whole may not have been)."""
+        return all({tiling.get(i, 1), self.tiles_at(i) or 1} <= set(measured.options) for i in self._touched(tiling))
 
     def _choice(self, tiling: Dict[int, int], measured, memory) -> LeverChoice:
         """The option tiling `tiling`'s layers (index -> tile count), as the solver weighs it against the step as it
@@ -303,8 +370,8 @@ class TiledMLP(Lever):
             measured.options[1] if 1 in measured.options else min(measured.options.values(), key=lambda o: o.seconds)
         )
         parts = []
-        for i in sorted(set(tiling) | {i for i in self.tiles if self.installed}):
-            now, then = tiling.get(i, 1), self.tiles_at(i) or 1  # both run alone (`choices` offers no other)
+        for i in self._touched(tiling):
+            now, then = tiling.get(i, 1), self.tiles_at(i) or 1  # both run alone (`_priced`)
             if now == then:
                 continue
             a, b = measured.options[now], measured.options[then]
@@ -317,9 +384,11 @@ class TiledMLP(Lever):
         seconds = sum(max(0.0, measured.options[c].seconds - base.seconds) for c in tiling.values())
         option = option_of({i: c for i, c in tiling.items()}, len(self.layers)) if tiling else None
         plan = "" if option is None else ",".join(str(e) for e in SYNTAX.entries(option))
-        return LeverChoice(
-            self.name, option, plan, seconds=seconds, less_parts=tuple(parts), recomputed=tuple(sorted(tiling))
-        )
+        # every layer whose MLP runs otherwise than in the step measured stays recomputed whole, one untiled too: a
+        # layer kept holds its MLP's saves from its forward to its backward, which no stretch's reading gives (a
+        # tiled MLP keeps its tiles' inputs, a whole one its intermediates)
+        touched = tuple(self._touched(tiling))
+        return LeverChoice(self.name, option, plan, seconds=seconds, less_parts=tuple(parts), recomputed=touched)
 
     def rows(self, profile, drop) -> List[FoundPlan]:
         measured = profile.levers.get(self.name)
@@ -370,6 +439,12 @@ class TiledMLP(Lever):
             )
         elif problem:
             out.append(f"the layers' MLPs were not measured each way they can run: {problem}")
+        device = profile.memory.device if profile.memory is not None else None
+        if measured is not None and device is not None and not exact_draws(measured.draws, device):
+            out.append(
+                f"`auto` does not tile the MLPs: one draws at random {measured.draws} time(s) a forward (dropout), "
+                f"and in tiles it would draw other masks than whole (another draw, not the run without the plugin)"
+            )
         return out
 
 
@@ -417,6 +492,7 @@ class MLPMeasure:
     options: Dict[int, TilingOption]  # by tile count (1: whole), those run
     same: List[int] = field(default_factory=list)  # the layers this measure stands for
     why_not: Dict[int, str] = field(default_factory=dict)  # the counts not run, and why (their bound did not fit)
+    draws: int = 0  # the random draws one forward of it makes (dropout's): tiles draw other masks (`exact_draws`)
 
     @property
     def layers(self) -> int:
@@ -435,14 +511,13 @@ def tile_counts(tokens: int, default: int) -> List[int]:
 
 def measure(lever: TiledMLP, profile, resets: bool = True):
     """One MLP run alone on the first tiled-able layer's input shape (hidden states drawn from a generator of the
-    measurement's own: the process's streams stay the user's), under step one's autocast, whole and in each tile
-    count of `tile_counts` and the ones running, read aside (`measure.aside`); it stands for every layer whose MLP
-    has the same class and shapes. Never with more memory than step one's peak left free: the counts run from the
-    most tiles down, each only where its bound fits: for the first, by the shapes (`BOUND_MARGIN` higher); for each
-    after, what the count before held scaled by the tokens a tile holds (what a count holds is a part of its own and
-    a part that grows with a tile's tokens: scaled whole, both are over-counted, never under). A count left out, and
-    those after it, are said in `why_not`. Returns an `MLPMeasure`, or the reason there is none."""
-    from .. import _torch_api
+    measurement's own: the process's streams stay the user's), under step one's autocast, whole and in each tile count
+    of `tile_counts` and the ones running, read aside (`measure.aside`); it stands for every layer whose MLP has the
+    same class and shapes. Never with more memory than step one's peak left free: the counts run from the most tiles
+    down, each only where its bound fits: for the first, by the shapes (`BOUND_MARGIN` higher); for each after, what
+    the count before held scaled by the tokens a tile holds (what a count holds is a part of its own and a part that
+    grows with a tile's tokens: scaled whole, both are over-counted, never under). A count left out, and those after
+    it, are said in `why_not`. Returns an `MLPMeasure`, or the reason there is none."""
     from ..measure.aside import current_bytes, held_aside
 
     first = next((i for i, m in enumerate(lever.mlps) if m is not None), None)
@@ -481,10 +556,14 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
     forward = type(mlp).forward.__get__(mlp)
     kept: Dict[int, int] = {}
 
+    draws: List[int] = []  # one forward's draws, counted in the first count run (each tile runs the whole forward)
+
     def run(count: int) -> None:
         start = current_bytes(device)
-        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None), _Draws() as drawn:
             out = forward(x) if count == 1 else tiled(forward, x, count)
+        if not draws:
+            draws.append(-(-drawn.count // min(count, tokens)))
         kept[count] = current_bytes(device) - start - out.numel() * out.element_size()
         grads = torch.autograd.grad(out, [x, *params], torch.ones_like(out))
         del grads, out
@@ -537,7 +616,7 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
         c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c]), checkpointed[c], bounds[c])
         for c in measured
     }
-    return MLPMeasure(tokens, hidden, options, same, why_not)
+    return MLPMeasure(tokens, hidden, options, same, why_not, draws[0] if draws else 0)
 
 
 LEVER = TiledMLP
