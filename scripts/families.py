@@ -9,7 +9,8 @@ Each family's default config (`AutoConfig.for_model`) is shrunk (2 layers, hidde
 vocabulary 256, and each sub-config of a tower alike) and built with `AutoModelForCausalLM.from_config`; each mode
 trains a fresh copy (seed 0) for `--steps` SGD steps on two 16-token sequences and is compared step by step with the
 plain run: `equal` (bitwise), `within 1e-5` (relative, what chunked losses reach: a sum in another order), `differs`
-(with the largest relative difference), `refused` (the plugin said why, quoted), or `error` (the exception). A family
+(with the largest relative difference; "another draw of its dropout, said" where the plugin said its tiles draw
+other masks), `refused` (the plugin said why, quoted), or `error` (the exception). A family
 that cannot be built or trained plainly at that size says so and is left out of the modes. Modes: level 1; layer 0
 recomputed whole (`Layer+:1:-1@0`); the head and loss in 2 chunks (`Loss+:1:-1@chunks2`); every layer's MLP in 2 tiles
 of tokens (`MLP+:1:-1@tiles2`); `auto` under a budget it
@@ -22,6 +23,7 @@ than the others (`AUTO_MORE`).
 import argparse
 import contextlib
 import io
+import logging
 import os
 import re
 import signal
@@ -144,6 +146,24 @@ class Timeout(Exception):
     pass
 
 
+class Heard(logging.Handler):
+    """The plugin's warnings while it is on (`with Heard() as heard`), by their text."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        logging.getLogger("optimum_memopt").addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        logging.getLogger("optimum_memopt").removeHandler(self)
+
+
 @contextlib.contextmanager
 def limit(seconds: int):
     def stop(signum, frame):
@@ -200,12 +220,15 @@ def family(kind: str, steps: int, seconds: int) -> dict:
                 continue
             budget = round(roomy["floor"] + TIGHT * (roomy["eager"] - roomy["floor"]), 3)
             mode = dict(mode, budget_mb=budget)
+        heard = Heard()
         try:
-            with limit(seconds), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+            with limit(seconds), warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()), heard:
                 warnings.simplefilter("ignore")
                 n = steps + AUTO_MORE if name.startswith("auto") else steps
                 ran, said, figures = train(kind, n, mode)
             cell = compare(plain[:n], ran)
+            if cell.startswith("differs") and any("draws at random" in m for m in heard.messages):
+                cell += ": another draw of its dropout, said"  # `MLP+` on an MLP drawing several times
             if name == "auto":
                 roomy = figures
             if name.startswith("auto") and said and said[-1].startswith("chose"):
