@@ -643,7 +643,9 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
             how = plan_of(ran) or "the model's own head"
             return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
         measured = [k for k in range(len(ways)) if k in held]
-        for _ in range(REPEATS):  # interleaved: what drifts (a warming allocator, another process) spreads evenly
+        # interleaved: what drifts (a warming allocator, another process) spreads evenly; a dry run's times are a
+        # roofline of its ops, the same every run: timed once
+        for _ in range(1 if fake else REPEATS):
             for k in measured:
                 most, seconds = held_aside(lambda: run(ways[k]), device, resets)
                 if len(times.setdefault(k, [])) == 0:
