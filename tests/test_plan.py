@@ -504,3 +504,21 @@ def test_autos_row_is_its_choices_step_which_a_runs_step_one_runs():
     table = plan.table()
     assert "(its row: the choice's step, which a run's step one runs)" in table
     assert plan.reach["under"] == "level 1 + Loss+ + MLP+ (8 tiles)" and plan.reach["batch"] >= 1, plan.reach
+
+
+def test_mlps_drawing_several_dropout_masks_are_no_floor_auto_reaches():
+    """LoRA with dropout on the MLP's projections: each MLP draws three masks a forward, which tiles draw in another
+    order, so `auto` never tiles them. The tiled row keeps its figures, with a note that says so, and how far `auto`
+    reaches is searched from the least it does reach: every layer recomputed whole and the head in chunks."""
+    import optimum_memopt
+
+    lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": ["gate_proj", "up_proj", "down_proj"]}
+    plan = optimum_memopt.plan(tiny(layers=2, vocab=256), batch=1, seq=128, lora=lora, budget_mb=1e4)
+    rows = {c.name: c for c in plan.configurations}
+    tiled = rows["level 1 + Loss+ + MLP+ (8 tiles)"]
+    assert tiled.peak_mb is not None and tiled.note.startswith("`auto` does not tile these MLPs: each draws 3 ")
+    assert "MLP+" not in (rows["auto"].choice or "")
+    assert plan.reach["under"] == "level 1 + Loss+", plan.reach
+    assert f"level 1 + Loss+ + MLP+ (8 tiles): {tiled.note}" in plan.table()
+    without = optimum_memopt.plan(tiny(layers=2, vocab=256), batch=1, seq=128, lora={**lora, "lora_dropout": 0.0})
+    assert all(c.note is None for c in without.configurations)

@@ -48,6 +48,7 @@ class Configuration:
     problem: Optional[str] = None  # why it has no figures (refused, or `auto` found nothing that fits)
     choice: Optional[str] = None  # `auto`'s choice in the plan grammar ("" for nothing recomputed)
     dry_run_seconds: float = 0.0
+    note: Optional[str] = None  # what `auto` makes of it, where that is not what its figures suggest
 
 
 @dataclass
@@ -138,6 +139,9 @@ def format_plan(plan: Plan) -> str:
             chose = f"`--memory_opt_config {c.choice}`" if c.choice else "nothing recomputed"
             step = " (its row: the choice's step, which a run's step one runs)" if plan.spec.fsdp == 1 else ""
             lines.append(f"auto chose: {chose}{step}")
+    for c in plan.configurations:
+        if c.note:
+            lines.append(f"{c.name}: {c.note}")
     if plan.reach is not None:
         r = plan.reach
         capped = " (the model's max_position_embeddings)" if r["seq"] and r["seq"] >= r["seq_cap"] else ""
@@ -286,14 +290,32 @@ def plan(
                 out.auto_solver = result.solver
                 if result.auto is not None and result.auto.get("config") is not None:
                     conf.choice = result.auto["config"]
+            if label == _TILED:
+                conf.note = _untiled_by_auto(result, "cuda" if target is not None else "cpu")
         out.configurations.append(conf)
     # the least memory `auto` reaches: every layer recomputed whole, the head in chunks, and the MLPs in the most tiles
-    # it weighs where the layers' MLPs can be tiled (a mixture of experts' cannot: that row says why)
+    # it weighs where the layers' MLPs can be tiled (a mixture of experts' cannot: that row says why; an MLP drawing
+    # several dropout masks a forward `auto` never tiles: its note says so)
     floors = [_TILED, "level 1 + Loss+"] if causal else [_LEVEL1]
-    floor = next((c for n in floors for c in out.configurations if c.name == n and c.peak_mb is not None), None)
+    usable = [c for c in out.configurations if c.peak_mb is not None and c.note is None]
+    floor = next((c for n in floors for c in usable if c.name == n), None)
     if search and budget_mb is not None and floor is not None:
         out.reach = _reach(spec, floor, budget_mb, held, kernels)
     return out
+
+
+def _untiled_by_auto(result: DryRun, device: str) -> Optional[str]:
+    """Why `auto` would not tile the MLPs the tiled row tiles (they draw dropout masks that tiles draw otherwise on
+    `device`: `levers.mlp.exact_draws`), from that row's dry run; None where it would."""
+    from ..backends.torch.levers.mlp import exact_draws
+
+    measured = getattr(result.profile, "levers", {}).get("mlp") if result.profile is not None else None
+    if measured is None or exact_draws(measured.draws, device):
+        return None
+    return (
+        f"`auto` does not tile these MLPs: each draws {measured.draws} dropout mask(s) a forward (LoRA's, its own), "
+        f"which tiles draw in another order on {'a GPU' if device == 'cuda' else 'the CPU'}"
+    )
 
 
 @contextmanager
