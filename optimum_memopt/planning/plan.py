@@ -291,7 +291,7 @@ def plan(
                 if result.auto is not None and result.auto.get("config") is not None:
                     conf.choice = result.auto["config"]
             if label == _TILED:
-                conf.note = _untiled_by_auto(result, "cuda" if target is not None else "cpu")
+                conf.note = _untiled_by_auto(result)
         out.configurations.append(conf)
     # the least memory `auto` reaches: every layer recomputed whole, the head in chunks, and the MLPs in the most tiles
     # it weighs where the layers' MLPs can be tiled (a mixture of experts' cannot: that row says why; an MLP drawing
@@ -304,17 +304,15 @@ def plan(
     return out
 
 
-def _untiled_by_auto(result: DryRun, device: str) -> Optional[str]:
-    """Why `auto` would not tile the MLPs the tiled row tiles (they draw dropout masks that tiles draw otherwise on
-    `device`: `levers.mlp.exact_draws`), from that row's dry run; None where it would."""
-    from ..backends.torch.levers.mlp import exact_draws
-
+def _untiled_by_auto(result: DryRun) -> Optional[str]:
+    """Why `auto` would not tile the MLPs the tiled row tiles (they draw dropout masks that tiles draw otherwise on a
+    GPU: `levers.mlp.MLPMeasure.draws_as_whole`), from that row's dry run; None where it would."""
     measured = getattr(result.profile, "levers", {}).get("mlp") if result.profile is not None else None
-    if measured is None or exact_draws(measured.draws, device):
+    if measured is None or measured.draws_as_whole():
         return None
     return (
         f"`auto` does not tile these MLPs: each draws {measured.draws} dropout mask(s) a forward (LoRA's, its own), "
-        f"which tiles draw in another order on {'a GPU' if device == 'cuda' else 'the CPU'}"
+        f"which tiles draw in another order on a GPU"
     )
 
 

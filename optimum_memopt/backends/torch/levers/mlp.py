@@ -329,7 +329,7 @@ class TiledMLP(Lever):
         memory = profile.memory
         if measured_mlp is None or memory is None or not any(seg.parts for seg in memory.segments):
             return running
-        if not exact_draws(measured_mlp.draws, memory.device):  # tiles would train another draw: never chosen
+        if not measured_mlp.draws_as_whole():  # tiles would train another draw: never chosen
             return running
         ran = {self.tiles_at(i) or 1 for i in range(len(self.layers)) if self.mlps[i] is not None}
         if not ran <= set(measured_mlp.options):
@@ -439,8 +439,7 @@ class TiledMLP(Lever):
             )
         elif problem:
             out.append(f"the layers' MLPs were not measured each way they can run: {problem}")
-        device = profile.memory.device if profile.memory is not None else None
-        if measured is not None and device is not None and not exact_draws(measured.draws, device):
+        if measured is not None and not measured.draws_as_whole():
             out.append(
                 f"`auto` does not tile the MLPs: one draws at random {measured.draws} time(s) a forward (dropout), "
                 f"and in tiles it would draw other masks than whole (another draw, not the run without the plugin)"
@@ -493,10 +492,17 @@ class MLPMeasure:
     same: List[int] = field(default_factory=list)  # the layers this measure stands for
     why_not: Dict[int, str] = field(default_factory=dict)  # the counts not run, and why (their bound did not fit)
     draws: int = 0  # the random draws one forward of it makes (dropout's): tiles draw other masks (`exact_draws`)
+    device: str = "cpu"  # where it ran ("cpu" for a dry run's fake tensors)
+    fake: bool = False  # a dry run's: the run it stands for is taken to be on a GPU
 
     @property
     def layers(self) -> int:
         return len(self.same)
+
+    def draws_as_whole(self) -> bool:
+        """Whether its tiles draw the whole MLP's masks on the device the run trains on (`exact_draws`: a dry run's
+        fake tensors stand for a GPU's, whose generator advances per call)."""
+        return exact_draws(self.draws, "cuda" if self.fake else self.device)
 
 
 def _signature(mlp: nn.Module) -> tuple:
@@ -616,7 +622,7 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
         c: TilingOption(held[c], max(0, kept[c]), statistics.median(times[c]), checkpointed[c], bounds[c])
         for c in measured
     }
-    return MLPMeasure(tokens, hidden, options, same, why_not, draws[0] if draws else 0)
+    return MLPMeasure(tokens, hidden, options, same, why_not, draws[0] if draws else 0, device, fake)
 
 
 LEVER = TiledMLP
