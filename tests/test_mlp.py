@@ -158,6 +158,19 @@ def test_after_a_step_in_tiles_every_layer_run_otherwise_stays_recomputed_and_on
     assert len(offered) > 1 and all(set(mlp.parse(c.option, 2)) == {0, 1} for c in offered), offered
 
 
+def test_which_draws_tiles_keep():
+    """Tiles draw the whole MLP's masks where it draws none, or once on the CPU (element by element, in tokens'
+    order); never where it draws several times, nor on a GPU, which a dry run's fake tensors stand for."""
+    from optimum_memopt.backends.torch.levers.mlp import MLPMeasure, exact_draws
+
+    assert [exact_draws(0, "cuda"), exact_draws(1, "cpu"), exact_draws(1, "cuda"), exact_draws(3, "cpu")] == [
+        True, True, False, False,
+    ]  # fmt: skip
+    assert MLPMeasure(64, 32, {}, draws=1).draws_as_whole()
+    assert not MLPMeasure(64, 32, {}, draws=1, fake=True).draws_as_whole()
+    assert MLPMeasure(64, 32, {}, draws=0, fake=True).draws_as_whole()
+
+
 def test_an_mlp_taking_more_than_the_hidden_states_is_refused_with_the_reason():
     """RWKV's feed-forward takes a state and shifts tokens: not row-wise, never tiled."""
     from torch import nn
