@@ -248,11 +248,8 @@ def test_an_mlp_drawing_several_times_is_said_to_train_another_draw_and_auto_nev
     """LoRA's dropout on each of the MLP's three projections: tile by tile, the three draws interleave, so the tiles'
     masks are not the whole MLP's. Asked for by hand, the tiles run and the first tiled forward says the run is
     another draw (the losses differ from the plain run's: the truth, not hidden); the MLP measured after step one
-    counts three draws a forward, and `auto` offers no tiling of it (the table's notes say why). Its modules say it
-    draws before any forward runs (`draws_by_modules`)."""
+    counts three draws a forward, and `auto` offers no tiling of it (the table's notes say why)."""
     import logging
-
-    from optimum_memopt.backends.torch.levers.mlp import draws_by_modules
 
     plain, _, _ = _lora_run(None, 0.1)
     with caplog.at_level(logging.WARNING, logger="optimum_memopt"):
@@ -265,9 +262,6 @@ def test_an_mlp_drawing_several_times_is_said_to_train_another_draw_and_auto_nev
     assert profile.levers["mlp"].draws == 3
     assert [c.option for c in lever.choices(profile)] == [lever.option]  # only what runs: nothing else offered
     assert any("`auto` does not tile the MLPs: one draws at random 3 time(s)" in n for n in handle.report().notes)
-    assert draws_by_modules(lever.mlps[0])
-    _, _, undrawn = _lora_run(None, 0.0)
-    assert not draws_by_modules(undrawn.base_model.model.model.layers[0].mlp)
 
 
 def test_entries_on_layers_apart_give_each_its_own_tile_count():

@@ -164,17 +164,6 @@ def exact_draws(draws: int, device: str) -> bool:
     return draws == 0 or (draws == 1 and device == "cpu")
 
 
-def draws_by_modules(mlp: nn.Module) -> bool:
-    """Whether `mlp` may draw at random in training, by its modules alone (before any forward ran): a dropout module
-    with a rate above 0 (LoRA's included), or a float attribute named for a dropout above 0 (a functional one)."""
-    for m in mlp.modules():
-        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
-            return True
-        if any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(m).items()):
-            return True
-    return False
-
-
 _TILES = "_memopt_mlp_tiles"  # the MLP's attribute holding its tile count while the lever runs it
 _DRAWN = "_memopt_mlp_drawn"  # set on an MLP once its first tiled forward's draws were counted
 _WHOLE_SAID = "_memopt_mlp_whole_said"  # set on an MLP once a call it could not tile was said
