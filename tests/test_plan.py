@@ -517,6 +517,7 @@ def test_mlps_drawing_several_dropout_masks_are_no_floor_auto_reaches():
     rows = {c.name: c for c in plan.configurations}
     tiled = rows["level 1 + Loss+ + MLP+ (8 tiles)"]
     assert tiled.peak_mb is not None and tiled.note.startswith("`auto` does not tile these MLPs: each draws 3 ")
+    assert tiled.note.endswith("`--lora_dropout 0` lets it, where the masks are LoRA's")
     assert "MLP+" not in (rows["auto"].choice or "")
     assert plan.reach["under"] == "level 1 + Loss+", plan.reach
     assert f"level 1 + Loss+ + MLP+ (8 tiles): {tiled.note}" in plan.table()

@@ -291,7 +291,7 @@ def plan(
                 if result.auto is not None and result.auto.get("config") is not None:
                     conf.choice = result.auto["config"]
             if label == _TILED:
-                conf.note = _untiled_by_auto(result)
+                conf.note = _untiled_by_auto(result, spec.lora)
         out.configurations.append(conf)
     # the least memory `auto` reaches: every layer recomputed whole, the head in chunks, and the MLPs in the most tiles
     # it weighs where the layers' MLPs can be tiled (a mixture of experts' cannot: that row says why; an MLP drawing
@@ -304,15 +304,16 @@ def plan(
     return out
 
 
-def _untiled_by_auto(result: DryRun) -> Optional[str]:
+def _untiled_by_auto(result: DryRun, lora: Optional[dict]) -> Optional[str]:
     """Why `auto` would not tile the MLPs the tiled row tiles (they draw dropout masks that tiles draw otherwise on a
     GPU: `levers.mlp.MLPMeasure.draws_as_whole`), from that row's dry run; None where it would."""
     measured = getattr(result.profile, "levers", {}).get("mlp") if result.profile is not None else None
     if measured is None or measured.draws_as_whole():
         return None
+    fix = "; `--lora_dropout 0` lets it, where the masks are LoRA's" if lora and lora.get("lora_dropout") else ""
     return (
-        f"`auto` does not tile these MLPs: each draws {measured.draws} dropout mask(s) a forward (LoRA's, its own), "
-        f"which tiles draw in another order on a GPU"
+        f"`auto` does not tile these MLPs: each draws {measured.draws} dropout mask(s) a forward, which tiles draw in "
+        f"another order on a GPU{fix}"
     )
 
 
