@@ -156,6 +156,15 @@ class _Draws(_torch_api.TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def drawn_by(forward, x: torch.Tensor, tiles: int) -> Tuple[torch.Tensor, int]:
+    """`forward(x)`, in `tiles` tiles (1: whole), and the random draws one forward of the MLP made (each tile runs
+    the whole forward: the draws counted over the tiles, shared out)."""
+    with _Draws() as drawn:
+        out = forward(x) if tiles == 1 else tiled(forward, x, tiles)
+    calls = 1 if tiles == 1 else max(1, min(tiles, x.shape[:-1].numel()))
+    return out, -(-drawn.count // calls)
+
+
 def exact_draws(draws: int, device: str) -> bool:
     """Whether an MLP drawing `draws` times a forward draws, in tiles, the masks it draws whole: none drawn; or one
     draw on the CPU, whose kernel draws element by element in tokens' order (tested: GPT-2's MLP). Two draws or more
@@ -187,16 +196,14 @@ def _tiled_forward(mlp_self, *args, **kwargs):
     if vars(mlp_self).get(_DRAWN) or _torch_api.in_backward():
         return tiled(own, args[0], tiles)
     vars(mlp_self)[_DRAWN] = True  # its first tiled training forward: its draws counted, said where tiles change them
-    with _Draws() as draws:
-        out = tiled(own, args[0], tiles)
-    per_tile = draws.count / max(1, min(tiles, args[0].shape[:-1].numel()))
-    if not exact_draws(math.ceil(per_tile), args[0].device.type):
+    out, draws = drawn_by(own, args[0], tiles)
+    if not exact_draws(draws, args[0].device.type):
         logger.warning(
             "`MLP+`: %s draws at random %d time(s) a forward (dropout); in %d tiles it draws its masks tile by tile, "
             "other masks than the whole MLP draws (%s): the run trains as another draw of the same distribution, not "
             "as the run without the plugin. `auto` does not tile such an MLP",
-            type(mlp_self).__name__, math.ceil(per_tile), tiles,
-            "several draws interleave" if per_tile > 1 else "a GPU's generator advances per call",
+            type(mlp_self).__name__, draws, tiles,
+            "several draws interleave" if draws > 1 else "a GPU's generator advances per call",
         )  # fmt: skip
     return out
 
@@ -551,14 +558,16 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
     forward = type(mlp).forward.__get__(mlp)
     kept: Dict[int, int] = {}
 
-    draws: List[int] = []  # one forward's draws, counted in the first count run (each tile runs the whole forward)
+    draws: List[int] = []  # one forward's draws, counted in the first run only (the timed runs count nothing)
 
     def run(count: int) -> None:
         start = current_bytes(device)
-        with torch.autocast(device, dtype=autocast, enabled=autocast is not None), _Draws() as drawn:
-            out = forward(x) if count == 1 else tiled(forward, x, count)
-        if not draws:
-            draws.append(-(-drawn.count // min(count, tokens)))
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            if draws:
+                out = forward(x) if count == 1 else tiled(forward, x, count)
+            else:
+                out, drawn = drawn_by(forward, x, count)
+                draws.append(drawn)
         kept[count] = current_bytes(device) - start - out.numel() * out.element_size()
         grads = torch.autograd.grad(out, [x, *params], torch.ones_like(out))
         del grads, out
