@@ -349,8 +349,17 @@ def test_the_largest_batch_and_sequence_found_fit_and_one_more_does_not():
     for field, step in (("batch", 1), ("seq", 128)):
         found = reach[field]
         spec = StepSpec(config, batch=2, seq=128)
-        assert dry_run(_with(spec, field, found), **floor).peak_bytes <= budget
+        fits = dry_run(_with(spec, field, found), **floor)
+        assert fits.peak_bytes <= budget
         assert dry_run(_with(spec, field, found + step), **floor).peak_bytes > budget
+        # the search's own dry runs count the peak alone (no lever measured after the step, no table): the same peak
+        alone = dry_run(_with(spec, field, found), **floor, peak_only=True)
+        assert (
+            (alone.peak_bytes, alone.parts, alone.peak_at, alone.step_peaks)
+            == (fits.peak_bytes, fits.parts, fits.peak_at, fits.step_peaks)
+            and alone.report is None
+            and fits.report is not None
+        )
     assert f"auto fits up to batch {reach['batch']:,} at 128 tokens" in plan.table()
 
 
@@ -446,6 +455,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.loopback  # its one-process group's rendezvous port
 def test_ddp_holds_its_gradient_buckets_beside_the_gradients(tmp_path):
     """Several processes without `--fsdp` are DDP's: each holds the whole model and, from DDP's start, its gradient
     buckets (a flat copy of every trained gradient). The dry run's buckets are as big as a real DDP's say they are."""

@@ -568,6 +568,7 @@ def dry_run(
     held_bytes: int = 0,
     running_into: Optional[list] = None,
     kernels: Optional[CudaKernels] = None,
+    peak_only: bool = False,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -592,7 +593,12 @@ def dry_run(
 
     `kernels`: the CUDA card whose attention kernels the fake step runs (`attention.CudaKernels`: the kernel each
     `scaled_dot_product_attention` takes there and the tensors it keeps, counted in `DryRun.attention`); None: the
-    fake tensors' own device's, the CPU's (what a real step on the CPU runs)."""
+    fake tensors' own device's, the CPU's (what a real step on the CPU runs).
+
+    `peak_only`: the peak, its parts and the steps' peaks alone (what a search for the largest size needs): the last
+    step is not reported ended to the backend, so its levers measure nothing after it and no table is made
+    (`DryRun.report` None). The peak is the same (a lever's measurement after a step is held aside from the count:
+    tests/test_plan.py holds both)."""
     import optimum_memopt
 
     began = time.perf_counter()
@@ -685,7 +691,7 @@ def dry_run(
                 optimizer.step()
                 count.phase = OTHER
                 optimizer.zero_grad(set_to_none=True)
-                if handle is not None:
+                if handle is not None and not (peak_only and step == steps):
                     handle.step_done()
                 step_peaks.append(count.step_top)
                 step_parts.append((dict(count.step_top_parts), count.step_top_at))
@@ -709,7 +715,7 @@ def dry_run(
         result.step_seconds = count.ops.seconds(cost_device)
     if handle is not None:
         result.profile = handle.profile
-        result.report = handle.report()
+        result.report = None if peak_only else handle.report()
         state = getattr(model, STATE, None)
         result.first_layer_idle = state.first_layer_idle() if state is not None else None
         if plans == "auto":

@@ -342,7 +342,7 @@ def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known
 
     def peak_at(n: int) -> int:
         with _quiet():
-            bytes_ = dry_run(replace(spec, **{field: n}), **kwargs).peak_bytes
+            bytes_ = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True).peak_bytes
         runs.append({field: n, "peak_mb": bytes_ / MIB})
         return bytes_
 
