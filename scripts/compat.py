@@ -48,6 +48,7 @@ LATEST_PATCHES = [
 # 4.52+ calls `accelerator.unwrap_model(..., keep_torch_compile=False)`, which accelerate 1.3 introduced;
 # 4.56+ annotates a field with accelerate's `ParallelismConfig`, imported only from accelerate 1.10.1, and
 # HfArgumentParser cannot resolve the arguments' types without it.
+XDIST = ["-n", "auto", "--dist", "loadgroup"]
 EXTRA = [(Version("4.52"), ["accelerate>=1.3,<1.4"]), (Version("4.56"), ["accelerate>=1.10.1,<1.11"])]
 SLICE = [
     "tests/test_trainer_args.py",
@@ -133,7 +134,8 @@ def run_slice(version: str, target: str, log_dir: str) -> dict:
     seen = check.stdout.strip()
     t0 = time.time()
     res = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout", "1200", *SLICE],
+        # on pytest-xdist's workers, as README's test command runs the suite (tests/README.md)
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--timeout", "1200", *XDIST, *SLICE],
         capture_output=True,
         text=True,
         env=env,

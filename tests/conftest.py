@@ -14,20 +14,35 @@ from optimum_memopt.backends import ort as _ort  # noqa: E402
 from optimum_memopt.backends import torch as _torch_backend  # noqa: E402
 
 # Two stacks (docs/ort-stack.md, "Two stacks"): the ORT stack (torch 2.4, onnxruntime-training) and the modern stack (torch
-# >= 2.5, no ORT). Tests marked `ort` need ONNX Runtime Training or its defaults; `torch_backend` tests need torch
-# >= 2.5. CI runs the suite once in each environment.
+# >= 2.5, no ORT). Each test runs once (tests/README.md): on the modern stack, unless it is marked `ort` (it needs
+# ONNX Runtime Training or its defaults: the ORT stack only) or `both_stacks` (what it checks depends on the stack it
+# runs on: the ORT stack's transformers, accelerate or DeepSpeed range, or the backend that stack trains with).
 ORT_STACK = _ort.is_installed()
 TORCH_BACKEND = _torch_backend.torch_problem() is None
+
+# Under pytest-xdist each worker is a process of its own on one of the machine's cores: one thread each (and in the
+# processes a test starts), not every worker's torch spreading over every core.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
     skip_ort = pytest.mark.skip(reason="needs the ORT stack (onnxruntime-training, torch <= 2.4): its own CI suite")
     skip_torch = pytest.mark.skip(reason="needs torch >= 2.5 (the modern stack): its own CI suite")
+    skip_once = pytest.mark.skip(reason="the same on either stack: runs once, on the modern stack (tests/README.md)")
     for item in items:
-        if "ort" in item.keywords and not ORT_STACK:
+        marked = {m.name for m in item.iter_markers()}
+        if "ort" in marked and not ORT_STACK:
             item.add_marker(skip_ort)
-        if "torch_backend" in item.keywords and not TORCH_BACKEND:
+        if "torch_backend" in marked and not TORCH_BACKEND:
             item.add_marker(skip_torch)
+        if ORT_STACK and not marked & {"ort", "both_stacks"}:
+            item.add_marker(skip_once)
+        # A test that binds a port on the loopback (a process group's rendezvous) runs on one worker, one at a time:
+        # a port found free and then bound by another worker's launch is a failure by chance.
+        if marked & {"multiprocess", "loopback"}:
+            item.add_marker(pytest.mark.xdist_group("loopback"))
 
 
 @pytest.fixture

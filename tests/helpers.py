@@ -249,6 +249,33 @@ def end_distributed_worker():
     os._exit(0)
 
 
+def announce(name: str) -> None:
+    """A multi-mode worker's line before each mode (`launch_modes` in tests/test_multiprocess.py): every rank has
+    flushed what the mode before said, then rank 0 says `[worker] mode NAME` on the launch's stdout and stderr, which
+    `said_in_modes` cuts at."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"[worker] mode {name}", flush=True)
+        print(f"[worker] mode {name}", file=sys.stderr, flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def said_in_modes(text: str) -> dict:
+    """What a multi-mode launch said on one stream, cut at the workers' `announce` lines: {mode name: its part}."""
+    said, name = {}, None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("[worker] mode "):
+            name = line[len("[worker] mode ") :].strip()
+            said[name] = ""
+        elif name is not None:
+            said[name] += line
+    return said
+
+
 def free_port() -> int:
     """A TCP port on the loopback nobody listens on now (a process group's rendezvous)."""
     with socket.socket() as s:

@@ -110,6 +110,7 @@ def test_noise_level_extra_time_counts_as_no_cost(tmp_path):
     assert os.path.getsize(paths[2]) > 1000
 
 
+@pytest.mark.both_stacks  # probes the backend of each stack
 # -- real runs of the recipe ----------------------------------------------------------------------
 @pytest.mark.slow
 def test_probe_choose_verify_and_batch_search_for_real(tmp_path):

@@ -18,6 +18,9 @@ from optimum_memopt.callbacks import InputDensityCallback, MemoryPhaseCallback, 
 from optimum_memopt.callbacks.memory_phases import should_record
 from optimum_memopt.plans import FoundPlan, PlanReport, Unmatched
 
+# the callbacks against the installed Trainer's events: both stacks' (and the compatibility slice's) transformers range
+pytestmark = pytest.mark.both_stacks
+
 
 class StubBackend:
     name = "ort"

@@ -11,6 +11,9 @@ from helpers import ClsData, LossRecordingTrainer, make_args, tiny_model
 from optimum_memopt import transformers_releases
 from optimum_memopt.checkpoints import STATE_FILE, newest_complete, resolve
 
+# the checkpoints the installed Trainer writes and resumes from: each stack's own
+pytestmark = pytest.mark.both_stacks
+
 
 def _checkpoint(root, step, state=True):
     path = root / f"checkpoint-{step}"

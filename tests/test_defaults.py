@@ -12,6 +12,9 @@ from transformers import HfArgumentParser, TrainingArguments
 
 from optimum_memopt import MemoptTrainingArguments, with_memory_flags
 
+# the defaults of the installed transformers and TRL: each stack's own
+pytestmark = pytest.mark.both_stacks
+
 PLUGIN_FIELDS = {f.name for f in dataclasses.fields(MemoptTrainingArguments)} - {
     f.name for f in dataclasses.fields(TrainingArguments)
 }

@@ -10,6 +10,9 @@ from optimum_memopt.eager_attention import use_eager_attention
 from optimum_memopt.losses import LossInGraph, smoothed_cross_entropy
 from optimum_memopt.trainer import MemoptTrainer
 
+# the hook against the installed Trainer and TRL: both stacks' (and the compatibility slice's) transformers range
+pytestmark = pytest.mark.both_stacks
+
 
 @pytest.mark.ort
 def test_sdpa_attention_is_switched_to_eager_keeping_every_parameter():

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 from conftest import ORT_STACK  # noqa: E402
-from helpers import free_port
+from helpers import free_port, said_in_modes
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 BACKEND = "ort" if ORT_STACK else "torch"
@@ -22,7 +22,19 @@ WORKER = os.path.join(HERE, "multiprocess", "worker_train.py")
 LOSS_ATOL = 1e-4
 
 
-def launch(mode, out, nproc=2, timeout=600, worker=WORKER, extra=()):
+def launch(mode, out, nproc=2, timeout=600):
+    """worker_train.py's `mode` on `nproc` processes, reporting to `out`."""
+    return launch_modes(WORKER, out, {".": mode}, nproc=nproc, timeout=timeout)
+
+
+def launch_modes(worker, out, modes, nproc=2, timeout=600):
+    """One launch of a worker that trains each of `modes` ({name: mode}) in turn in the same processes, each reporting
+    to `out / name`: one start of the processes and their imports for every mode of a test."""
+    backend = [BACKEND] if worker == WORKER else []
+    return torchrun(worker, [str(out), *backend, *(f"{name}={mode}" for name, mode in modes.items())], nproc, timeout)
+
+
+def torchrun(worker, argv, nproc, timeout):
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -42,13 +54,9 @@ def launch(mode, out, nproc=2, timeout=600, worker=WORKER, extra=()):
         "--master_port",
         str(free_port()),
         worker,
-        mode,
-        str(out),
-        BACKEND,
-        *extra,
+        *argv,
     ]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    return res
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def reports(out, n):
@@ -63,13 +71,28 @@ def single(tmp_path_factory):
     return reports(out, 1)[0]
 
 
+# accelerate 1.1 (the ORT stack) refuses `--fsdp` on the CPU in its FSDP plugin: asked on the modern stack only
+WRAPPED = {"ddp": "ddp", "zero1": "zero1", "zero2": "zero2", **({"fsdp": "fsdp"} if BACKEND == "torch" else {})}
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory):
+    """One launch training DDP, ZeRO-1, ZeRO-2 (and `--fsdp` where asked) in turn: (its output, what each said)."""
+    out = tmp_path_factory.mktemp("wrapped")
+    res = launch_modes(WORKER, out, WRAPPED, timeout=900)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    stdout, stderr = said_in_modes(res.stdout), said_in_modes(res.stderr)
+    return out, {name: stdout.get(name, "") + stderr.get(name, "") for name in WRAPPED}
+
+
+@pytest.mark.both_stacks  # around the backend of each stack: ORTModule there, the torch backend here
 @pytest.mark.parametrize(
     "mode,wrapper", [("ddp", "DistributedDataParallel"), ("zero1", "DeepSpeedEngine"), ("zero2", "DeepSpeedEngine")]
 )
-def test_two_processes(tmp_path, single, mode, wrapper):
-    res = launch(mode, tmp_path)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
-    r0, r1 = reports(tmp_path, 2)
+def test_two_processes(wrapped, single, mode, wrapper):
+    root, said = wrapped
+    out = root / mode
+    r0, r1 = reports(out, 2)
     assert r0["world"] == r1["world"] == 2
     assert r0["wrapped"] == r1["wrapped"] == f"{wrapper}({INNER})"
     # identical parameters on both ranks
@@ -85,23 +108,21 @@ def test_two_processes(tmp_path, single, mode, wrapper):
     assert r1["plan_tables"] == 0 and not r1["plan_stats"] and r1["phase_rows"] == 0 and r1["density_rows"] == 0
     assert r1["density_tables"] == 0
     assert "memopt/plans_on" in r0["logged_memopt_keys"] and "memopt/mem_post_backward_mb" in r0["logged_memopt_keys"]
-    combined = res.stdout + res.stderr
-    assert combined.count("recompute plan(s) found") == 1
-    assert "FSDP was asked for" not in combined
+    assert said[mode].count("recompute plan(s) found") == 1
+    assert "FSDP was asked for" not in said[mode]
     for name in ("memory_plans.json", "memory_phases.csv", "memory_phases.png", "input_density.csv"):
-        assert (tmp_path / name).exists(), name
+        assert (out / name).exists(), name
 
 
 @pytest.mark.torch_backend  # accelerate 1.1 (the ORT stack) refuses `--fsdp` on the CPU in its FSDP plugin instead
-def test_fsdp_asked_on_the_cpu_trains_as_ddp_and_the_plugin_says_so(tmp_path):
+def test_fsdp_asked_on_the_cpu_trains_as_ddp_and_the_plugin_says_so(wrapped):
     """accelerate 1.15 turns FSDP on for GPU-type process groups only: with `--fsdp full_shard` on 2 CPU processes
     the Trainer wraps the model with DistributedDataParallel and nobody says so. The plugin says it, once, on rank 0,
     with what trains instead."""
-    res = launch("fsdp", tmp_path)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
-    r0, r1 = reports(tmp_path, 2)
+    root, said = wrapped
+    r0, r1 = reports(root / "fsdp", 2)
     assert r0["wrapped"] == r1["wrapped"] == f"DistributedDataParallel({INNER})"
-    said = [line for line in (res.stdout + res.stderr).splitlines() if "FSDP was asked for" in line]
+    said = [line for line in said["fsdp"].splitlines() if "FSDP was asked for" in line]
     assert len(said) == 1, said
     assert "its distributed type is MULTI_CPU" in said[0]
     assert "DistributedDataParallel over 2 processes, each holding the whole model" in said[0]
@@ -197,14 +218,11 @@ def test_ddp_with_the_loss_chunked_and_the_mlp_tiled_by_hand_trains_as_ddp_witho
     with `Layer+:1:-1@0,MLP+:1:-1@tiles4` (every MLP in 4 tiles, one inside a layer recomputed whole: each weight
     used by 4 tiles, its gradient summed over their recomputes before DDP marks it ready, once) against the same DDP
     run without the backend: the losses within 1e-6 and the trained parameters within 1e-6."""
-    runs = {}
-    for name, mode in [("plain", "decoder:none"), ("chunked", "decoder:Layer+:1:-1@0,Loss+:1:-1@chunks4"),
-                       ("tiled", "decoder:Layer+:1:-1@0,MLP+:1:-1@tiles4")]:  # fmt: skip
-        out = tmp_path / name
-        out.mkdir()
-        res = launch(mode, out, timeout=300)
-        assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
-        runs[name] = reports(out, 2)
+    modes = {"plain": "decoder:none", "chunked": "decoder:Layer+:1:-1@0,Loss+:1:-1@chunks4",
+             "tiled": "decoder:Layer+:1:-1@0,MLP+:1:-1@tiles4"}  # fmt: skip
+    res = launch_modes(WORKER, tmp_path, modes, timeout=600)
+    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
+    runs = {name: reports(tmp_path / name, 2) for name in modes}
     for got, want, tiled in zip(runs["chunked"], runs["plain"], runs["tiled"]):
         assert got["wrapped"] == want["wrapped"] == tiled["wrapped"] == "DistributedDataParallel"
         assert want["head"] is None and got["head"] == {"tokens": 4 * 256, "rows": 256, "chunks": 4, "calls": 4}
@@ -229,23 +247,20 @@ def test_fsdp2_fully_shard_recomputes_with_gathered_parameters(tmp_path):
     mixed per-layer plan with the head's loss chunked (`Loss+`) and level 1 train as the same sharded run without
     the backend (losses and the trained parameters), and every recomputation saw unsharded parameters
     (worker_fsdp2.py's checks)."""
-    runs = {}
-    for name, mode in [
-        ("none", "none"),
-        ("chain", "plan:MatMul+silu+Mul+:1:-1"),  # mm recipes hold views of the projections' gathered weights
+    modes = {
+        "none": "none",
+        "chain": "plan:MatMul+silu+Mul+:1:-1",  # mm recipes hold views of the projections' gathered weights
         # RMSNorm's mul holds its gathered weight itself; the head's weight, sharded with the root, is read by the
         # loss's chunk and again by its recompute in backward (one chunk: bitwise the model's own loss)
-        ("mixed", "plan:Layer+:1:-1@0,Mul+:1:-1@1,Loss+:1:-1@chunks1"),
-        ("level1", "level1"),
+        "mixed": "plan:Layer+:1:-1@0,Mul+:1:-1@1,Loss+:1:-1@chunks1",
+        "level1": "level1",
         # every MLP in 2 tiles, layer 0's inside its whole-layer recompute: each tile's projections gathered in the
         # forward and again in its recompute
-        ("tiled", "plan:Layer+:1:-1@0,MLP+:1:-1@tiles2"),
-    ]:
-        out = tmp_path / name
-        out.mkdir()
-        res = launch(mode, out, worker=FSDP2_WORKER, timeout=300)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        runs[name] = reports(out, 2)
+        "tiled": "plan:Layer+:1:-1@0,MLP+:1:-1@tiles2",
+    }
+    res = launch_modes(FSDP2_WORKER, tmp_path, modes, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    runs = {name: reports(tmp_path / name, 2) for name in modes}
     for name, ranks in runs.items():
         for rank, (got, want) in enumerate(zip(ranks, runs["none"])):
             assert got["layer_class"] == "FSDPLlamaDecoderLayer"  # sharded
@@ -277,16 +292,14 @@ def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path
     recompute; not measured alone, which would gather on one process's say), and level 1 give the losses and
     trained parameters of ZeRO-3 without the backend; the plan's
     run resumed from its step-3 checkpoint ends as the uninterrupted run; one plan table, from rank 0."""
-    runs, stdout = {}, {}
     # the head's weight gathered for its chunk and recompute; layer 1's MLP in 2 tiles, its projections gathered for
     # each tile and again for its recompute (the same number of calls on both ranks: a count, not a length)
     plan = "plan:MatMul+silu+Mul+:1:-1,Loss+:1:-1@chunks1,MLP+:1:-1@1:tiles2"
-    for name, mode in [("none", "none"), ("plan", plan), ("level1", "level1")]:
-        out = tmp_path / name
-        out.mkdir()
-        res = launch(mode, out, worker=ZERO3_WORKER, timeout=400)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        runs[name], stdout[name] = reports(out, 2), res.stdout
+    # one launch: the three runs, then the plan's resumed from its step-3 checkpoint
+    modes = {"none": "none", "plan": plan, "level1": "level1", "resumed": "from:plan"}
+    res = launch_modes(ZERO3_WORKER, tmp_path, modes, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    runs = {name: reports(tmp_path / name, 2) for name in ("none", "plan", "level1")}
     for name, ranks in runs.items():
         for got, want in zip(ranks, runs["none"]):
             assert (got["wrapped"], got["stage"]) == ("DeepSpeedEngine", 3)
@@ -294,17 +307,13 @@ def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path
             close = 1e-7 if name == "plan" else 1e-9  # the tiles sum a weight's gradient in another order
             assert got["checksum"] == pytest.approx(want["checksum"], rel=close), name
     # on screen, the table's first line and where the rest is; the table and its notes in the file (rank 0's)
+    stdout = said_in_modes(res.stdout)
     assert stdout["plan"].count("Memory optimizer (torch) ON") == 1 and "memory_plans.txt" in stdout["plan"]
+    assert stdout["none"].count("Memory optimizer (torch) ON") == 0
     table = (tmp_path / "plan" / "memory_plans.txt").read_text()
     assert "STATE  CONFIG" in table and "`Loss+` (1 chunk): the head and loss ran in 1 chunk(s)" in table
     assert "not measured each way they can run: the head's weight is sharded (DeepSpeed ZeRO-3)" in table
-    assert stdout["none"].count("Memory optimizer (torch) ON") == 0
-    out = tmp_path / "resumed"
-    out.mkdir()
-    res = launch(plan, out, worker=ZERO3_WORKER, timeout=400,
-                 extra=[str(tmp_path / "plan" / "checkpoint-3")])  # fmt: skip
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for got, want in zip(reports(out, 2), runs["plan"]):
+    for got, want in zip(reports(tmp_path / "resumed", 2), runs["plan"]):
         assert got["losses"] == want["losses"][3:]
         assert got["checksum"] == pytest.approx(want["checksum"], rel=1e-9)
 
@@ -312,9 +321,18 @@ def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path
 PLAN_WORKER = os.path.join(HERE, "multiprocess", "worker_plan.py")
 
 
+@pytest.fixture(scope="module")
+def sharded_steps(tmp_path_factory):
+    """The dry run's step on real tensors, sharded with FSDP2 on two processes: eager and level 1, one launch."""
+    out = tmp_path_factory.mktemp("plan")
+    res = launch_modes(PLAN_WORKER, out, {"eager": "eager", "level1": "level1"}, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return {mode: reports(out / mode, 2) for mode in ("eager", "level1")}
+
+
 @pytest.mark.torch_backend
 @pytest.mark.parametrize("mode", ["eager", "level1"])
-def test_a_dry_run_sharded_with_fsdp2_counts_what_each_of_two_real_processes_holds(tmp_path, mode):
+def test_a_dry_run_sharded_with_fsdp2_counts_what_each_of_two_real_processes_holds(sharded_steps, mode):
     """The plan's FSDP2 in one process on a fake process group against the same step on two real processes (gloo),
     under the same count: each rank's peak, what it holds before training, each step's peak, the parts at the peak
     and where it is, within 1%."""
@@ -322,9 +340,7 @@ def test_a_dry_run_sharded_with_fsdp2_counts_what_each_of_two_real_processes_hol
 
     from optimum_memopt.planning.dry_run import dry_run
 
-    res = launch(mode, tmp_path, worker=PLAN_WORKER, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    ranks = reports(tmp_path, 2)
+    ranks = sharded_steps[mode]
     fake = dry_run(fsdp_spec(2), **({"backend": False} if mode == "eager" else {"level": 1}))
     for real in ranks:
         seen = (fake.peak_bytes, fake.parts, fake.peak_at, real)

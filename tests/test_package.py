@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "optimum_memopt")
 
 
@@ -17,6 +19,7 @@ def _modules():
                 yield os.path.relpath(path, PKG), ast.parse(open(path).read())
 
 
+@pytest.mark.both_stacks  # onnxruntime and DeepSpeed installed (the ORT stack) and not loaded
 def test_import_is_light_and_changes_nothing():
     code = (
         "import json, logging, os, sys, time\n"

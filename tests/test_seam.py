@@ -225,12 +225,14 @@ def _route(route, tmp_path, monkeypatch):
     return None, "accelerate's zero_stage"
 
 
+@pytest.mark.both_stacks  # each stack's accelerate and DeepSpeed
 @pytest.mark.parametrize("route", ROUTES)
 def test_the_zero_stage_is_read_from_every_route(route, tmp_path, monkeypatch, no_accelerate_env):
     deepspeed, via = _route(route, tmp_path, monkeypatch)
     assert zero_stage(deepspeed) == (3.0, via)
 
 
+@pytest.mark.both_stacks
 def test_no_deepspeed_is_no_stage(no_accelerate_env):
     assert zero_stage(None) == (None, "")
 
@@ -249,6 +251,7 @@ def test_zero3_is_taken_by_the_torch_backend_whatever_the_route(route, tmp_path,
     assert zero_stage(args.deepspeed)[0] == 3
 
 
+@pytest.mark.both_stacks
 @pytest.mark.parametrize("route", ROUTES)
 def test_zero3_is_refused_by_the_ort_backend_whatever_the_route(route, tmp_path, monkeypatch, no_accelerate_env):
     deepspeed, via = _route(route, tmp_path, monkeypatch)

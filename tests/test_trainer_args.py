@@ -16,6 +16,10 @@ from optimum_memopt._deepspeed import stage_of_config as _zero_stage
 from optimum_memopt.backends import ort
 from optimum_memopt.config import MemoryOptConfig
 
+# the flags against the installed TrainingArguments, accelerate and DeepSpeed: both stacks' (and the compatibility
+# slice's) transformers range
+pytestmark = pytest.mark.both_stacks
+
 BASE = ["--output_dir", "unused_out", "--report_to", "none", "--use_cpu"]
 
 

@@ -1,11 +1,12 @@
 """One rank of a 2-process FSDP2 run on CPU (gloo): a small Llama whose layers are sharded with `fully_shard`
 (`reshard_after_forward=True`: each layer's parameters are freed after its forward and gathered again for its
 backward), trained in a plain loop. The torch backend wraps the model first, as in the Trainer (accelerate shards
-after `_wrap_model`). Usage: worker_fsdp2.py MODE OUT [BACKEND], MODE one of `none` (no backend), `level1`, or `plan:CONFIG`.
+after `_wrap_model`). Usage: worker_fsdp2.py OUT NAME=MODE [NAME=MODE ...], each MODE one of `none` (no backend),
+`level1`, or `plan:CONFIG`, trained one after the other in this one launch (a fresh model, its own checks each).
 
 While training, every recomputation is checked to see unsharded parameters: a recipe's inputs are plain tensors
 with their storage present when it replays, and a layer recomputed whole finds its projections' weights gathered.
-Writes OUT/rank{r}.json: the losses, the checks counted, a checksum of the trained (gathered) parameters."""
+Writes OUT/NAME/rank{r}.json: the losses, the checks counted, a checksum of the trained (gathered) parameters."""
 
 import json
 import os
@@ -15,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from helpers import end_distributed_worker  # noqa: E402
+from helpers import announce, end_distributed_worker  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
@@ -28,8 +29,8 @@ from optimum_memopt.backends.torch.nested import tensors_in  # noqa: E402
 from optimum_memopt.plans import parse_plans  # noqa: E402
 
 STEPS, ROWS, SEQ, VOCAB = 6, 4, 32, 128
-checks = {"recipe_replays": 0, "recipe_inputs": 0, "parameter_inputs": 0, "layer_recomputes": 0, "sharded_seen": 0}
-replayed = set()  # the ops recipes replayed
+checks = {}  # the current mode's counts (`train` starts them at 0)
+replayed = set()  # the ops recipes replayed in the current mode
 
 
 def checked_outputs(real):
@@ -49,10 +50,10 @@ def checked_outputs(real):
     return outputs
 
 
-def main(mode, out):
-    dist.init_process_group("gloo")
+def train(mode, out, mesh):
     rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    checks.update(recipe_replays=0, recipe_inputs=0, parameter_inputs=0, layer_recomputes=0, sharded_seen=0)
+    replayed.clear()
     torch.manual_seed(0)  # the same initial weights on every rank: fully_shard keeps this rank's slice of them
     config = LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -62,7 +63,6 @@ def main(mode, out):
     if mode != "none":
         entries = parse_plans(mode[len("plan:") :]) if mode.startswith("plan:") else []
         model = TorchBackend().wrap(model, WrapSettings(entries=entries, level=1 if mode == "level1" else 0))
-        recipe.Recipe.outputs = checked_outputs(recipe.Recipe.outputs)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh)
@@ -96,10 +96,21 @@ def main(mode, out):
         "policy": state.policy.describe() if state is not None else None,
         "layer_class": type(model.model.layers[0]).__name__,
     }
+    os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
+def main(out, modes):
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    recipe.Recipe.outputs = checked_outputs(recipe.Recipe.outputs)  # counts only where a backend's recipes replay
+    for named in modes:
+        name, mode = named.split("=", 1)
+        announce(name)
+        train(mode, os.path.join(out, name), mesh)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])
     end_distributed_worker()

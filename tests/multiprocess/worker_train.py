@@ -1,11 +1,12 @@
-"""Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py MODE OUT`.
+"""Worker for the 2-process tests: `torchrun --nproc_per_node 2 worker_train.py OUT BACKEND NAME=MODE [NAME=MODE ...]`,
+each MODE trained one after the other in this one launch (a fresh model and Trainer each), reporting to OUT/NAME.
 
 MODE: ddp | zero1 | zero2 | fsdp (`--fsdp full_shard`, which trains as DDP on the CPU) | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
 auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend; step one runs a dry run's choice) | auto-measure:MIB (the
 same, step one measuring with every layer recomputed whole) | auto-zero2:MIB (under ZeRO-2) | decoder:PLANS
-(the tiny decoder under DDP with `--memory_opt_config PLANS`, or without the plugin's backend for `none`). BACKEND
-(optional): ort | torch.
-Each rank writes rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
+(the tiny decoder under DDP with `--memory_opt_config PLANS`, or without the plugin's backend for `none`). BACKEND:
+ort | torch.
+Each rank writes NAME/rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
 """
 
 import json
@@ -16,7 +17,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from helpers import ClsData, LossRecordingTrainer, Tokens, end_distributed_worker, make_args, tiny_decoder, tiny_model  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+from helpers import (  # noqa: E402
+    ClsData,
+    LossRecordingTrainer,
+    Tokens,
+    announce,
+    end_distributed_worker,
+    make_args,
+    tiny_decoder,
+    tiny_model,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -98,13 +109,24 @@ def decoder(plans: str, out: str, rank: int) -> None:
         json.dump(report, f)
 
 
-def main():
-    mode, out = sys.argv[1], sys.argv[2]
-    backend = sys.argv[3] if len(sys.argv) > 3 else "ort"
+def main(out, backend, named):
     rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(format="%(levelname)s %(name)s - %(message)s")  # as a user's script does
+    environ = dict(os.environ)
+    for name, mode in (n.split("=", 1) for n in named):
+        announce(name)
+        # each mode's Trainer starts as in a fresh process: the launch's environment as it was, accelerate's state (the
+        # distributed type, a DeepSpeed plugin) set up anew
+        os.environ.clear()
+        os.environ.update(environ)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        train(mode, os.path.join(out, name), backend, rank)
+
+
+def train(mode, out, backend, rank):
+    os.makedirs(out, exist_ok=True)
     if mode == "fail_rank1" and rank == 1:
         raise RuntimeError("rank 1 failed on purpose")
-    logging.basicConfig(format="%(levelname)s %(name)s - %(message)s")  # as a user's script does
     if mode.startswith("auto"):  # auto:MIB (DDP) or auto-zero2:MIB
         how, budget = mode.split(":", 1)
         return auto(budget, out, rank, how[len("auto-") :])
@@ -168,8 +190,9 @@ def main():
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    logging.getLogger("optimum_memopt").removeHandler(handler)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])
     end_distributed_worker()

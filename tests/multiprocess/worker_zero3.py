@@ -1,8 +1,10 @@
 """One rank of a 2-process DeepSpeed ZeRO-3 run on CPU (gloo) through the Trainer: a small Llama whose parameters
 are partitioned, released after each submodule's forward and gathered again for its backward (the persistence
 threshold, reuse distance and prefetch at 0, so that even this model's parameters are released). Usage:
-worker_zero3.py MODE OUT BACKEND [RESUME], MODE one of `none` (`--memory_opt_backend none`), `level1`, or `plan:CONFIG`; RESUME, a
-checkpoint directory to resume from. Writes OUT/rank{r}.json: losses, the parameters' checksum, the wrapper."""
+worker_zero3.py OUT NAME=MODE [NAME=MODE ...], each MODE one of `none` (`--memory_opt_backend none`), `level1`,
+`plan:CONFIG`, or `from:NAME` (NAME's mode resumed from its step-3 checkpoint), trained one after the other in this
+one launch (a fresh model and Trainer each). Writes OUT/NAME/rank{r}.json: losses, the parameters' checksum, the
+wrapper."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from helpers import CausalData, LossRecordingTrainer, end_distributed_worker, make_args, small_decoder  # noqa: E402
+from helpers import CausalData, LossRecordingTrainer, announce, end_distributed_worker, make_args, small_decoder  # noqa: E402
 
 ZERO3 = {
     "zero_optimization": {
@@ -33,9 +35,7 @@ class SequentialTrainer(LossRecordingTrainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
-def main():
-    mode, out = sys.argv[1], sys.argv[2]
-    resume = sys.argv[4] if len(sys.argv) > 4 else None  # argv[3]: the stack's backend, the torch one here
+def train(mode, out, resume=None):
     rank = int(os.environ.get("RANK", "0"))
     memory = ["--memory_opt_backend", "none"] if mode == "none" else ["--memory_opt_backend", "torch"]
     if mode == "level1":
@@ -66,6 +66,17 @@ def main():
         json.dump(report, f)
 
 
+def main(out, named):
+    modes = dict(n.split("=", 1) for n in named)
+    for name, mode in modes.items():
+        resume = None
+        if mode.startswith("from:"):
+            resume = os.path.join(out, mode[len("from:") :], "checkpoint-3")
+            mode = modes[mode[len("from:") :]]
+        announce(name)
+        train(mode, os.path.join(out, name), resume)
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], sys.argv[2:])
     end_distributed_worker()
