@@ -341,6 +341,7 @@ def test_cli_checks_its_options_before_running_anything(tmp_path, capsys, argv, 
     assert runner.calls == []
 
 
+@pytest.mark.slow
 def test_cli_stops_its_child_and_cleans_up_on_sigterm(tmp_path):
     script = tmp_path / "slow_train.py"
     marker = tmp_path / "child_started"

@@ -26,6 +26,21 @@ def ops(config):
     return sorted(config.split(":")[0].strip("+").split("+"))
 
 
+@pytest.fixture(scope="session")
+def plain_loop():
+    """The losses of `loop` on a fresh tests' decoder without the plugin, for `steps` steps: each computed once a test
+    run (a worker's), for the tests that hold a run with the plugin to it."""
+    seen = {}
+
+    def losses(steps=3):
+        if steps not in seen:
+            torch.manual_seed(0)
+            seen[steps] = loop(decoder(), steps=steps)
+        return seen[steps]
+
+    return losses
+
+
 def loop(model, steps=3, accumulate=1, handle=None, batch=8):
     """A plain training loop on the tests' decoder: AdamW, `accumulate` forwards per optimizer step; the losses."""
     data = Tokens()
@@ -46,9 +61,9 @@ def loop(model, steps=3, accumulate=1, handle=None, batch=8):
     return losses
 
 
-def test_plans_train_as_the_plain_loop_and_report_the_trainers_table(tmp_path):
-    torch.manual_seed(0)
-    plain = loop(decoder())
+@pytest.mark.slow
+def test_plans_train_as_the_plain_loop_and_report_the_trainers_table(tmp_path, plain_loop):
+    plain = plain_loop()
     torch.manual_seed(0)
     model = decoder()
     memopt = optimum_memopt.optimize_memory(model, CHAIN)
@@ -81,7 +96,8 @@ def test_plans_train_as_the_plain_loop_and_report_the_trainers_table(tmp_path):
     assert mine == theirs  # the same table through the Trainer (the bytes are the graphs', the same batch shape)
 
 
-def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
+@pytest.mark.slow
+def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path, plain_loop):
     """Each backward ends a step: step one measures, step two runs the choice, step three's start checks it. Step one
     runs the head's loss in chunks too (the least memory); a loop that does not report its steps has no place to
     measure the head's other ways, so the head stays as step one ran it (said in the choice), and the losses are the
@@ -93,8 +109,7 @@ def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path):
     eager = roomy.auto["measured_peak_mb"]
     assert roomy.config == "Loss+:1:-1" and roomy.auto["choices"] == 1 and len(said) == 2
 
-    torch.manual_seed(0)
-    plain = loop(decoder(), steps=4)
+    plain = plain_loop(steps=4)
     torch.manual_seed(0)
     model = decoder()
     budget = round(eager * 0.8, 1)
@@ -123,6 +138,7 @@ def test_autos_step_one_recomputes_every_layer_whole_as_the_trainers_does():
     assert memopt.profile is not None and memopt.auto is None
 
 
+@pytest.mark.slow
 def test_under_gradient_accumulation_the_loop_says_where_steps_end():
     """With `reports_steps=True` and `step_done` after each optimizer step, two forwards make one step: the choice
     is made at the third forward (the second step's start), not the second."""
@@ -210,6 +226,7 @@ def gemma3_with_its_vision_tower():
     return AutoModelForCausalLM.from_config(config)
 
 
+@pytest.mark.slow
 def test_a_layer_list_whose_first_layers_never_run_is_measured_over_the_layers_that_ran(caplog):
     """Gemma 3 on text alone runs its language layers (2, 3), not its vision tower's (0, 1). Before, `auto` trained
     without a choice and said nothing, then stopped; plans made no table. A loop of one's own gives `auto` no dry run
@@ -300,9 +317,8 @@ def test_auto_refuses_a_step_that_runs_its_layers_out_of_order_or_again(order, s
     )
 
 
-def test_remove_gives_the_plain_model_back():
-    torch.manual_seed(0)
-    plain = loop(decoder())
+def test_remove_gives_the_plain_model_back(plain_loop):
+    plain = plain_loop()
     torch.manual_seed(0)
     model = decoder()
     hooks = (len(model._forward_pre_hooks), len(model._forward_hooks))
@@ -320,11 +336,11 @@ def samplers() -> int:
     return sum(t.name == "memopt-peak-sampler" and t.is_alive() for t in threading.enumerate())
 
 
-def test_remove_after_auto_takes_off_the_loss_lever_and_the_meters():
+@pytest.mark.slow
+def test_remove_after_auto_takes_off_the_loss_lever_and_the_meters(plain_loop):
     """`auto` installs the loss lever on the head (step one runs it in chunks) and meters with sampler threads: all
     of it goes with `remove`, and the model trains as it did before the plugin."""
-    torch.manual_seed(0)
-    plain = loop(decoder())
+    plain = plain_loop()
     torch.manual_seed(0)
     model = decoder()
     before = samplers()

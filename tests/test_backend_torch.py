@@ -59,6 +59,21 @@ def train(tmp_path, arch, *flags, steps=STEPS, dropout=0.0, name="run"):
     return trainer
 
 
+@pytest.fixture(scope="session")
+def eager_losses(tmp_path_factory):
+    """The losses of `train(arch)` without the plugin's backend, each model's computed once a test run (a worker's),
+    for the tests that hold a plan's run to it."""
+    seen = {}
+
+    def losses(arch):
+        if arch not in seen:
+            out = tmp_path_factory.mktemp(f"eager-{arch}")
+            seen[arch] = train(out, arch, "--memory_opt_backend", "none", name="eager").losses
+        return seen[arch]
+
+    return losses
+
+
 def report_of(tmp_path, name="run"):
     return json.loads((tmp_path / name / "memory_plans.json").read_text())
 
@@ -282,8 +297,8 @@ def _plans_to_try(tmp_path, arch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["bert", "roberta", "deberta", "llama", "qwen2", "qwen3"])
-def test_every_plan_and_level_1_train_as_plain_pytorch(tmp_path, arch):
-    eager = train(tmp_path, arch, "--memory_opt_backend", "none", name="eager").losses
+def test_every_plan_and_level_1_train_as_plain_pytorch(tmp_path, eager_losses, arch):
+    eager = eager_losses(arch)
     assert len(eager) == STEPS
     found, combined = _plans_to_try(tmp_path, arch)
     configs = found + combined + [",".join(found)]
@@ -561,10 +576,10 @@ def test_a_model_trained_by_a_second_trainer_gets_that_trainers_plans(tmp_path):
 
 
 # -- whole layers and chained plans per layer, through the Trainer ---------------------------------------------------
-def test_a_mixed_per_layer_plan_trains_as_plain_pytorch(tmp_path):
+def test_a_mixed_per_layer_plan_trains_as_plain_pytorch(tmp_path, eager_losses):
     """Llama (2 layers): layer 0 recomputed whole, layer 1 with its MLP chained (`MatMul+silu+Mul+`): 20 steps
     with the losses of plain PyTorch, and the table says which layer did what."""
-    eager = train(tmp_path, "llama", "--memory_opt_backend", "none", name="eager").losses
+    eager = eager_losses("llama")
     flags = ("--memory_opt_backend", "torch", "--memory_opt_config", "Layer+:1:-1@0,MatMul+silu+Mul+:1:-1@1")
     trainer = train(tmp_path, "llama", *flags, name="mixed")
     assert max(abs(a - b) for a, b in zip(trainer.losses, eager)) <= LOSS_ATOL

@@ -23,6 +23,7 @@ EXACT = ("level 1", "Layer+@0")
 @pytest.mark.parametrize(
     "kind", ["llama", "gpt2", "qwen3_moe", "lfm2", "bart", "gemma3", "electra", "hrm_text", "rwkv"]
 )
+@pytest.mark.slow
 def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
     # Gemma 3 on text alone: its tower's layers never run, and a loop of one's own gives `auto` no dry run to see it
     # before step one: three steps find the layers that run, the fourth is measured over them, the fifth chooses

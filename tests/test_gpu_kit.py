@@ -25,6 +25,7 @@ def test_without_a_gpu_the_kit_stops_at_once_and_says_so(tmp_path):
     assert "pass --cpu to check the kit" in res.stderr and not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_on_the_cpu_the_kit_runs_its_steps_and_writes_one_report(tmp_path):
     env = {**os.environ, "PYTHON": sys.executable}
     command = ["bash", KIT, "--cpu", "--out", str(tmp_path), "--rounds", "1", "--steps", "3", "--batch", "2"]

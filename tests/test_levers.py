@@ -268,6 +268,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.torch_backend
+@pytest.mark.slow
 def test_a_new_lever_is_one_module_in_levers_and_one_registration_line(tmp_path):
     """A copy of the package, the double written as `levers/stash.py` and its line added to `REGISTERED`, nothing
     else changed: its entries parse, the ORT backend refuses them, it trains installed and reported, comes off

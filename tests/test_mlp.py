@@ -301,6 +301,7 @@ def _auto_run(budget_mb: float, steps: int = 3):
     return handle, state.planner, state.profile
 
 
+@pytest.mark.slow
 def test_auto_tiles_the_mlp_where_only_tiles_fit_and_its_prediction_holds():
     """`auto` weighs the tiled MLP beside the layers' recompute and the head's chunks: step one's layers are read in
     the stretches their MLP runs in (`Segment.parts`), and each tiling moves those by what one MLP held less,

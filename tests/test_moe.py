@@ -188,6 +188,7 @@ def test_a_dry_run_counts_what_the_real_step_counts(arch, dtype):
         )
 
 
+@pytest.mark.slow
 def test_auto_chooses_within_its_budget_through_the_trainer(tmp_path):
     """Qwen3-MoE through the Trainer, `auto` under a budget halfway between its eager peak and the least any recompute
     reaches: a choice that fits, every check within the budget, and the plain run's losses (its plans are exact; its

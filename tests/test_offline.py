@@ -4,6 +4,8 @@ token ids (the tokenizers library's WordPiece trainer gave a different vocabular
 import subprocess
 import sys
 
+import pytest
+
 from optimum_memopt.offline_defaults import SPECIALS, classification_rows, train_tokenizer
 
 CODE = (
@@ -14,6 +16,7 @@ CODE = (
 )
 
 
+@pytest.mark.slow
 def test_tokenizer_is_the_same_in_every_process():
     vocabs = [
         subprocess.run([sys.executable, "-c", CODE], capture_output=True, text=True, check=True, timeout=300).stdout

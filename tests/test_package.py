@@ -20,6 +20,7 @@ def _modules():
 
 
 @pytest.mark.both_stacks  # onnxruntime and DeepSpeed installed (the ORT stack) and not loaded
+@pytest.mark.slow
 def test_import_is_light_and_changes_nothing():
     code = (
         "import json, logging, os, sys, time\n"

@@ -52,6 +52,7 @@ def plain(tmp_path_factory):
         (("--memory_opt_config", "Layer+:1:-1@0,MatMul+silu+Mul+:1:-1@1"), ["layer", "ops"]),
     ],
 )
+@pytest.mark.slow
 def test_lora_trains_as_plain_pytorch_through_the_torch_backend(tmp_path, plain, flags, modes):
     trainer, model = train(tmp_path, "run", "--memory_opt_backend", "torch", *flags)
     assert max(abs(a - b) for a, b in zip(trainer.losses, plain)) <= LOSS_ATOL, (trainer.losses, plain)
@@ -66,6 +67,7 @@ def test_lora_trains_as_plain_pytorch_through_the_torch_backend(tmp_path, plain,
     assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
 
 
+@pytest.mark.slow
 def test_the_adapter_saves_as_peft_and_loads_without_the_plugin(tmp_path):
     trainer, model = train(
         tmp_path, "run", "--memory_opt_backend", "torch", "--memory_opt_config", "MatMul+silu+Mul+:1:-1"

@@ -174,6 +174,7 @@ def test_op_plans_lower_a_dry_runs_peak_as_they_lower_a_real_ones():
     assert planned.parts["activations"] < 0.8 * eager.parts["activations"]
 
 
+@pytest.mark.slow
 def test_autos_choice_in_a_dry_run_keeps_its_budget_and_runs_the_same_for_real():
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
@@ -189,6 +190,7 @@ def test_autos_choice_in_a_dry_run_keeps_its_budget_and_runs_the_same_for_real()
     assert _within(fake.peak_bytes, real.peak_bytes)
 
 
+@pytest.mark.slow
 def test_the_forward_auto_runs_to_find_its_layers_order_is_no_part_of_the_peak():
     """Before its steps, a dry run of `auto` runs one forward to find the order the step runs its layers in, with the
     head whole (its logits, tokens x vocabulary, and their fp32 copy): its memory is no step's. With a vocabulary large
@@ -226,6 +228,7 @@ def _params(config):
 
 
 # -- plan() and memopt-plan --------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_plan_compares_every_way_and_writes_every_figure(tmp_path):
     import optimum_memopt
 
@@ -252,6 +255,7 @@ def test_plan_compares_every_way_and_writes_every_figure(tmp_path):
     assert record["device"]["name"] == "L4" and record["budget_mb"] == pytest.approx(plan.device.budget_mb)
 
 
+@pytest.mark.slow
 def test_a_budget_nothing_fits_under_is_said(tmp_path):
     import optimum_memopt
 
@@ -269,6 +273,7 @@ def _cli(*args, cwd=None):
     )
 
 
+@pytest.mark.slow
 def test_memopt_plan_reads_a_local_config_and_writes_json(tmp_path):
     folder = tmp_path / "model"
     tiny(layers=2).save_pretrained(folder)
@@ -282,6 +287,7 @@ def test_memopt_plan_reads_a_local_config_and_writes_json(tmp_path):
     assert record["configurations"][-1]["fits"] is True
 
 
+@pytest.mark.slow
 def test_memopt_plan_shards_with_fsdp2_over_the_processes_given(tmp_path):
     folder = tmp_path / "model"
     tiny(layers=2, vocab=1024).save_pretrained(folder)
@@ -314,18 +320,25 @@ def test_memopt_plan_shards_with_fsdp2_over_the_processes_given(tmp_path):
         (["--deepspeed", "ds.json"], "`--deepspeed ds.json`: ZeRO's partitions are DeepSpeed's own code"),
     ],
 )
-def test_memopt_plan_refuses_bad_flags_before_anything_runs(tmp_path, args, said):
+def test_memopt_plan_refuses_bad_flags_before_anything_runs(tmp_path, capsys, args, said):
+    """The command's `main` in this process (test_memopt_plan_reads_a_local_config_and_writes_json runs the command
+    line itself)."""
+    from optimum_memopt.planning.cli import main
+
     folder = tmp_path / "model"
     tiny(layers=1).save_pretrained(folder)
-    run = _cli("--model_name_or_path", str(folder), *args)
-    assert run.returncode == 2 and said in run.stderr, run.stderr
+    code, stderr = main(["--model_name_or_path", str(folder), *args]), capsys.readouterr().err
+    assert code == 2 and said in stderr, stderr
 
 
-def test_memopt_plan_says_when_no_config_can_be_read(tmp_path):
-    run = _cli("--model_name_or_path", str(tmp_path / "missing"))
-    assert run.returncode == 2 and "no config could be read" in run.stderr and "config.json" in run.stderr
+def test_memopt_plan_says_when_no_config_can_be_read(tmp_path, capsys):
+    from optimum_memopt.planning.cli import main
+
+    code, stderr = main(["--model_name_or_path", str(tmp_path / "missing")]), capsys.readouterr().err
+    assert code == 2 and "no config could be read" in stderr and "config.json" in stderr
 
 
+@pytest.mark.slow
 def test_the_largest_batch_and_sequence_found_fit_and_one_more_does_not():
     """`Plan.reach`: each value found is checked by a dry run that fits, and the next value up (a batch more, 128
     tokens more) by one that does not, with the attention kernels of the card the plan is for (`planning.attention`:
@@ -417,6 +430,7 @@ def test_a_dtensor_is_counted_by_the_shard_it_wraps_and_fsdp2s_resizes_are_follo
     assert "_memopt_resize_" not in vars(torch.UntypedStorage)  # torch's own method given back with no count on
 
 
+@pytest.mark.slow
 def test_fsdp2_holds_a_shard_of_the_weights_on_each_process():
     """Each of eight processes holds an eighth of the weights (padded to even shards), and its step gathers one
     layer at a time."""
@@ -456,6 +470,7 @@ dist.destroy_process_group()
 
 
 @pytest.mark.loopback  # its one-process group's rendezvous port
+@pytest.mark.slow
 def test_ddp_holds_its_gradient_buckets_beside_the_gradients(tmp_path):
     """Several processes without `--fsdp` are DDP's: each holds the whole model and, from DDP's start, its gradient
     buckets (a flat copy of every trained gradient). The dry run's buckets are as big as a real DDP's say they are."""
@@ -479,6 +494,7 @@ def test_ddp_holds_its_gradient_buckets_beside_the_gradients(tmp_path):
         StepSpec(config, fsdp=2, ddp=2)
 
 
+@pytest.mark.slow
 def test_memopt_plan_over_several_processes_without_fsdp_is_ddps(tmp_path):
     folder = tmp_path / "model"
     tiny(layers=2, vocab=1024).save_pretrained(folder)
@@ -491,6 +507,7 @@ def test_memopt_plan_over_several_processes_without_fsdp_is_ddps(tmp_path):
     assert record["step"]["ddp"] == 4 and record["step"]["fsdp"] == 1
 
 
+@pytest.mark.slow
 def test_autos_row_is_its_choices_step_which_a_runs_step_one_runs():
     """`auto`'s dry run measures step one with every layer recomputed whole (each MLP whole) and runs its choice in
     step two; a training run's `auto` starts from a dry run of its own step and runs the choice from step one. Where
@@ -516,6 +533,7 @@ def test_autos_row_is_its_choices_step_which_a_runs_step_one_runs():
     assert plan.reach["under"] == "level 1 + Loss+ + MLP+ (8 tiles)" and plan.reach["batch"] >= 1, plan.reach
 
 
+@pytest.mark.slow
 def test_mlps_drawing_several_dropout_masks_are_no_floor_auto_reaches():
     """LoRA with dropout on the MLP's projections: each MLP draws three masks a forward, which tiles draw in another
     order, so `auto` never tiles them. The tiled row keeps its figures, with a note that says so, and how far `auto`

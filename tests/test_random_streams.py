@@ -57,6 +57,7 @@ EXACT = {
 
 
 @pytest.mark.parametrize("mode", list(EXACT))
+@pytest.mark.slow
 def test_exact_plans_with_dropout_train_bitwise_as_the_run_without_the_plugin(tmp_path, plain, mode):
     lora, plain_losses, plain_params = plain
     losses, params, trainer = run(tmp_path, "run", lora, "--memory_opt_backend", "torch", *EXACT[mode])
@@ -69,6 +70,7 @@ def test_exact_plans_with_dropout_train_bitwise_as_the_run_without_the_plugin(tm
         assert trainer.memopt_handle.profile.levers.get("loss") is not None
 
 
+@pytest.mark.slow
 def test_auto_and_chunked_loss_with_dropout_train_as_the_run_without_the_plugin(tmp_path, plain):
     """`auto` (step one's head in chunks, the head's ways measured after it) and `Loss+` in four chunks: the same
     masks, so the losses and parameters are the plain run's to the chunked sum's roundings (dropout masks drawn

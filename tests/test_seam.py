@@ -176,6 +176,7 @@ def test_private_torch_names_are_reached_from_one_module_only():
         assert not private.findall(text), (package, name)
 
 
+@pytest.mark.slow
 def test_building_the_arguments_loads_no_recompute_engine():
     code = (
         "import json, sys\n"

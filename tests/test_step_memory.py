@@ -28,6 +28,7 @@ def train(out, budget_mb, report_to="none", steps=5):
     return trainer
 
 
+@pytest.mark.slow
 def test_the_picture_draws_solver_json_and_goes_to_tensorboard(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -66,6 +67,7 @@ def test_the_picture_draws_solver_json_and_goes_to_tensorboard(tmp_path):
     assert len(events.Images(IMAGE_TAG)) == 1
 
 
+@pytest.mark.slow
 def test_a_picture_that_cannot_be_written_never_stops_training(tmp_path, caplog):
     """A directory where the picture's temporary file goes: the write fails for real, is said, and training ends."""
     out = tmp_path / "blocked"
@@ -79,6 +81,7 @@ def test_a_picture_that_cannot_be_written_never_stops_training(tmp_path, caplog)
     assert callback.path == str(out / "memory_auto" / "step_memory.png")  # tried once, not at every step
 
 
+@pytest.mark.slow
 def test_a_second_train_gets_its_table_its_picture_and_its_wrap_check(tmp_path, monkeypatch):
     """`train()` twice on one Trainer (a second round of training, as hyperparameter trials and resumed scripts do):
     before, the second got no plan table, no picture and no check that the model it trains holds the backend."""

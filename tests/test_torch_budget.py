@@ -548,6 +548,7 @@ def _auto_meets_the_budget(tmp: str) -> None:
     )
 
 
+@pytest.mark.slow
 def test_a_trained_model_let_go_is_freed_with_its_trainer_and_optimizer(tmp_path):
     """Nothing the plugin leaves in the process (torch's optimizer step hooks are the process's) keeps a trained
     model, its trainer or its optimizer's state alive once the user lets go of them. Before, every run's model and
@@ -568,6 +569,7 @@ def test_a_trained_model_let_go_is_freed_with_its_trainer_and_optimizer(tmp_path
     assert gone() is None
 
 
+@pytest.mark.slow
 def test_a_dry_run_counts_what_the_process_holds_outside_the_step(tmp_path):
     """Tensors the process holds on the device besides the step's own (another model, a notebook's) are in every
     reading of the step: `auto`'s dry run counts them from its start (`other`), so a budget that would fit the step
@@ -589,6 +591,7 @@ def test_a_dry_run_counts_what_the_process_holds_outside_the_step(tmp_path):
     assert held_outside(model, (), torch.device("cpu")) == before
 
 
+@pytest.mark.slow
 def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys):
     """Through the Trainer, `auto` chooses before step one from a dry run of that step on fake tensors (the model's twin
     on the meta device, the first batch's shapes, the run's optimizer), and step one runs the choice: no step spent
@@ -688,6 +691,7 @@ def test_the_tables_peak_drop_is_what_a_run_with_the_plan_measures(tmp_path, con
     assert least <= measured <= most, (least / MIB, measured / MIB, most / MIB)
 
 
+@pytest.mark.slow
 def test_auto_with_a_share_of_the_activations(tmp_path, capsys):
     trainer = train_decoder(tmp_path, "share", steps=3, memory_opt_config="auto", activation_memory_budget=0.5)
     planner = trainer.memopt_handle.planner
@@ -731,6 +735,7 @@ def planned_between(x, share):
     return model, state, state.planner, budget, eager - floor, said
 
 
+@pytest.mark.slow
 def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_figures():
     """Each check's step measures more than predicted by what the model holds only from step two on (here added to
     the meter's readings: 40%, 80%, then 120% of the way from the floor to eager's peak): the first miss re-plans for
@@ -776,6 +781,7 @@ def test_a_check_that_misses_again_falls_back_to_the_floor_then_stops_with_the_f
     assert all(f"over the budget of {budget / MIB:,.1f} MiB" in s for s in (said[1], said[3], said[5]))
 
 
+@pytest.mark.slow
 def test_a_check_under_its_prediction_keeps_the_choice():
     """A check that measures well under its prediction (30% of the span from the floor to eager's peak taken off the
     meter's readings in every checked step) keeps the choice: what it measured less comes from the step it ran, and a
@@ -880,6 +886,7 @@ def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_w
     assert "10.3 MiB in layer 0 backward" in closest, closest
 
 
+@pytest.mark.slow
 def test_the_step_after_the_last_check_is_counted_only_up_to_its_first_layer():
     """On the CPU the steps `auto` measures are counted op by op (several times slower); its last check is read at
     the next step's first layer, and the rest of that step runs uncounted: only step one and the check are slow."""

@@ -220,6 +220,7 @@ class Planned(torch.utils._python_dispatch.TorchDispatchMode):
         return ref is not None and not ref.expired()
 
 
+@pytest.mark.slow
 def test_an_offloading_hook_around_a_planned_step_frees_what_it_takes_as_plain_pytorch_does():
     """A recipe's input that autograd saved goes through the hooks around the step, and the recipe replays from what
     they give back: under `Mul+,silu+` on a Llama, an offloading hook leaves on the device exactly what it leaves in

@@ -305,6 +305,7 @@ def _every_causal_lm():
                 yield kind, cls
 
 
+@pytest.mark.slow
 def test_every_causal_lm_of_transformers_is_read_and_chunked_or_refused_with_its_reason():
     """Each causal LM (and image-text-to-text model) class of the installed transformers: its forward read into a form
     or refused with a reason, never an error; the families people fine-tune now among those chunked, each MoE with its
@@ -363,6 +364,7 @@ def trainer_run(tmp_path, name, *flags, model=None, resume=None, **trainer_kwarg
 
 
 @pytest.mark.parametrize("smoothing,bf16", [("0", False), ("0.1", False), ("0", True)])
+@pytest.mark.slow
 def test_through_the_trainer_the_losses_are_plain_ones_with_accumulation_and_smoothing(tmp_path, smoothing, bf16):
     """Gradient accumulation (the Trainer's `num_items_in_batch`), label smoothing (the model's forward smooths,
     chunk by chunk, where the Trainer would smooth the logits) and bf16 (accelerate wraps the instance's forward,
@@ -397,6 +399,7 @@ def test_through_the_trainer_the_losses_are_plain_ones_with_accumulation_and_smo
     assert model(input_ids=ids, labels=labels).logits.shape == (BATCH, SEQ, VOCAB) and lever.calls == 12
 
 
+@pytest.mark.slow
 def test_a_second_trainer_under_bf16_takes_the_loss_lever_over(tmp_path):
     """accelerate's mixed precision wraps the instance's forward, the first lever's inside it. A second Trainer on
     the same model with `Loss+` (before: refused, the forward seen as replaced by something unknown, while the first
@@ -457,6 +460,7 @@ def wide_run(tmp_path, name, steps=1, **memory):
     return trainer
 
 
+@pytest.mark.slow
 def test_the_table_has_a_row_per_chunking_and_its_peak_drop_is_what_a_run_measures(tmp_path):
     """After step one each way of running the head is measured alone (from the fewest rows a chunk up, each within
     what step one's peak left free: SGD here, which holds no state, leaves the room of step one's activations); each
@@ -537,6 +541,7 @@ def test_each_ways_bound_is_above_what_it_holds(arch, autocast):
         assert 0 < option.held_bytes <= option.bound_bytes, option
 
 
+@pytest.mark.slow
 def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
     """Step one runs the head in its finest chunks; after it, each coarser way is measured as far as step one's peak
     left room (SGD: no optimizer state), and the whole head, which would not fit there, is not run and is no

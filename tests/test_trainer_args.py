@@ -53,6 +53,7 @@ def _ort_is_the_default(monkeypatch):
     monkeypatch.setattr(backends, "default_backend", lambda: "ort")
 
 
+@pytest.mark.slow
 def test_help_exits_zero():
     code = "from transformers import HfArgumentParser; from optimum_memopt import MemoptTrainingArguments; HfArgumentParser(MemoptTrainingArguments).parse_args(['--help'])"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -251,6 +252,7 @@ def test_ort_only_flags_are_refused_in_plain_pytorch(flags, named):
         parse("--memory_opt_backend", "none", *flags)
 
 
+@pytest.mark.slow
 def test_bad_level_is_refused_by_the_parser():
     res = subprocess.run(
         [
@@ -434,6 +436,7 @@ def test_zero_stage_reading_survives_odd_configs(config, stage):
     assert _zero_stage(config) == stage
 
 
+@pytest.mark.slow
 def test_zero3_import_really_fails_with_the_pinned_deepspeed():
     # The reason given above, checked against the installed DeepSpeed.
     code = "from deepspeed.runtime.zero.parameter_offload import _apply_to_tensors_only"

@@ -77,6 +77,7 @@ def sft(tmp_path, text, arch, ours, *, lora=False, offload=False, **flags):
     ],
     ids=["llama-chain", "qwen2-level1", "llama-lora-level1", "qwen2-lora-mixed", "moe-level1", "moe-lora-mixed"],
 )
+@pytest.mark.slow
 def test_sft_trainer_with_the_mixin_trains_as_plain_sft(tmp_path, text, arch, lora, flags):
     plain = sft(tmp_path / "plain", text, arch, False, lora=lora)
     ours = sft(tmp_path / "ours", text, arch, True, lora=lora, **flags)
@@ -142,6 +143,7 @@ def test_trls_activation_offloading_receives_what_the_backend_keeps(tmp_path, te
     assert 0 < sum(given) < plain_bytes and 0 < len(given) <= plain_given
 
 
+@pytest.mark.slow
 def test_trls_fused_head_is_not_chunked_twice(tmp_path, text, caplog):
     """`SFTTrainer` chunks the head itself (TRL's fused LM head, installed in its __init__): `Loss+` detects it,
     says so, and leaves TRL's forward as it is; the run is plain SFT's, the table's note says whose head ran."""

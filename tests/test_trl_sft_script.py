@@ -106,16 +106,25 @@ def adapter(out):
     return load_file(os.path.join(out, "adapter_model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def unswitched(qwen2, tmp_path_factory):
+    """The script unswitched, with TRL's defaults (its own gradient checkpointing): its losses and where it saved, once
+    for the switched runs it is held against."""
+    out = tmp_path_factory.mktemp("plain")
+    losses, _ = sft(qwen2, out, False)
+    return losses, out
+
+
 @pytest.mark.parametrize(
     "flags", [("--memory_opt_level", "1"), ("--memory_opt_config", "silu+:1:-1,Cast+:1:-1")], ids=["level1", "plans"]
 )
-def test_trls_sft_script_switched_trains_what_it_trains_unswitched(qwen2, tmp_path, flags):
+def test_trls_sft_script_switched_trains_what_it_trains_unswitched(qwen2, unswitched, tmp_path, flags):
     import torch
 
-    plain_losses, _ = sft(qwen2, tmp_path / "plain", False)  # TRL's defaults: its own gradient checkpointing
+    plain_losses, plain_out = unswitched
     losses, stdout = sft(qwen2, tmp_path / "memopt", True, "--gradient_checkpointing", "false", *flags)
     assert losses == plain_losses
-    plain, ours = adapter(tmp_path / "plain"), adapter(tmp_path / "memopt")
+    plain, ours = adapter(plain_out), adapter(tmp_path / "memopt")
     assert plain.keys() == ours.keys() and all(torch.equal(plain[k], ours[k]) for k in plain)
     assert stdout.count("Memory optimizer (torch) ON") == 1 and "memory_plans.txt" in stdout
     assert "STATE  CONFIG" in (tmp_path / "memopt" / "memory_plans.txt").read_text()

@@ -195,6 +195,7 @@ def test_the_language_head_is_chunked_to_the_plain_losses(plain):
         assert abs(a.item() - b.item()) <= 1e-6 * abs(a.item()), (family, losses, chunked)
 
 
+@pytest.mark.slow
 def test_auto_with_images_chooses_within_its_budget(plain):
     """`auto` on the whole model, images in every step: under a budget halfway between eager's peak and the least
     any choice reaches, it chooses (layers of either tower, the head's chunks) within the budget, and trains as the
@@ -244,6 +245,7 @@ def test_on_text_alone_a_plan_on_the_towers_layer_is_said_to_recompute_nothing(c
     assert "`--memory_opt_config 'Layer+:1:-1@2+3'`" in said[0]
 
 
+@pytest.mark.slow
 def test_auto_on_text_alone_chooses_among_the_layers_that_run(tmp_path):
     """Through the Trainer, `auto`'s dry run of step one sees that Gemma 3's tower does not run on text alone (it
     stopped there before, and before that trained without a choice, saying nothing): step one is measured over the
