@@ -27,7 +27,7 @@ case "${1:-}" in
     ;;
 esac
 if [ "$#" -gt 0 ]; then
-  echo "[test] '$1' after the tier: give pytest's arguments alone (bash scripts/test.sh tests/test_plans.py)" >&2
+  echo "[test] '$1' after the tier: give pytest's arguments alone (MEMOPT_STACK=torch bash scripts/test.sh tests/test_plans.py)" >&2
   exit 2
 fi
 start=$SECONDS
