@@ -327,3 +327,44 @@ def test_cuda_attention_keeps_what_the_dry_run_counts(determinism):
         if fake != real:
             wrong.append(f"{_case_name(case)} {'/'.join(ran)}: dry run {fake}, CUDA {real}")
     assert not wrong, f"{kernels}: {len(wrong)} of {len(_attention_cases())} apart: " + "; ".join(wrong)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_dropout_keeps_what_the_dry_run_counts(dtype):
+    """What each dropout call keeps for backward on CUDA (its storages on the card, in 512-byte blocks, the input's
+    left out) is what the fake call run as a card runs it keeps (`tests/test_dropout.py`'s `kept`): the fused
+    call's one-byte mask, the in-place call's noise, nothing where nothing is drawn."""
+    from test_dropout import P, kept
+
+    from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch.measure.storages import block_bytes
+
+    calls = {
+        "module": torch.nn.Dropout(P).train(),
+        "in place": lambda t: torch.nn.functional.dropout(t, P, True, inplace=True),
+        "p 0": lambda t: torch.nn.functional.dropout(t, 0.0, True),
+        "p 1": lambda t: torch.nn.functional.dropout(t, 1.0, True),
+        "eval": lambda t: torch.nn.functional.dropout(t, P, False),
+    }
+    x = torch.randn(4, 100, 36, dtype=dtype, requires_grad=True)  # 14,400 elements: not a whole number of blocks
+    wrong = []
+    for name, call in calls.items():
+        leaf = x.detach().to("cuda").requires_grad_()
+        inner = leaf.clone()
+        saved = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if t.device.type == "cuda":
+                saved[_torch_api.storage_identity(storage)] = (t.dtype, block_bytes(storage.nbytes()))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            call(inner)
+        mine = {_torch_api.storage_identity(t.untyped_storage()) for t in (leaf, inner)}
+        real = sorted(v for k, v in saved.items() if k not in mine)
+        fake = kept(call, x, card=True, blocks=True)
+        if fake != real:
+            wrong.append(f"{name}: dry run {fake}, CUDA {real}")
+    assert not wrong, "; ".join(wrong)

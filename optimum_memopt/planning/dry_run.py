@@ -31,6 +31,7 @@ from ..backends.torch import _torch_api
 from ..backends.torch.backend import STATE
 from ..backends.torch.measure.storages import StorageCount
 from ..backends.torch.nested import tensors_in
+from . import dropout
 from .attention import CudaKernels, on_cuda
 from .devices import DEFAULT_DEVICE, DEVICES
 
@@ -592,8 +593,9 @@ def dry_run(
     for a caller whose dry run may raise after).
 
     `kernels`: the CUDA card whose attention kernels the fake step runs (`attention.CudaKernels`: the kernel each
-    `scaled_dot_product_attention` takes there and the tensors it keeps, counted in `DryRun.attention`); None: the
-    fake tensors' own device's, the CPU's (what a real step on the CPU runs).
+    `scaled_dot_product_attention` takes there and the tensors it keeps, counted in `DryRun.attention`), and whose
+    dropout it runs (`dropout.on_cuda`: a one-byte mask kept); None: the fake tensors' own device's, the CPU's (what a
+    real step on the CPU runs).
 
     `peak_only`: the peak, its parts and the steps' peaks alone (what a search for the largest size needs): the last
     step is not reported ended to the backend, so its levers measure nothing after it and no table is made
@@ -619,7 +621,8 @@ def dry_run(
     handles = []
     model = _build(spec) if model is None else model
     count.hold(held_bytes)
-    with _sharding(spec) as mesh, mode, unpacked, experts, on_cuda(kernels) as attention, count:
+    card = dropout.on_cuda(kernels is not None)  # a card's dropout keeps a one-byte mask, the CPU's the input's dtype
+    with _sharding(spec) as mesh, mode, unpacked, experts, on_cuda(kernels) as attention, card, count:
         # real tensors are made alike every run; fake ones draw nothing, and a run's own dry run (`from_plan`) must not
         # reseed its devices' generators (`torch.manual_seed` seeds every CUDA device, lazily where none is up yet)
         torch.manual_seed(0) if not fake else torch.default_generator.manual_seed(0)
