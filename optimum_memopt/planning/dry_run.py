@@ -29,6 +29,7 @@ import torch
 
 from ..backends.torch import _torch_api
 from ..backends.torch.backend import STATE
+from ..backends.torch.decide.planner import SEARCH_CHECKS
 from ..backends.torch.measure.storages import StorageCount
 from ..backends.torch.nested import tensors_in
 from . import dropout
@@ -574,7 +575,10 @@ def dry_run(
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
     (`backend=False`: the plain step). The optimizer's state is made before the first step (`_prime`), so one step
-    holds what every later one does; two under `auto` (it measures step one and runs its choice in step two). The
+    holds what every later one does. Under `auto` step one measures and each step after it runs a choice, checked
+    as the next one starts (`BudgetPlanner.search`: at most `SEARCH_CHECKS` choices, the budget the solver is given
+    moved by what each check measured), and the last runs the least recompute whose step fitted: `DryRun.fit`, its
+    figure that step's, and `step_peaks[-1]` / `step_parts[-1]` the step a run's step one runs. The
     ops' times the engine profiles (what the solver weighs recompute by) are `cost_device`'s roofline (a
     `devices.Device`; without one, `devices.DEFAULT_DEVICE`'s), and with `cost_device` the last step's ops are
     priced on it (`DryRun.step_seconds`). `fake` False runs the same step on real tensors on `device` under the
@@ -603,6 +607,10 @@ def dry_run(
     tests/test_plan.py holds both)."""
     import optimum_memopt
 
+    if peak_only and plans == "auto":
+        raise ValueError(
+            "a dry run of `auto` checks its choices step by step: its peak alone (`peak_only`) is not one"
+        )
     began = time.perf_counter()
     steps = 2 if plans == "auto" else 1
     count = PartsCount(device)
@@ -675,12 +683,18 @@ def dry_run(
         before = count.current
         _prime(optimizer, params, count)
         step_peaks, step_parts = [], []
+        planner = handle.planner if handle is not None and plans == "auto" else None
+        if planner is not None:  # each choice checked by a step of its own (`BudgetPlanner.search`)
+            planner.search = True
+            planner.peaked_where = lambda: step_parts[-1][1].partition(", ")[2] if step_parts else ""  # the mark
         try:
-            for step in range(1, steps + 1):
+            step = 0
+            while True:
+                step += 1
                 count.step, count.phase, count.where = step, OTHER, "before the layers"
                 count.step_top = count.current
                 count.step_top_parts, count.step_top_at = dict(count.parts), f"step {step}, {count.where}"
-                if step == steps and cost_device is not None:
+                if cost_device is not None and step >= steps:  # every step that may be the last, priced
                     count.ops = OpCosts()
                 for _ in range(spec.grad_accum):
                     args, kwargs = inputs()
@@ -694,10 +708,14 @@ def dry_run(
                 optimizer.step()
                 count.phase = OTHER
                 optimizer.zero_grad(set_to_none=True)
-                if handle is not None and not (peak_only and step == steps):
+                if handle is not None and not peak_only:
                     handle.step_done()
                 step_peaks.append(count.step_top)
                 step_parts.append((dict(count.step_top_parts), count.step_top_at))
+                # `auto`: step one measures, each step after it runs a choice, checked as the next one starts; the
+                # last runs the search's answer (its planner done), and is the step the figures are read from
+                if planner is None or (step >= steps and planner.stage == "done") or step >= steps + SEARCH_CHECKS:
+                    break
         finally:
             for h in handles:
                 h.remove()
@@ -724,6 +742,7 @@ def dry_run(
         if plans == "auto":
             result.auto = handle.auto
             result.solver = handle.solver_figures()
-            result.fit = handle.planner.fits[0] if handle.planner.fits else None
+            planner = handle.planner
+            result.fit = planner.searched or (planner.fits[0] if planner.fits else None)
         handle.remove()
     return result

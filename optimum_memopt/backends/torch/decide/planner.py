@@ -32,7 +32,7 @@ from ..measure.live import held_outside, make_library_workspaces, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
-from .budget import Fit, as_kept, fit, fit_share, freed_bytes, merged, predict, segment_peaks
+from .budget import Fit, Prediction, as_kept, fit, fit_share, freed_bytes, merged, predict, segment_peaks
 from .solver import candidates
 
 logger = logging.getLogger(__name__)
@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 REFUSED = "refused: "  # a dry run's reason that stops the run before step one (not a fallback to measuring)
 MARGIN = 0.005  # of the budget, kept by a re-plan after a check over its prediction
+SEARCH_CHECKS = 4  # a dry run's choices checked by a step each, at most (`BudgetPlanner.search`)
 
 
 class BudgetPlanner:
@@ -92,6 +93,13 @@ class BudgetPlanner:
         self._why_replanned = ""  # why step one did not confirm the dry run's choice (said with the solver's)
         self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
         self.device: Optional[str] = None  # the layers' device, from step one
+        # a dry run (`planning.dry_run`), whose steps count what the card would to the byte: each choice is checked by
+        # a step of its own, and the budget the solver is given moved by what the check measured, until the least
+        # recompute whose step fits is found (`_search`); its figure is the step's, not a prediction's
+        self.search = False
+        self.tried: List[tuple] = []  # (the choice, its step's measured peak in bytes), in the order checked
+        self.searched: Optional[Fit] = None  # the search's answer, its `predicted` the peak its step measured
+        self.peaked_where: Callable[[], str] = lambda: ""  # where the step a check read peaked (the dry run's)
 
     @property
     def budget_mb(self) -> Optional[float]:
@@ -179,6 +187,11 @@ class BudgetPlanner:
                     )
                 elif fit is None or fit.choice is None:
                     why = f"nothing fits {self.asked} in the dry run{': ' + fit.why_not if fit is not None else ''}"
+                elif fit.predicted.peak_bytes > self.budget_bytes:  # the least any check measured, over the budget
+                    why = (
+                        f"nothing the dry run checked fits {self.asked}: the least a step of it measured was "
+                        f"{fit.predicted.peak_mb:,.1f} MiB (`--memory_opt_config {fit.config()}`)"
+                    )
             except LayerOrderError as e:  # step one could not be measured either: stop before it
                 why = (
                     f"{REFUSED}`--memory_opt_config auto` cannot measure this model's step: {e}. Nothing was "
@@ -395,6 +408,9 @@ class BudgetPlanner:
             f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted "
             f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
+        if self.search and self.budget_bytes is not None:
+            self._search(state, result, peak)
+            return
         over_budget = self.budget_bytes is not None and peak > self.budget_bytes  # every rank saw the same peaks
         if over_budget:
             over = (peak - predicted) / MIB
@@ -428,6 +444,45 @@ class BudgetPlanner:
             )
         self._finish()
 
+    def _search(self, state, result: Fit, peak: int) -> None:
+        """A dry run's next choice after a check that measured `peak` for `result` (exact: a dry run's step counts
+        what the card's counter reads). The solver's predictions rest on step one, measured with every layer
+        recomputed whole and the head in chunks, and stand above what a choice that keeps more holds (a layer's own
+        forward, which `budget.predict` moves by all of its change, and a head run whole, weighed by its bound:
+        `levers.loss.choices`): from them alone `auto` recomputed where the plain step fit. So the budget the solver
+        is given moves by what each check measured: up by the room a choice left under the budget, down by what one
+        went over it (and `MARGIN`), no lower than the floor, until a choice recomputes nothing, comes again, or
+        `SEARCH_CHECKS` were checked. The answer (`searched`) is the least recompute whose step fitted, its figure
+        the one that step measured (where none fitted, the least peak measured, over the budget: the caller says
+        nothing fits); the step after the last check runs it."""
+        self.tried.append((result, peak))
+        budget = self.budget_bytes
+        given = result.budget_bytes
+        if peak <= budget:
+            following = given + (budget - peak) if result.recompute_seconds > 0 else None
+        else:
+            following = max(given - (peak - budget) - int(MARGIN * budget), result.floor.peak_bytes)
+        if following is not None and following != given and len(self.tried) < SEARCH_CHECKS:
+            candidate = self._fit(state, following)
+            checked = {f.config() for f, _ in self.tried}
+            if candidate.choice is not None and candidate.config() not in checked:
+                self.fits.append(candidate)
+                self._write()
+                self._run(state, candidate)
+                if self.watch.resets:
+                    self.meter.reset_peak()
+                self._start = self._current()
+                return  # checked by the next step, as the first choice was
+        within = [(f, p) for f, p in self.tried if p <= budget]
+        if within:
+            best, measured = min(within, key=lambda fp: (fp[0].recompute_seconds, fp[1]))
+        else:
+            best, measured = min(self.tried, key=lambda fp: fp[1])
+        where = self.peaked_where() or best.predicted.where
+        self.searched = replace(best, predicted=Prediction(measured, where))
+        self._run(state, best)
+        self._finish()
+
     def _finish(self) -> None:
         self._write()
         self.stage = "done"
@@ -437,14 +492,16 @@ class BudgetPlanner:
         """The last choice and its check (`Backend.auto_choice`); None before one was made."""
         if not self.fits or self.fits[-1].choice is None:
             return None
-        last = self.fits[-1]
+        last = self.searched or self.fits[-1]  # a dry run's search: its answer, measured by the step that checked it
+        if self.searched is not None:
+            measured = self.searched.predicted.peak_mb
+        else:
+            measured = self.verified[-1]["measured_peak_mb"] if len(self.verified) == len(self.fits) else None
         return {
             "config": last.config(),
             "predicted_peak_mb": last.predicted.peak_mb,
             "recompute_ms": last.recompute_seconds * 1000,
-            "measured_peak_mb": self.verified[-1]["measured_peak_mb"]
-            if len(self.verified) == len(self.fits)
-            else None,
+            "measured_peak_mb": measured,
             "choices": len(self.fits),
             "checks": [  # every choice with its check, in order (a re-plan after a miss)
                 {

@@ -635,17 +635,19 @@ def measure(lever: "ChunkedLoss", profile, resets: bool = True):
                     f"{max(room, 0) / 2**20:,.1f} MiB free"
                 )
                 continue
-            most, _ = held_aside(lambda: run(ways[k]), device, resets)
+            most, seconds = held_aside(lambda: run(ways[k]), device, resets)
             held[k] = most
             bounds[k] = bound
             last_rows, last_held = rows_of(ways[k]), most
+            if fake:  # a dry run's counts and times (a roofline of its ops) are the same every run: this one's
+                times[k] = [seconds]
         if ways.index(ran) not in held:
             how = plan_of(ran) or "the model's own head"
             return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
         measured = [k for k in range(len(ways)) if k in held]
-        # interleaved: what drifts (a warming allocator, another process) spreads evenly; a dry run's times are a
-        # roofline of its ops, the same every run: timed once
-        for _ in range(1 if fake else REPEATS):
+        # interleaved: what drifts (a warming allocator, another process) spreads evenly; a dry run's were read by
+        # the first run
+        for _ in range(0 if fake else REPEATS):
             for k in measured:
                 most, seconds = held_aside(lambda: run(ways[k]), device, resets)
                 if len(times.setdefault(k, [])) == 0:

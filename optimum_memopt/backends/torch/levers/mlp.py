@@ -602,11 +602,13 @@ def measure(lever: TiledMLP, profile, resets: bool = True):
                         f"{bound / MIB:,.1f} MiB, and step one's peak left {max(room, 0) / MIB:,.1f} MiB free"
                     )
                 break
-            most, _ = held_aside(lambda: run(count), device, resets)
+            most, seconds = held_aside(lambda: run(count), device, resets)
             checkpointed[count], _ = held_aside(lambda: forward_checkpointed(count), device, resets)
             last = (rows(count), most)
+            if fake:  # a dry run's counts and times (a roofline of its ops) are the same every run: this one's
+                held[count], times[count] = most, [seconds]
         measured = [c for c in counts if c in checkpointed]
-        for _ in range(1 if fake else REPEATS):  # a dry run's times are a roofline of its ops: the same every run
+        for _ in range(0 if fake else REPEATS):  # timed apart from the first run (the kernels' set-up), interleaved
             for count in measured:
                 most, seconds = held_aside(lambda: run(count), device, resets)
                 if count not in held:
