@@ -122,6 +122,29 @@ def test_a_dry_run_counts_what_the_same_step_counts_for_real(case):
         assert all(_within(a[2], b[2]) and _within(a[1], b[1]) for a, b in zip(f, r)), (f, r)
 
 
+def test_an_attention_mask_over_every_token_is_left_out_of_sdpa_as_the_real_step_leaves_it():
+    """transformers reads a 2D attention mask's values and gives SDPA no mask where it attends to every token (a
+    batch of packed blocks, README's main job): a fake mask has no values, and the fake step built a 4D mask and ran
+    another kernel than the real step (the main job's dry run read 6.1 MiB over its step one). A run's own dry run
+    reads its real mask first (`mask_attends_all`): the fake step then counts what the real one does."""
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    spec = StepSpec(tiny(), batch=2, seq=128)
+
+    def batch():
+        ids = torch.randint(0, 512, (2, 128))
+        return (), {"input_ids": ids, "attention_mask": torch.ones(2, 128, dtype=torch.long), "labels": ids}
+
+    real = dry_run(spec, fake=False, batch=batch)
+    read = dry_run(spec, batch=batch, mask_attends_all=True)
+    unread = dry_run(spec, batch=batch)
+    assert read.peak_bytes == real.peak_bytes and read.step_peaks == real.step_peaks, (
+        read.peak_bytes,
+        real.peak_bytes,
+    )
+    assert unread.peak_bytes > real.peak_bytes  # the fake mask's kernel keeps more: what the reading is for
+
+
 @pytest.mark.parametrize("plans, level", [("MatMul+Mul+silu+:1:-1,Loss+:1:-1@chunks2", 0), (None, 1)])
 def test_a_dry_runs_step_one_is_what_a_real_cpu_run_reads_with_no_count_of_its_own(plans, level):
     """One unit by construction: a real training step on the CPU, run as a user runs it (no count entered around it:

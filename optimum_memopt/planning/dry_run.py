@@ -348,6 +348,38 @@ def _unpacked() -> Iterator[None]:
         masking_utils.find_packed_sequence_indices = found
 
 
+@contextmanager
+def _mask_read_as(every_token: bool) -> Iterator[None]:
+    """transformers reads a 2D attention mask's values to leave SDPA's mask out where it attends to every token
+    (`masking_utils._ignore_causal_mask_sdpa`: SDPA then runs causal, without a mask); a fake mask has no values, so
+    the fake step always built a 4D mask and ran another kernel than the real step (README's main job: its dry run
+    read 6.1 MiB more than its step one). A run's own dry run reads its real batch's mask first: where it attends to
+    every token (`every_token`), a fake mask is taken as none there, as the real step takes it."""
+    if not every_token:
+        yield
+        return
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - a transformers without it builds its masks otherwise
+        yield
+        return
+    found = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
+    if found is None:
+        yield
+        return
+
+    def ignore(padding_mask, *args, **kwargs):
+        if padding_mask is not None and _torch_api.is_fake(padding_mask):
+            padding_mask = None
+        return found(padding_mask, *args, **kwargs)
+
+    masking_utils._ignore_causal_mask_sdpa = ignore
+    try:
+        yield
+    finally:
+        masking_utils._ignore_causal_mask_sdpa = found
+
+
 def _build(spec: StepSpec):
     """The model (and its adapters) built on the meta device, as from_config and PEFT build them, then given fake
     storages on the CPU device under the dry run's mode: each parameter and buffer once (tied ones stay tied),
@@ -571,6 +603,7 @@ def dry_run(
     running_into: Optional[list] = None,
     kernels: Optional[CudaKernels] = None,
     peak_only: bool = False,
+    mask_attends_all: bool = False,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -601,6 +634,9 @@ def dry_run(
     dropout it runs (`dropout.on_cuda`: a one-byte mask kept); None: the fake tensors' own device's, the CPU's (what a
     real step on the CPU runs).
 
+    `mask_attends_all`: the batch's attention mask, read where it is real (a run's own step), attends to every token:
+    SDPA gets no mask, as in the real step (`_mask_read_as`).
+
     `peak_only`: the peak, its parts and the steps' peaks alone (what a search for the largest size needs): the last
     step is not reported ended to the backend, so its levers measure nothing after it and no table is made
     (`DryRun.report` None). The peak is the same (a lever's measurement after a step is held aside from the count:
@@ -625,12 +661,13 @@ def dry_run(
     mode = _torch_api.fake_mode() if fake else contextlib.nullcontext()
     unpacked = _unpacked() if fake else contextlib.nullcontext()
     experts = _experts_kernel() if fake else contextlib.nullcontext()
+    masks = _mask_read_as(mask_attends_all and fake)
     handle = None
     handles = []
     model = _build(spec) if model is None else model
     count.hold(held_bytes)
     card = dropout.on_cuda(kernels is not None)  # a card's dropout keeps a one-byte mask, the CPU's the input's dtype
-    with _sharding(spec) as mesh, mode, unpacked, experts, on_cuda(kernels) as attention, card, count:
+    with _sharding(spec) as mesh, mode, unpacked, experts, masks, on_cuda(kernels) as attention, card, count:
         # real tensors are made alike every run; fake ones draw nothing, and a run's own dry run (`from_plan`) must not
         # reseed its devices' generators (`torch.manual_seed` seeds every CUDA device, lazily where none is up yet)
         torch.manual_seed(0) if not fake else torch.default_generator.manual_seed(0)

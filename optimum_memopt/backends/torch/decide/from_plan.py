@@ -118,6 +118,8 @@ def dry_run_choice(
 
         return map_tensors((tuple(args), dict(kwargs)), fake)
 
+    mask = kwargs.get("attention_mask")
+    every_token = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
     spec = StepSpec(getattr(twin, "config", None), grad_accum=grad_accum, autocast=autocast, ddp=ddp)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []  # every device's generator given back
@@ -132,4 +134,5 @@ def dry_run_choice(
             held_bytes=held_bytes,
             running_into=running_into,
             kernels=CudaKernels.here(device) if device is not None and torch.device(device).type == "cuda" else None,
+            mask_attends_all=every_token,  # read here, where the mask is real: a fake one's values cannot be
         )
