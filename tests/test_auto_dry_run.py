@@ -10,6 +10,7 @@ step fit)."""
 import pytest
 from transformers import LlamaConfig
 
+from optimum_memopt.backends.torch.measure.storages import block_bytes
 from optimum_memopt.memory import MIB
 from optimum_memopt.planning.attention import CudaKernels
 from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
@@ -66,3 +67,30 @@ def test_auto_is_the_least_recompute_that_fits_and_its_figure_is_its_choices_dry
     # every check the search made was read to the byte by a step: none of them taken for a prediction
     for check in result.auto["checks"]:
         assert check["measured_peak_mb"] is not None
+
+
+def test_under_gradient_accumulation_the_floor_is_one_micro_batchs_with_the_gradients():
+    """A later micro-batch runs the layers as the first does, holding the gradients the first made: a choice moves it
+    as it moves the first (the planner adds the gradients to every segment but the last). Read as part of the step's
+    last segment, the measuring step's second micro-batch (every layer recomputed whole, the head in the chunks step
+    one ran) stood as a floor no choice could lower: under accumulation `auto` refused budgets a single micro-batch
+    met (issue 53's 4-layer Llama through the Trainer: a floor of 36.1 MiB with two micro-batches, 24.2 with one)."""
+    from dataclasses import replace
+
+    one = dry_run(SPEC, "auto", budget_mb=1e6, **CARD)
+    two = dry_run(replace(SPEC, grad_accum=2), "auto", budget_mb=1e6, **CARD)
+    gradients = sum(block_bytes(p.numel() * p.element_size()) for p in _params())
+    assert two.fit.floor.peak_bytes <= one.fit.floor.peak_bytes + gradients, (two.fit.floor, one.fit.floor, gradients)
+    # a budget just above that floor is met, as the step that checked the choice measured
+    budget = two.fit.floor.peak_mb + 0.25
+    tight = dry_run(replace(SPEC, grad_accum=2), "auto", budget_mb=budget, **CARD)
+    assert tight.fit.choice is not None and tight.fit.predicted.peak_mb <= budget, tight.auto
+    assert tight.step_peaks[-1] == tight.fit.predicted.peak_bytes
+
+
+def _params():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return [p for p in AutoModelForCausalLM.from_config(CONFIG).parameters() if p.requires_grad]

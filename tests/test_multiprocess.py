@@ -155,11 +155,13 @@ def said_on_both_ranks(report, budget, out):
 def test_auto_rank0_chooses_for_both_processes(tmp_path):
     """`--memory_opt_config auto --memory_budget_mb` under DDP and ZeRO-2: rank 0 chooses from both ranks' step one,
     both train its choice, both ranks' next peaks are checked against the budget (re-planned once on a miss), and
-    the losses are those of the run that recomputes nothing. Nothing fitting stops both ranks with one message."""
+    the losses are those of the run that recomputes nothing. Nothing fitting stops both ranks with one message. Three
+    launches: the roomy runs (DDP, ZeRO-2), the tight ones at budgets set from them, the refusal; each `auto` run
+    of a process chooses as a fresh process's would (issue 53)."""
     roomy = tmp_path / "roomy"
-    res = launch("auto:1000000", roomy)
+    res = launch_modes(WORKER, roomy, {"ddp": "auto:1000000", "zero2": "auto-zero2:1000000"}, timeout=900)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
-    r0, r1 = reports(roomy, 2)
+    r0, r1 = reports(roomy / "ddp", 2)
     assert r0["wrapped"] == r1["wrapped"] == "DistributedDataParallel"
     assert r0["configs"] == r1["configs"] == [""]
     assert r0["planned"] == r1["planned"] == ""  # step one ran rank 0's dry run's choice on both ranks, and kept it
@@ -169,18 +171,24 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     # halfway from the floor to eager's peak (a run's floor once read 60.6 MiB against a budget of 57.7 set from
     # another run's: step one's graphs then keyed saves by address, which checkpoint frees and the allocator reuses)
     budget = round((eager + r0["floor_mb"]) / 2, 1)
+    # ZeRO-2: its gradient partitions and buckets (made in step one and kept) are in what later steps hold more
+    z0, _ = reports(roomy / "zero2", 2)
+    assert z0["wrapped"] == "DeepSpeedEngine" and z0["configs"] == [""] and z0["ddp"] == 1
+    zero_budget = round((z0["verified"][0]["measured_peak_mb"] + z0["floor_mb"]) / 2, 1)
 
+    # DDP with step one measured with every layer recomputed, as without a dry run; ZeRO-2 (no dry run of its step)
     tight = tmp_path / "tight"
-    res = launch(
-        f"auto-measure:{budget}", tight
-    )  # step one measured with every layer recomputed, as without a dry run
+    modes = {"ddp": f"auto-measure:{budget}", "zero2": f"auto-zero2:{zero_budget}"}
+    res = launch_modes(WORKER, tight, modes, timeout=900)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
-    t0, t1 = reports(tight, 2)
+    stdout, stderr = said_in_modes(res.stdout), said_in_modes(res.stderr)
+    said = {name: stdout.get(name, "") + stderr.get(name, "") for name in modes}
+    t0, t1 = reports(tight / "ddp", 2)
     seen = (budget, t0["configs"], t0["verified"])  # said with any failure below
     assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen
     assert any(mode != "keep" for mode, _ in t0["policy"]) and any(mode != "layer" for mode, _ in t0["policy"]), seen
     assert t0["predicted_mb"][-1] <= budget and t0["verified"] == t1["verified"], seen
-    out = res.stdout + res.stderr
+    out = said["ddp"]
     said_on_both_ranks(t0, budget, out)
     # the roomy run recomputed nothing from step one (its dry run's choice): plain DDP's losses. The tight run's step
     # one measured with the head's loss in chunks (`Loss+`), whose sum rounds in another order (1 ulp of its loss);
@@ -190,31 +198,22 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     assert abs(t0["param_sum"] - r0["param_sum"]) <= 1e-6 * abs(r0["param_sum"]), seen
     assert out.count(f"the solver chose `--memory_opt_config {t0['configs'][0]}` for all 2 processes") == 1
     assert out.count("(rank 0); the rest in ") == 1  # where step one peaked: rank 0's step, said as such
-    said = (tight / "memory_plans.txt").read_text()  # rank 0's: the figures behind the choice, in words
-    assert said.count(f"on each of the 2 processes the solver chose `--memory_opt_config {t0['configs'][0]}`") == 1
+    text = (tight / "ddp" / "memory_plans.txt").read_text()  # rank 0's: the figures behind the choice, in words
+    assert text.count(f"on each of the 2 processes the solver chose `--memory_opt_config {t0['configs'][0]}`") == 1
 
-    # ZeRO-2: its gradient partitions and buckets (made in step one and kept) are in what later steps hold more
-    zero = tmp_path / "zero2"
-    res = launch("auto-zero2:1000000", zero)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
-    z0, _ = reports(zero, 2)
-    assert z0["wrapped"] == "DeepSpeedEngine" and z0["configs"] == [""] and z0["ddp"] == 1
-    budget = round((z0["verified"][0]["measured_peak_mb"] + z0["floor_mb"]) / 2, 1)
-    res = launch(f"auto-zero2:{budget}", zero)
-    assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
-    z0, z1 = reports(zero, 2)
-    seen = (budget, z0["configs"], z0["verified"])
+    z0, z1 = reports(tight / "zero2", 2)
+    seen = (zero_budget, z0["configs"], z0["verified"])
     assert z0["configs"] == z1["configs"] and z0["configs"][-1] and z0["policy"] == z1["policy"], seen
-    said_on_both_ranks(z0, budget, res.stdout + res.stderr)
+    said_on_both_ranks(z0, zero_budget, said["zero2"])
     # no dry run of a run's own step under DeepSpeed (it partitions the model after the plugin wraps it): said why
-    said = (zero / "memory_plans.txt").read_text()
-    assert "step one measures with every layer recomputed whole: DeepSpeed partitions the model" in said
+    text = (tight / "zero2" / "memory_plans.txt").read_text()
+    assert "step one measures with every layer recomputed whole: DeepSpeed partitions the model" in text
 
     res = launch("auto:1", tmp_path / "none", timeout=300)
     assert res.returncode != 0
     out = res.stdout + res.stderr
-    said = "`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 1`"
-    assert out.count(said) >= 2, out[-6000:]  # raised on each rank (torchrun prints each failure)
+    refused = "`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 1`"
+    assert out.count(refused) >= 2, out[-6000:]  # raised on each rank (torchrun prints each failure)
 
 
 @pytest.mark.torch_backend

@@ -30,7 +30,7 @@ import torch
 from ..backends.torch import _torch_api
 from ..backends.torch.backend import STATE
 from ..backends.torch.decide.planner import SEARCH_CHECKS
-from ..backends.torch.measure.storages import StorageCount
+from ..backends.torch.measure.storages import StorageCount, block_bytes
 from ..backends.torch.nested import tensors_in
 from . import dropout
 from .attention import CudaKernels, on_cuda
@@ -570,6 +570,12 @@ def layer_order(model, layers, forward: Callable[[], object]) -> Optional[List[i
     return calls if calls and len(calls) < len(layers) else None
 
 
+def _local_bytes(p: torch.Tensor) -> int:
+    """What a parameter's gradient holds on this process, in CUDA's blocks (a sharded one: its local shards)."""
+    inner = _torch_api.wrapped_tensors(p)
+    return sum(_local_bytes(t) for t in inner) if inner is not None else block_bytes(p.numel() * p.element_size())
+
+
 def _loss(out) -> torch.Tensor:
     """The loss a model's training forward returned (with the labels given), as the Trainer takes it."""
     loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
@@ -723,6 +729,8 @@ def dry_run(
         planner = handle.planner if handle is not None and plans == "auto" else None
         if planner is not None:  # each choice checked by a step of its own (`BudgetPlanner.search`)
             planner.search = True
+            if spec.grad_accum > 1:  # held across micro-batches: a later one holds them (as the Trainer says a run's)
+                planner.grad_bytes = sum(_local_bytes(p) for p in params)
             planner.peaked_where = lambda: step_parts[-1][1].partition(", ")[2] if step_parts else ""  # the mark
         try:
             step = 0

@@ -8,8 +8,12 @@ or those a dry run of the step saw run, where a vision-language model trained on
 forward, then backward in reverse; a model that runs its layers otherwise (twice, out of order, or not those) leaves
 `problem` set, and nothing is predicted from its segments. A segment holds the kept tensors of the layers up to its
 own in the list, those that did not run holding none.
-Micro-batches after the first (gradient accumulation) and the optimizer step fall in the last segment, which holds
-no layer's kept tensors.
+Micro-batches after the first (gradient accumulation) are no segment's: each runs the layers as the first did,
+holding the gradients the first made, which the planner adds to every segment but the last (`budget`'s `extra`), so a
+policy moves them as it moves the first's; read into the last segment, they stood as a floor no recompute could
+lower (a choice under accumulation was refused 24 MiB above the one a single micro-batch reached, issue 53). The
+optimizer step falls in the last segment, which holds no layer's kept tensors: what it read between the first
+micro-batch's backward and the next's forward, and after the last one's.
 
 On CUDA the peak between two marks is the device's peak counter's. On the CPU it is the process's tensor storages
 counted after every op (`live.LiveCount`, the unit CUDA counts in): in the steps the backend measures (step one, and
@@ -37,6 +41,8 @@ from .storages import counting, watch_resizes
 
 logger = logging.getLogger(__name__)
 
+AFTER_SEGMENT = "after backward: the optimizer step and the next batch"  # the last: no layer's kept tensors in it
+
 
 def first_grad_tensor(output) -> Optional[torch.Tensor]:
     """The first tensor of a layer's output that backward reaches (the hidden states)."""
@@ -62,6 +68,7 @@ class StepWatch:
         self._last = -1
         self._parts: List[Tuple[str, int]] = []  # the open segment's stretches between inner marks, closed so far
         self._part = ""  # the mark that opened the open stretch ("" the segment's start)
+        self._after_most = 0  # the last segment's highest before a later micro-batch's readings (`_micro_batch`)
 
     @property
     def how(self) -> str:
@@ -86,7 +93,8 @@ class StepWatch:
         if self._open is not None:
             opened, opened_held, start, opened_own = self._open
             parts = tuple(self._parts + [(self._part, max(peak, current))]) if self._parts else ()
-            most = max([peak, start, current] + [p for _, p in parts])
+            after = self._after_most if opened == AFTER_SEGMENT else 0  # a later micro-batch's readings left out
+            most = max([peak, start, current, after] + [p for _, p in parts])
             self.segments.append(Segment(opened, opened_held, start, most, opened_own, parts))
         if self.resets:
             self.meter.reset_peak()
@@ -116,9 +124,18 @@ class StepWatch:
         k = self.running.index(index) + by
         return self.running[k] if 0 <= k < len(self.running) else -1
 
+    def _micro_batch(self) -> None:
+        """A later micro-batch starts (gradient accumulation): the last segment keeps what it read so far, and the
+        micro-batch's own readings are none of the step's (see the module's docstring) until its backward ends."""
+        current, peak = self._read()
+        self._after_most = max(self._after_most, peak, current)
+        self._stage = "micro"
+
     def layer_forward(self, index: int) -> None:
-        if self._stage == "after":
-            return  # a later micro-batch (gradient accumulation): part of the last segment
+        if self._stage == "after" and self.problem is None and index == self.running[0]:
+            self._micro_batch()
+        if self._stage in ("after", "micro"):
+            return
         first = self.running[0]
         if (self._stage, index) == ("waiting", first) or (
             self._stage == "forward" and index == self._next(self._last, 1)
@@ -151,18 +168,25 @@ class StepWatch:
         if self._stage in ("head", "backward") and index == expected:
             self._mark(f"layer {index} backward", index, index)
             self._stage, self._last = "backward", index
-        elif self._stage not in ("after", "done"):
+        elif self._stage not in ("after", "micro", "done"):
             self._wrong(f"layer {index}'s backward where layer {expected}'s was due")
 
     def backward_done(self) -> None:
+        if self._stage == "micro":  # a later micro-batch's backward ended: the last segment reads on from here
+            if self.resets:
+                self.meter.reset_peak()
+            self._stage = "after"
+            return
         if self._stage == "backward" and self._last == self.running[0]:
-            self._mark("after backward: the optimizer step and the next batch", 0)
+            self._mark(AFTER_SEGMENT, 0)
             self._stage = "after"
 
     def close(self) -> Optional[StepMemory]:
         """At the next step's start: the step's memory, or None when its marks did not come in order (`problem`)."""
         if self._stage == "done":
             return None
+        if self._stage == "micro":  # a later micro-batch's backward not seen ending: what it read is the last's
+            self._stage = "after"
         if self._stage != "after" and self.problem is None:
             self.problem = f"the step's marks stopped at {self._stage} (a layer's backward was not seen)"
         self._mark(None)
