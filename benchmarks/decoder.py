@@ -18,9 +18,33 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments  # noqa: E402
 
+# Published models' shapes (their config.json's), built here from the config alone with random weights: what a real
+# model's step holds and how fast it runs, without its weights (benchmarks/real_size.py)
+PRESETS = {
+    "llama-3.1-8b": dict(layers=32, hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256, tie=False),
+    "llama-3.2-1b": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8, vocab=128256, tie=True),
+    # the same proportions at a size the CPU trains in seconds (the benchmarks' check in the suite)
+    "tiny": dict(layers=2, hidden=64, intermediate=224, heads=4, kv_heads=2, vocab=2048, tie=False),
+}
+
 
 @dataclass
 class DecoderArguments:
+    preset: str = field(
+        default="", metadata={"help": f"A model's shape: {', '.join(PRESETS)} (else the flags below)."}
+    )
+    kv_heads: int = field(default=0, metadata={"help": "Key/value heads (0: as many as the attention heads)."})
+    tie: bool = field(default=False, metadata={"help": "Tie the head to the input embeddings."})
+    weights_dtype: str = field(
+        default="float32", metadata={"help": "The weights' dtype as built (bfloat16 for LoRA)."}
+    )
+    lora_r: int = field(
+        default=0, metadata={"help": "LoRA's rank on the q and v projections (PEFT); 0: a full fine-tune."}
+    )
+    lora_dropout: float = field(default=0.05, metadata={"help": "LoRA's dropout."})
+    liger_flce: bool = field(
+        default=False, metadata={"help": "Liger's fused linear cross-entropy on the head (liger-kernel installed)."}
+    )
     layers: int = field(default=4, metadata={"help": "Decoder layers."})
     hidden: int = field(default=256, metadata={"help": "Hidden size."})
     intermediate: int = field(default=768, metadata={"help": "MLP intermediate size."})
@@ -51,18 +75,41 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def build_model(d: DecoderArguments) -> LlamaForCausalLM:
+def build_model(d: DecoderArguments, device: str = "cpu"):
+    """The decoder of `d`'s shape (its preset's, where one is named), built on `device` in `d.weights_dtype`, with
+    LoRA's adapters where `d.lora_r` is set (PEFT's fp32 adapters on q and v, the rest frozen)."""
+    for name, value in PRESETS.get(d.preset, {}).items():
+        setattr(d, name, value)
+    if d.preset and d.preset not in PRESETS:
+        raise SystemExit(f"`--preset {d.preset}`: the presets are {', '.join(PRESETS)}, as in `--preset llama-3.2-1b`")
     config = LlamaConfig(
         vocab_size=d.vocab,
         hidden_size=d.hidden,
         intermediate_size=d.intermediate,
         num_hidden_layers=d.layers,
         num_attention_heads=d.heads,
-        num_key_value_heads=d.heads,
-        max_position_embeddings=d.seq,
+        num_key_value_heads=d.kv_heads or d.heads,
+        max_position_embeddings=max(d.seq, 8192),
+        tie_word_embeddings=d.tie,
         attn_implementation="sdpa",
     )
-    return LlamaForCausalLM(config)
+    if d.liger_flce:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(fused_linear_cross_entropy=True, cross_entropy=False)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, d.weights_dtype))
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(old)
+    if d.lora_r:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(task_type="CAUSAL_LM", r=d.lora_r, lora_alpha=2 * d.lora_r, lora_dropout=d.lora_dropout)
+        model = get_peft_model(model, lora)
+    return model
 
 
 SAVED = {"_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -111,7 +158,8 @@ def main(argv=None):
     parser = HfArgumentParser((DecoderArguments, MemoptTrainingArguments))
     d, args = parser.parse_args_into_dataclasses(argv)
     torch.manual_seed(args.seed)
-    model = build_model(d)
+    # on the card where one trains (a model of 8B parameters built on the host first takes minutes)
+    model = build_model(d, "cuda" if torch.cuda.is_available() and not args.use_cpu else "cpu")
     if d.sac == "titan":
         if args.memory_opt_on:
             raise SystemExit(

@@ -63,7 +63,9 @@ def reports(out, n):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
 
-@pytest.fixture(scope="module")
+# session-scoped: a worker that runs another module's tests between this module's (the launches' xdist group is one
+# worker's, shared with other tests) would tear a module-scoped launch down and launch it again (44 s, seen)
+@pytest.fixture(scope="session")
 def single(tmp_path_factory):
     out = tmp_path_factory.mktemp("single")
     res = launch("single", out, nproc=1)
@@ -71,14 +73,14 @@ def single(tmp_path_factory):
     return reports(out, 1)[0]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def wrapped(request, tmp_path_factory):
     """One launch training in turn the modes the selected tests below read (DDP, ZeRO-1, ZeRO-2, `--fsdp`; a test
     selected alone, as the compatibility slice selects one, launches its own mode only): (where each reported, what
     each said)."""
     modes = []
     for item in request.session.items:
-        if item.module is not request.module or item.get_closest_marker("skip") is not None:
+        if item.module.__name__ != __name__ or item.get_closest_marker("skip") is not None:
             continue
         if item.originalname == "test_two_processes":
             modes.append(item.callspec.params["mode"])
@@ -326,7 +328,7 @@ def test_zero3_plans_and_level_1_train_as_zero3_without_them_and_resume(tmp_path
 PLAN_WORKER = os.path.join(HERE, "multiprocess", "worker_plan.py")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # as `single`: launched once whatever runs between
 def sharded_steps(tmp_path_factory):
     """The dry run's step on real tensors, sharded with FSDP2 on two processes: eager and level 1, one launch."""
     out = tmp_path_factory.mktemp("plan")

@@ -503,6 +503,8 @@ class BudgetPlanner:
             "recompute_ms": last.recompute_seconds * 1000,
             "measured_peak_mb": measured,
             "choices": len(self.fits),
+            # the dry run's figure for the choice step one ran, said before it (None: step one measured instead)
+            "dry_run_peak_mb": self.planned.predicted.peak_mb if self.planned is not None else None,
             "checks": [  # every choice with its check, in order (a re-plan after a miss)
                 {
                     "config": f.config(),

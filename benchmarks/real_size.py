@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Issue 53's benchmark: `auto` at real size on one card, beside every fixed recipe a user has. For each setup (a
+published model's shape built from its config on the card, random weights: benchmarks/decoder.py's presets), each row
+a fresh process through the advisor's `run_child` (peak: CUDA's max allocated from the start of training, weights
+included; on the CPU the process's tensor storages counted as CUDA counts them; speed: the median step after two
+warm-up steps):
+
+- the fixed recipes: eager, transformers' checkpointing, checkpointing with Liger's fused linear cross-entropy
+  (where liger-kernel is installed; said where not), level 1 + `Loss+`;
+- `auto` under each budget: the card's (its memory less 1 GiB, less 5%: `memopt-plan`'s), then each fixed recipe's
+  own peak (the budget that recipe fits exactly), down to the least any recipe reached.
+
+Each `auto` row is held to its goals, and the verdict printed beside it: within its budget; its dry run's figure
+(said before step one) within 1% of the peak it measured; at least as fast as the fastest fixed recipe within the
+budget (rounds interleaved, `--rounds`; the spread between them said). Its start: step one beyond a steady step
+(`start_s`). Every figure goes to `--out` as it is measured (a run cut short keeps what it finished).
+
+    python benchmarks/real_size.py --out benchmarks/real_size_h100.json            # on the card: the three setups
+    python benchmarks/real_size.py --setups llama-3.1-8b-lora --seqs 8192 --rounds 1
+    python benchmarks/real_size.py --tiny --out /tmp/real_size.json                # the same rows on the CPU, tiny
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from optimum_memopt.advisor import run_child  # noqa: E402
+
+DECODER = os.path.join(ROOT, "benchmarks", "decoder.py")
+PLAIN = ["--memory_opt_backend", "none"]
+TORCH = ["--memory_opt_backend", "torch"]
+LORA = ["--lora_r", "16", "--lora_dropout", "0.05", "--weights_dtype", "bfloat16"]
+# (model flags, batch, the sequence lengths): issue 53's rows
+SETUPS = {
+    "llama-3.1-8b-lora": (["--preset", "llama-3.1-8b", *LORA], 1, [8192, 32768, 65536]),
+    "llama-3.2-1b-full": (["--preset", "llama-3.2-1b"], 4, [4096]),
+}
+TINY = {"tiny-lora": (["--preset", "tiny", *LORA], 1, [256]), "tiny-full": (["--preset", "tiny"], 2, [256])}
+COMMON = ["--optim", "adamw_torch_fused", "--samples", "64", "--dataloader_num_workers", "0"]
+
+
+def recipes(liger: bool) -> list:
+    rows = [
+        ("eager", PLAIN),
+        ("transformers' checkpointing", PLAIN + ["--gradient_checkpointing"]),
+        ("level 1 + Loss+", TORCH + ["--memory_opt_config", "Layer+:1:-1,Loss+:1:-1"]),
+    ]
+    if liger:
+        rows.insert(2, ("checkpointing + Liger's fused linear cross-entropy", PLAIN + ["--gradient_checkpointing",
+                                                                                    "--liger_flce"]))  # fmt: skip
+    return rows
+
+
+def card_budget_mb(device: str):
+    """`memopt-plan`'s budget for the card here: its memory less 1 GiB for the context and the libraries, less 5%."""
+    if device != "cuda":
+        return None
+    import torch
+
+    total = torch.cuda.get_device_properties(0).total_memory / 2**20
+    return (total - 1024) * 0.95
+
+
+def row(label, flags, batch, a, model, seq):
+    m = run_child([DECODER], label, [*flags, *model, *COMMON, *a.precision, "--seq", str(seq)], batch, a.steps)
+    timed = m.ok and m.step_time_s
+    out = {"label": label, "ok": m.ok, "error": m.error, "peak_mb": m.peak_mb, "step_s": m.step_time_s,
+           "tokens_per_s": batch * seq / m.step_time_s if timed else None, "auto": m.auto, "oom": m.oom,
+           "device": m.device,
+           # what step one took beyond a steady step (`auto`'s dry run, a first step's kernels and allocations)
+           "start_s": m.first_step_s - m.step_time_s if timed and m.first_step_s else None}  # fmt: skip
+    said = f"{m.peak_mb:,.1f} MiB, {out['tokens_per_s']:,.0f} tokens/s" if m.ok else f"failed: {m.error}"
+    print(f"    {label}: {said}", flush=True)
+    return out
+
+
+def merged(rounds: list) -> dict:
+    """One row's rounds as one: its peak (the highest), its speed (the median) and every round's."""
+    ok = [r for r in rounds if r["ok"]]
+    first = dict(rounds[0])
+    if ok:
+        first.update(ok[0])
+        first["peak_mb"] = max(r["peak_mb"] for r in ok)
+        first["tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in ok)
+    first["rounds"] = [r["tokens_per_s"] for r in rounds]
+    return first
+
+
+def verdicts(auto: dict, budget: float, fixed: list) -> dict:
+    """`auto`'s goals at one budget, each a figure and whether it holds."""
+    fits = [r for r in fixed if r["ok"] and r["peak_mb"] <= budget]
+    fastest = max(fits, key=lambda r: r["tokens_per_s"]) if fits else None
+    spread = max((((max(r["rounds"]) - min(r["rounds"])) / max(r["rounds"])) for r in fixed + [auto] if r["ok"]
+                  and len(r["rounds"]) > 1 and min(r["rounds"])), default=None)  # fmt: skip
+    dry = (auto.get("auto") or {}).get("dry_run_peak_mb")
+    out = {"within_budget": auto["ok"] and auto["peak_mb"] <= budget}
+    if auto["ok"] and dry is not None:
+        out["dry_run_error"] = (dry - auto["peak_mb"]) / auto["peak_mb"]
+    if auto["ok"] and fastest is not None:
+        out["fastest_fixed"] = fastest["label"]
+        out["speed_vs_fastest"] = auto["tokens_per_s"] / fastest["tokens_per_s"]
+    out["spread"] = spread
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--setups", nargs="*", default=None, help=f"of: {', '.join([*SETUPS, *TINY])} (default: all)")
+    p.add_argument("--seqs", type=int, nargs="*", default=None, help="the sequence lengths (default: each setup's)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every row")
+    p.add_argument("--steps", type=int, default=6, help="training steps a run (the first two are the warm-up)")
+    p.add_argument("--tiny", action="store_true", help="tiny setups on the CPU: the benchmark's check")
+    p.add_argument("--budgets", type=int, default=None, help="the first N budgets alone (the card's, then down)")
+    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "real_size.json"))
+    a = p.parse_args(argv)
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() and not a.tiny else "cpu"
+    setups = {k: v for k, v in (TINY if a.tiny else SETUPS).items() if a.setups is None or k in a.setups}
+    a.precision = ["--use_cpu"] if device == "cpu" else ["--bf16"]
+    try:
+        import liger_kernel  # noqa: F401
+
+        liger = device == "cuda"
+    except ImportError:
+        liger = False
+    report = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": device, "torch": torch.__version__,
+              "card": torch.cuda.get_device_name(0) if device == "cuda" else None, "rounds": a.rounds,
+              "liger": liger or "not installed (or not on a card): its row left out", "setups": []}  # fmt: skip
+
+    def save():
+        with open(a.out, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=2)
+
+    for name, (model, batch, seqs) in setups.items():
+        for seq in a.seqs or seqs:
+            print(f"{name}, batch {batch} x {seq:,} tokens", flush=True)
+            setup = {"setup": name, "batch": batch, "seq": seq, "fixed": [], "auto": []}
+            report["setups"].append(setup)
+            runs = {label: [] for label, _ in recipes(liger)}
+            for _ in range(a.rounds):  # interleaved: what drifts spreads over every row alike
+                for label, flags in recipes(liger):
+                    runs[label].append(row(label, flags, batch, a, model, seq))
+            setup["fixed"] = [merged(r) for r in runs.values()]
+            save()
+            budgets = [card_budget_mb(device)] + sorted(
+                {r["peak_mb"] for r in setup["fixed"] if r["ok"]}, reverse=True
+            )
+            for budget in [b for b in budgets if b is not None][: a.budgets]:
+                flags = TORCH + ["--memory_opt_config", "auto", "--memory_budget_mb", f"{budget:.1f}"]
+                rounds = [row(f"auto, {budget:,.1f} MiB", flags, batch, a, model, seq) for _ in range(a.rounds)]
+                auto = merged(rounds)
+                auto["budget_mb"] = budget
+                auto["verdicts"] = verdicts(auto, budget, setup["fixed"])
+                setup["auto"].append(auto)
+                print(f"      {json.dumps(auto['verdicts'])}", flush=True)
+                save()
+    print(f"every figure: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

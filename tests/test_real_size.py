@@ -1,0 +1,33 @@
+"""Issue 53's real-size benchmark (benchmarks/real_size.py) holds to working where no card is: at a tiny size on the
+CPU it runs its fixed recipes and `auto` as fresh processes and writes every figure with `auto`'s verdicts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.torch_backend, pytest.mark.slow]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_benchmark_runs_its_rows_and_judges_auto_by_them(tmp_path):
+    out = tmp_path / "real_size.json"
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "real_size.py"), "--tiny", "--setups", "tiny-lora"]
+    command += ["--rounds", "1", "--steps", "4", "--budgets", "1", "--out", str(out)]
+    res = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["liger"] != True  # noqa: E712 - no card: its row left out, said
+    (setup,) = report["setups"]
+    assert [r["label"] for r in setup["fixed"]] == ["eager", "transformers' checkpointing", "level 1 + Loss+"]
+    assert all(r["ok"] and r["peak_mb"] > 0 and r["tokens_per_s"] > 0 for r in setup["fixed"]), setup["fixed"]
+    (auto,) = setup["auto"]  # under the highest fixed peak: eager's
+    assert auto["budget_mb"] == max(r["peak_mb"] for r in setup["fixed"])
+    verdicts = auto["verdicts"]
+    assert verdicts["within_budget"] and auto["auto"]["config"] == "", auto
+    # the dry run's figure, said before step one, against the peak the run measured: within 1%
+    assert abs(verdicts["dry_run_error"]) <= 0.01, verdicts
+    assert verdicts["fastest_fixed"] == "eager" and verdicts["speed_vs_fastest"] > 0
