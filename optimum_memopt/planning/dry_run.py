@@ -328,56 +328,50 @@ def _experts_kernel() -> Iterator[None]:
 
 
 @contextmanager
-def _unpacked() -> Iterator[None]:
-    """transformers looks for sequences packed into one row by reading the position ids' values (`masking_utils.
-    find_packed_sequence_indices`), which fake tensors do not have: it then takes them for packed and builds a whole
-    mask the real step never makes. A dry run's rows are one sequence each, as the plan says: the search finds none."""
+def _masking_replaced(name: str, replacement: Callable[[Callable], Callable]) -> Iterator[None]:
+    """transformers' `masking_utils.<name>` replaced by `replacement(original)` inside; nothing where the installed
+    transformers has none."""
     try:
         from transformers import masking_utils
-    except ImportError:  # pragma: no cover - a transformers without it finds nothing to patch
+    except ImportError:  # pragma: no cover - a transformers without it builds its masks otherwise
         yield
         return
-    found = getattr(masking_utils, "find_packed_sequence_indices", None)
+    found = getattr(masking_utils, name, None)
     if found is None:
         yield
         return
-    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    setattr(masking_utils, name, replacement(found))
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = found
+        setattr(masking_utils, name, found)
 
 
-@contextmanager
-def _mask_read_as(every_token: bool) -> Iterator[None]:
+def _unpacked():
+    """transformers looks for sequences packed into one row by reading the position ids' values (`masking_utils.
+    find_packed_sequence_indices`), which fake tensors do not have: it then takes them for packed and builds a whole
+    mask the real step never makes. A dry run's rows are one sequence each, as the plan says: the search finds none."""
+    return _masking_replaced("find_packed_sequence_indices", lambda found: lambda position_ids: None)
+
+
+def _mask_read_as(every_token: bool):
     """transformers reads a 2D attention mask's values to leave SDPA's mask out where it attends to every token
     (`masking_utils._ignore_causal_mask_sdpa`: SDPA then runs causal, without a mask); a fake mask has no values, so
     the fake step always built a 4D mask and ran another kernel than the real step (README's main job: its dry run
     read 6.1 MiB more than its step one). A run's own dry run reads its real batch's mask first: where it attends to
     every token (`every_token`), a fake mask is taken as none there, as the real step takes it."""
     if not every_token:
-        yield
-        return
-    try:
-        from transformers import masking_utils
-    except ImportError:  # pragma: no cover - a transformers without it builds its masks otherwise
-        yield
-        return
-    found = getattr(masking_utils, "_ignore_causal_mask_sdpa", None)
-    if found is None:
-        yield
-        return
+        return contextlib.nullcontext()
 
-    def ignore(padding_mask, *args, **kwargs):
-        if padding_mask is not None and _torch_api.is_fake(padding_mask):
-            padding_mask = None
-        return found(padding_mask, *args, **kwargs)
+    def reading(found):
+        def ignore(padding_mask, *args, **kwargs):
+            if padding_mask is not None and _torch_api.is_fake(padding_mask):
+                padding_mask = None
+            return found(padding_mask, *args, **kwargs)
 
-    masking_utils._ignore_causal_mask_sdpa = ignore
-    try:
-        yield
-    finally:
-        masking_utils._ignore_causal_mask_sdpa = found
+        return ignore
+
+    return _masking_replaced("_ignore_causal_mask_sdpa", reading)
 
 
 def _build(spec: StepSpec):
