@@ -30,4 +30,9 @@ def test_the_benchmark_runs_its_rows_and_judges_auto_by_them(tmp_path):
     assert verdicts["within_budget"] and auto["auto"]["config"] == "", auto
     # the dry run's figure, said before step one, against the peak the run measured: within 1%
     assert abs(verdicts["dry_run_error"]) <= 0.01, verdicts
-    assert verdicts["fastest_fixed"] == "eager" and verdicts["speed_vs_fastest"] > 0
+    # which recipe ran fastest is the CPU's clock, not a property (tiny steps: recomputing one layer in two costs
+    # less than a round's noise); what holds is that the verdict names the fastest row that fitted and divides by it
+    fits = [r for r in setup["fixed"] if r["peak_mb"] <= auto["budget_mb"]]
+    fastest = max(fits, key=lambda r: r["tokens_per_s"])
+    assert verdicts["fastest_fixed"] == fastest["label"]
+    assert verdicts["speed_vs_fastest"] == pytest.approx(auto["tokens_per_s"] / fastest["tokens_per_s"])
