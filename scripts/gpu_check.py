@@ -13,8 +13,9 @@ GPU benchmarks at GPU size, and write one report file (Markdown, its raw figures
    a. whole-layer recompute: eager, transformers' checkpointing and our level 1 on the decoder of
       benchmarks/level1_vs_checkpointing_h100.json (8 layers, hidden 1024, sequence 2048, bf16, batch 8);
    b. the loss in the solve: the same decoder with a vocabulary 32 times its hidden size, eager at `--base_batch`
-      (its peak is the budget), then at twice and four times that batch: checkpointing, checkpointing with the loss
-      chunked by hand, and `auto` under the budget (its choice, predicted and measured peak);
+      (its peak is the budget), then at twice and four times that batch (`--multiples`): checkpointing,
+      checkpointing with the loss chunked by hand, and `auto` under the budget (its choice, its predicted and
+      measured peak);
    c. the dry run (`optimum_memopt.planning`) of benchmark a's decoder beside what the device measured, and on CUDA
       the same steps on real tensors under the dry run's count beside CUDA's own peak counter.
 
@@ -170,7 +171,7 @@ def benchmarks(a, device: str, save) -> dict:
         budget = eager["peak_mib"]
         result["budget_mib"] = budget
         runs = []
-        for batch in (2 * a.base_batch, 4 * a.base_batch):
+        for batch in (m * a.base_batch for m in a.multiples):
             runs += [
                 ("transformers checkpointing", vocab_script, plain + ["--gradient_checkpointing", "true"], batch),
                 (
@@ -414,6 +415,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=6, help="training steps a run (the first two are the warm-up)")
     p.add_argument("--batch", type=int, default=8, help="benchmark a's batch")
     p.add_argument("--base_batch", type=int, default=4, help="benchmark b: eager's batch, whose peak is the budget")
+    p.add_argument(
+        "--multiples", type=int, nargs="+", default=[2, 4], help="benchmark b: its batches, as multiples of eager's"
+    )
     p.add_argument("--skip_tests", action="store_true")
     p.add_argument("--skip_benchmarks", action="store_true")
     p.add_argument("--tests", nargs="*", default=None, help=f"what pytest runs (default: {' '.join(GPU_TESTS)})")

@@ -235,6 +235,19 @@ BEST_AT_END_IN_GRAPH = (
 ).split()
 
 
+def without_deepspeed_shm_build() -> None:
+    """A multi-process test worker's first call: DeepSpeed (0.15 and 0.19 seen) compiles its shared-memory all-reduce
+    op (`deepspeed_shm_comm`, for inference's all-reduce on the CPU) the first time its communication starts in a
+    process: 50-110 s of both cores of the CI machine, once per stack, inside whichever launch comes first. Training
+    runs every collective through gloo here and never calls it: marked not compatible (DeepSpeed's own probe result,
+    which it then skips the build on), nothing the tests check changes. Without DeepSpeed, nothing to do."""
+    try:
+        import deepspeed.ops
+    except ImportError:
+        return
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def end_distributed_worker():
     """A multi-process test worker's last call, once its report is written: every rank meets, the process groups
     are destroyed, and the process leaves without interpreter finalization. Gloo can abort a finished process during

@@ -27,6 +27,7 @@ from helpers import (  # noqa: E402
     make_args,
     tiny_decoder,
     tiny_model,
+    without_deepspeed_shm_build,
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -194,5 +195,6 @@ def train(mode, out, backend, rank):
 
 
 if __name__ == "__main__":
+    without_deepspeed_shm_build()
     main(sys.argv[1], sys.argv[2], sys.argv[3:])
     end_distributed_worker()

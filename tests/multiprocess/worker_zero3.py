@@ -13,7 +13,15 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from helpers import CausalData, LossRecordingTrainer, announce, end_distributed_worker, make_args, small_decoder  # noqa: E402
+from helpers import (  # noqa: E402
+    CausalData,
+    LossRecordingTrainer,
+    announce,
+    end_distributed_worker,
+    make_args,
+    small_decoder,
+    without_deepspeed_shm_build,
+)
 
 ZERO3 = {
     "zero_optimization": {
@@ -78,5 +86,6 @@ def main(out, named):
 
 
 if __name__ == "__main__":
+    without_deepspeed_shm_build()
     main(sys.argv[1], sys.argv[2:])
     end_distributed_worker()
