@@ -576,6 +576,7 @@ class PlanReport:
     peak: str = ""  # where the first step peaked, in a few words ("" where the backend did not follow its memory)
     auto: str = ""  # `auto`'s budget as asked, where the first step ran to measure for it (its choice runs later)
     auto_ran: str = ""  # the dry run's choice the first step ran under `auto` (`from_plan`), where it ran one
+    auto_ran_as: str = "a dry run's choice"  # whose choice it is: a dry run's, or `--memory_plan_file`'s
 
     @property
     def plans_on(self) -> List[FoundPlan]:

@@ -273,7 +273,41 @@ class MemoptTrainerMixin(OrtTrainerParts):
             dry_run=a.memory_auto_dry_run,
             no_dry_run=self._memopt_no_dry_run(),
             ddp=self._memopt_ddp_processes(),
+            plan_file=self._memopt_plan_file() if a.memory_plan_file is not None else None,
         )
+
+    def _memopt_plan_file(self):
+        """`--memory_plan_file`, read and compared with the step this run is about to train (the batch's shape at
+        step one: `BudgetPlanner`); ValueError naming every difference, before any step."""
+        from .planning.plan_file import FLAG, PlanFileError, read, run_step
+
+        a = self.args
+        path = a.memory_plan_file
+        if getattr(self, "is_deepspeed_enabled", False):
+            raise ValueError(
+                f"`{FLAG} {path}`: memopt-plan plans no DeepSpeed step (ZeRO's partitions are DeepSpeed's own code); "
+                f"drop `{FLAG}` (`auto` then measures step one), or train without `--deepspeed`"
+            )
+        if getattr(self, "is_fsdp_enabled", False):
+            raise ValueError(
+                f"`{FLAG} {path}`: a run starts from memopt-plan's choice on one process or under DDP; under FSDP "
+                f"`auto` measures step one itself: drop `{FLAG}`"
+            )
+        try:
+            plan = read(path)
+            run = run_step(
+                self.model,
+                device=a.device,
+                autocast="bfloat16" if a.bf16 else ("float16" if a.fp16 else None),
+                optimizer=getattr(a.optim, "value", a.optim),
+                grad_accum=a.gradient_accumulation_steps,
+                fsdp=1,
+                ddp=self._memopt_ddp_processes(),
+            )
+            plan.check(run)
+        except PlanFileError as e:
+            raise ValueError(str(e)) from None
+        return plan
 
     def _memopt_no_dry_run(self) -> Optional[str]:
         """Why `auto` cannot start from a dry run of this run's own step (None where it can): the model it would copy

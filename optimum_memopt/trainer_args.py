@@ -9,7 +9,7 @@ built (`MemoptTrainerMixin`).
 import dataclasses
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from transformers import TrainingArguments
 from transformers.training_args import OptimizerNames
@@ -38,6 +38,7 @@ SHARED_FLAGS = {
     "memory_opt_level": None,
     "memory_budget_mb": None,
     "activation_memory_budget": None,
+    "memory_plan_file": None,
 }
 
 
@@ -86,6 +87,11 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             dry run of it on fake tensors (`backends/torch/decide/from_plan.py`), step one checking the choice;
             `false`: step one measures with every layer recomputed whole and the choice runs from step two (also
             what runs where no dry run of the run's own step can be made: FSDP, DeepSpeed, a loop of one's own).
+        memory_plan_file (`str`, *optional*):
+            `memopt-plan --json`'s file: `auto` on the torch backend runs its choice from step one, which checks it,
+            instead of a dry run of its own (`planning/plan_file.py`); the budget is the file's (`--memory_budget_mb`
+            may be left out) and `--memory_opt_config auto` is implied. Refused before training where the file
+            planned another step (model, batch, sequence, precision, optimizer, accumulation, LoRA, processes).
         memory_probe_max_plans (`int`, defaults to 6), memory_probe_steps (`int`, defaults to 6):
             With `--memory_opt_config auto`: how many plans to measure, and for how many steps each.
         ort_log_level (`str`, defaults to `"WARNING"`):
@@ -169,6 +175,13 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             "help": "With --memory_opt_config auto --memory_budget_mb on the torch backend: choose before step one "
             "from a dry run of it on fake tensors, and check the choice in step one (true, the default); false: step "
             "one measures with every layer recomputed whole and the choice runs from step two."
+        },
+    )
+    memory_plan_file: Optional[str] = field(
+        default=None,
+        metadata={
+            "help": "memopt-plan --json's file: auto (torch backend) runs its choice from step one, which checks it, "
+            "with no dry run at the start; the budget is the file's. Refused where the file planned another step."
         },
     )
     memory_probe_max_plans: int = field(
@@ -354,11 +367,14 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             level = int(text) if text in ("0", "1", "2") else text
         if level is None:
             level = 0
+        budget_mb = self.memory_budget_mb
+        if self.memory_plan_file is not None:
+            plans, budget_mb = self._from_plan_file(plans, backend)
         config = MemoryOptConfig(
             plans=plans,
             level=level,
             backend=backend,
-            budget_mb=self.memory_budget_mb,
+            budget_mb=budget_mb,
             activation_budget=self.activation_memory_budget,
             probe_max_plans=self.memory_probe_max_plans,
             probe_steps=self.memory_probe_steps,
@@ -376,6 +392,33 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
                 f"with `--memory_opt_backend torch`"
             )
         return config
+
+    def _from_plan_file(self, plans: Optional[str], backend: str) -> Tuple[str, float]:
+        """`--memory_plan_file`: `auto` under the file's budget; ValueError where the file cannot be read or the
+        flags ask for something else (other plans, another budget, another backend)."""
+        from .planning.plan_file import FLAG, PlanFileError, read
+
+        path = self.memory_plan_file
+        if backend != "torch":
+            raise ValueError(
+                f"`{FLAG} {path}` starts the torch backend's `auto` from memopt-plan's choice, but "
+                f"`{BACKEND_FLAG} {backend}` trains; add `{BACKEND_FLAG} torch`"
+            )
+        if plans is not None and plans != "auto":
+            raise ValueError(
+                f"`{FLAG} {path}` runs `auto`'s choice from the file, and `{CONFIG_FLAG} {plans}` asks for other "
+                f"plans; drop one of them (with the file, `{CONFIG_FLAG} auto` may be left out)"
+            )
+        if self.activation_memory_budget is not None:
+            raise ValueError(
+                f"`{FLAG} {path}` chose under the file's peak budget, and `--activation_memory_budget "
+                f"{self.activation_memory_budget:g}` asks for another; drop `--activation_memory_budget`"
+            )
+        try:
+            planned = read(path)
+            return "auto", planned.budget(self.memory_budget_mb)
+        except PlanFileError as e:
+            raise ValueError(str(e)) from None
 
     # -- what the run was asked to do ------------------------------------------------------------------
     @property

@@ -74,6 +74,9 @@ class Budget:
     # the processes DistributedDataParallel replicates the model over (1: none), for a dry run of the step: each holds
     # DDP's gradient buckets
     ddp: int = 1
+    # `--memory_plan_file`, read and checked against the run (`planning.plan_file.PlanFile`): step one runs its choice
+    # instead of a dry run's
+    plan_file: Optional[object] = None
 
 
 @dataclass

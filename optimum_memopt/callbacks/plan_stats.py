@@ -64,7 +64,7 @@ def format_plan_table(report: PlanReport) -> str:
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     dims = ", ".join(f"{k}={v}" for k, v in report.dims.items()) or "none"
     if report.auto and report.auto_ran:  # the first step ran a dry run's choice for `auto`, and checks it
-        how = f"auto ({report.auto}), step one running a dry run's choice to check it"
+        how = f"auto ({report.auto}), step one running {report.auto_ran_as} to check it"
     elif report.auto:  # the first step measured for `auto`, whose choice runs from the next step
         how = f"auto ({report.auto}), step one at level {report.level} to measure"
     elif report.level:  # the level's plans are every layer's; a lever's beyond the layers (`Loss+`) is named beside

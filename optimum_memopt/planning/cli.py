@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory_opt_config", default=None, help="your plans, compared beside the others; or auto")
     p.add_argument("--memory_opt_level", type=int, default=0)
     p.add_argument("--memory_budget_mb", type=float, default=None, help="the budget (MiB) instead of a device's")
-    p.add_argument("--device", default=None, help=f"one of: {', '.join(DEVICES)}")
+    p.add_argument(
+        "--device", default=None, help=f"one of: {', '.join(DEVICES)}; or cpu (its kernels, with --memory_budget_mb)"
+    )
     p.add_argument(
         "--search", nargs="?", const=True, default=True, type=_flag_bool("search"),
         help="find the largest batch and the longest sequence auto fits (more dry runs; default true)",
@@ -98,7 +100,13 @@ def validate(args) -> None:
         raise UsageError(
             f"`--memory_budget_mb {args.memory_budget_mb:g}` must be above 0, as in `--memory_budget_mb 70000`"
         )
-    if args.device is not None:
+    if args.device is not None and args.device.strip().lower() == "cpu":
+        if args.memory_budget_mb is None:
+            raise UsageError(
+                "`--device cpu` plans the CPU's step (its kernels), which has no memory size here; give the budget, "
+                "as in `--device cpu --memory_budget_mb 2000`"
+            )
+    elif args.device is not None:
         try:
             device(args.device)
         except ValueError as e:

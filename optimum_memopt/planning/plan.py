@@ -25,6 +25,7 @@ from typing import Dict, Iterator, List, Optional, Union
 from .attention import CudaKernels
 from .devices import DEFAULT_DEVICE, DEVICES, WORKSPACES_MIB, Device, find
 from .dry_run import NOT_SEEN, PARTS, DryRun, StepSpec, dry_run
+from .plan_file import CPU, model_facts
 
 MIB = float(1024 * 1024)
 ROOFLINE = (
@@ -62,6 +63,8 @@ class Plan:
     # the largest batch (at the plan's sequence) and the longest sequence (at its batch) whose least-memory
     # configuration fits the budget, each found by dry runs: {"batch": n, "seq": n, "under": name, "runs": [...]}
     reach: Optional[dict] = None
+    # the attention and dropout kernels the dry runs ran: a CUDA card's by compute capability ("cuda 9.0"), or "cpu"
+    kernels: str = ""
 
     def record(self) -> dict:
         """Every figure of the table (what `--json` writes)."""
@@ -77,6 +80,12 @@ class Plan:
             "step_seconds_are": ROOFLINE,
             "configurations": [asdict(c) for c in self.configurations],
             "reach": self.reach,
+            # what a training run given this file (`--memory_plan_file`) compares with its own step (`plan_file`)
+            "run": {
+                "model_config": model_facts(self.spec.config),
+                "kernels": self.kernels,
+                "auto_budget_mb": None if self.budget_mb is None else float(int(self.budget_mb)),
+            },
         }
 
     def write_json(self, path: str) -> None:
@@ -267,15 +276,20 @@ def plan(
         fsdp=fsdp,
         ddp=ddp,
     )
-    target = find(device)
+    on_cpu = device is not None and device.strip().lower() == CPU
+    if on_cpu and budget_mb is None:
+        raise ValueError("`--device cpu` plans the CPU's step, which has no memory size here: give a budget")
+    target = None if on_cpu else find(device)
     if budget_mb is None and target is not None:
         budget_mb = target.budget_mb
     # a card's cuBLAS workspaces (the forward's thread and autograd's), which its counter reads and no storage shows
     held = int(WORKSPACES_MIB * MIB) if target is not None else 0
-    # the card's attention kernels (fp32 and masks take others than the CPU's, which keep other tensors)
-    kernels = CudaKernels((target or DEVICES[DEFAULT_DEVICE]).capability)
+    # the card's attention kernels (fp32 and masks take others than the CPU's, which keep other tensors); the CPU's own
+    # (None) with `device="cpu"`, as a run on the CPU counts its own step
+    capability = (target or DEVICES[DEFAULT_DEVICE]).capability
+    kernels = None if on_cpu else CudaKernels(capability)
     causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ["ForCausalLM"]))
-    out = Plan(name, spec, target, budget_mb, [])
+    out = Plan(name, spec, target, budget_mb, [], kernels=CPU if on_cpu else f"cuda {capability[0]}.{capability[1]}")
     for label, flags, kwargs in _configurations(causal, plans, level, budget_mb):
         conf = Configuration(label, flags)
         try:

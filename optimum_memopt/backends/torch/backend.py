@@ -168,7 +168,9 @@ class TorchBackend(Backend):
             logger.warning("%s", note)
         twin, no_twin = None, None
         budget = settings.budget
-        if budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
+        if budget is not None and budget.plan_file is not None:
+            pass  # step one runs the file's choice: no dry run, no twin
+        elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
             no_twin = budget.no_dry_run  # FSDP, DeepSpeed: the model copied here is not the one that trains
         elif budget is not None and budget.budget_mb is not None and budget.dry_run:
             from .decide.from_plan import twin_of
@@ -200,6 +202,7 @@ class TorchBackend(Backend):
                 given_mb=b.budget_mb,
             )
             state.planner.twin, state.planner.no_dry_run = twin, no_twin
+            state.planner.plan_file = b.plan_file
             state.planner.grad_accum, state.planner.autocast, state.planner.ddp = b.grad_accum, b.autocast, b.ddp
         return model
 
@@ -287,8 +290,11 @@ class TorchBackend(Backend):
         if planner is not None and planner.stage in ("start", "measure") and planner.planned is not None:
             report.auto = planner.asked
             report.auto_ran = planner.planned.config() or "nothing recomputed"
+            if planner.plan_file is not None:
+                report.auto_ran_as = f"the choice of `--memory_plan_file {planner.plan_file.path}`"
+            ran = report.auto_ran_as if planner.plan_file is not None else "the choice of a dry run of it"
             report.notes.append(
-                f"--memory_opt_config auto ({planner.asked}): this first step ran the choice of a dry run of it "
+                f"--memory_opt_config auto ({planner.asked}): this first step ran {ran} "
                 f"(`{report.auto_ran}`), measured to check it: kept where its own memory with what later steps hold "
                 f"more fits, else the solver chooses again from it at the next step (said then)"
             )

@@ -21,16 +21,16 @@ start (what is held there that was not at step one's) and adds the gradients' by
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
-from ....plans import PlanEntry, layer_selector
+from ....plans import PlanEntry, layer_selector, lever_syntax, parse_plans
 from ..measure.graph import effect, saved_bytes, whole_layer
 from ..measure.profile import ModelProfile, Segment, StepMemory
 from ..policy import LAYER, OPS, RecomputePolicy
-from .solver import Candidate, candidates, choose, policy_of
+from .solver import KEEP, Candidate, candidates, choose, policy_of
 
 
 def freed_bytes(profile: ModelProfile, policy: RecomputePolicy) -> List[int]:
@@ -419,3 +419,53 @@ def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:
         subgraph = LAYER_PLAN if whole else "".join(f"{name}+" for name in sorted(ops))
         entries.append(PlanEntry(subgraph, 1, -1, layer_selector(layers)))
     return entries
+
+
+def fit_of_plans(
+    config: str, n_layers: int, budget_bytes: int, predicted: Prediction, floor: Prediction, source: str
+) -> Fit:
+    """A choice written in the plan grammar (what `Fit.config` writes: a `memopt-plan` file's) as an answer for
+    `n_layers` layers, `predicted` its peak: each layer's configuration and each lever's option as the plans name
+    them. What each frees and costs is not in the grammar: 0 until a step's profile offers them (`matched`)."""
+    entries = parse_plans(config) if config else []
+    policy = RecomputePolicy.from_plans(entries, 0, n_layers)
+    choice = [Candidate(lp.ops, lp.mode == LAYER, 0, 0.0) for lp in policy.layers]
+    written: Dict[str, List[str]] = {}
+    for entry in entries:
+        syntax = lever_syntax(entry.subgraph)
+        if syntax is not None and entry.enabled:
+            written.setdefault(syntax.name, []).append(str(entry))
+    levers = tuple(LeverChoice(name, option, ",".join(written[name])) for name, option in policy.levers.items())
+    return Fit(budget_bytes, predicted, floor, choice, predicted, levers=levers, source=source)
+
+
+def matched(result: Fit, profile: ModelProfile, levers: Dict[str, Sequence[LeverChoice]]) -> Optional[Fit]:
+    """`result` (`fit_of_plans`) with what each layer's configuration frees and costs in `profile`'s graphs and each
+    lever's option as the lever offers it after that step (`levers`: each lever's `choices`); None where a layer
+    recomputing something has no graph there, or a lever does not offer the option."""
+    if len(profile.layers) != len(result.choice):
+        return None
+    choice = []
+    for mine, rec in zip(result.choice, profile.layers):
+        if not mine.whole and not mine.ops:
+            choice.append(KEEP)
+        elif rec.graph is None:
+            return None
+        elif mine.whole:
+            whole = whole_layer(rec.graph, rec.op_seconds)
+            choice.append(Candidate(frozenset(), True, whole.freed_bytes, whole.seconds))
+        else:
+            e = effect(rec.graph, mine.ops)
+            choice.append(Candidate(mine.ops, False, e.freed_bytes, e.seconds))
+    options = []
+    for mine in result.levers:
+        same = next((c for c in levers.get(mine.lever, ()) if c.option == mine.option), None)
+        if same is None:
+            return None
+        options.append(same)
+    named = {c.lever for c in result.levers}
+    for name, offered in levers.items():  # a lever the plans leave off runs as its option None
+        off = next((c for c in offered if c.option is None), None)
+        if name not in named and off is not None:
+            options.append(off)
+    return replace(result, choice=choice, levers=tuple(options))

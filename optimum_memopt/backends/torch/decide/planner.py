@@ -32,7 +32,19 @@ from ..measure.live import held_outside, make_library_workspaces, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
-from .budget import Fit, Prediction, as_kept, fit, fit_share, freed_bytes, merged, predict, segment_peaks
+from .budget import (
+    Fit,
+    Prediction,
+    as_kept,
+    fit,
+    fit_of_plans,
+    fit_share,
+    freed_bytes,
+    matched,
+    merged,
+    predict,
+    segment_peaks,
+)
 from .solver import candidates
 
 logger = logging.getLogger(__name__)
@@ -90,6 +102,9 @@ class BudgetPlanner:
         self.autocast: Optional[str] = None
         self.ddp = 1  # DistributedDataParallel's processes (the dry run holds its gradient buckets)
         self.planned: Optional[Fit] = None
+        # `--memory_plan_file` (`planning.plan_file.PlanFile`): step one runs its choice, with no dry run of its own
+        self.plan_file = None
+        self.planned_choice = "the dry run's choice"  # what step one runs, in the messages
         self._why_replanned = ""  # why step one did not confirm the dry run's choice (said with the solver's)
         self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
         self.device: Optional[str] = None  # the layers' device, from step one
@@ -151,6 +166,9 @@ class BudgetPlanner:
         its choice, which every rank runs: a dry run on each would cost every process its CPU time for nothing)."""
         twin, self.twin = self.twin, None
         optimizer, state.optimizer = getattr(state, "optimizer", None), None  # not kept past the dry run
+        if self.plan_file is not None:
+            self._from_plan_file(state, args, kwargs)
+            return
         why = self.no_dry_run
         if why is None and self.budget_bytes is None:
             return
@@ -220,13 +238,48 @@ class BudgetPlanner:
             f"{outside}); step one runs it and is measured to check it"
         )
 
+    def _from_plan_file(self, state, args, kwargs) -> None:
+        """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
+        before step one, where the batch is not the file's (a longer sequence holds more than the file planned)."""
+        plan = self.plan_file
+        flag = f"`--memory_plan_file {plan.path}`"
+        shape = batch_shape(args, kwargs)
+        planned = plan.step
+        shorter = ""
+        if shape is None:
+            shorter = "; the batch's shape could not be read (no `input_ids` or `inputs_embeds`): step one checks it"
+        elif shape[0] != planned.batch or shape[1] > planned.seq:
+            raise RuntimeError(
+                f"{flag} planned batches of {planned.batch} x {planned.seq:,} tokens, and this run's first is "
+                f"{shape[0]} x {shape[1]:,}; no step was trained. Plan this batch (`memopt-plan ... "
+                f"--per_device_train_batch_size {shape[0]} --block_size {shape[1]}`), or drop `--memory_plan_file`"
+            )
+        elif shape[1] < planned.seq:
+            shorter = (
+                f"; this batch has {shape[1]:,} tokens of the {planned.seq:,} planned: the choice is for the longest, "
+                f"and may recompute more than shorter batches need"
+            )
+        predicted = Prediction(int(round(plan.peak_mb * MIB)), plan.peak_at or "memopt-plan's dry run")
+        least = Prediction(int(round(plan.least_mb * MIB)), "the least any row of the plan file reaches") if (
+            plan.least_mb is not None
+        ) else predicted  # fmt: skip
+        self.planned_choice = f"the choice of {flag}"
+        fit = fit_of_plans(plan.choice, len(state.layers), self.budget_bytes, predicted, least, "")
+        self.planned = fit
+        self._run(state, fit)
+        self.say(
+            f"memory_opt_config auto: {flag} chose {plan.config_flag} under the budget of {self.budget_mb:,.1f} MiB, "
+            f"its dry run's peak {plan.peak_mb:,.1f} MiB ({predicted.where}); no dry run here: step one runs it and "
+            f"is measured to check it{shorter}"
+        )
+
     def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
         if self.solved is None:
             self._gather(state)
         result = None
         if self.ranks.rank == 0:
             try:
-                result = self._confirmed(budget_bytes) or self._fit(state, budget_bytes)
+                result = self._confirmed(state, budget_bytes) or self._fit(state, budget_bytes)
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.ranks.from_rank0(result)
@@ -251,7 +304,7 @@ class BudgetPlanner:
         self._start = self._current()
         self.stage = "verify"
 
-    def _confirmed(self, budget_bytes: Optional[int]) -> Optional[Fit]:
+    def _confirmed(self, state, budget_bytes: Optional[int]) -> Optional[Fit]:
         """The dry run's choice, which step one ran, kept where step one's own memory with what later steps hold more
         fits the budget (`source` says so); else None, and the solver chooses from step one as after a step measured
         with every layer recomputed (a profile measured under another policy than the floor predicts a layer's own
@@ -263,11 +316,20 @@ class BudgetPlanner:
         real = predict(self.solved, mine, mine)
         if real.peak_bytes > self.budget_bytes:
             self._why_replanned = (
-                f"step one, running the dry run's choice, reads {real.peak_mb:,.1f} MiB ({real.where}) with what "
+                f"step one, running {self.planned_choice}, reads {real.peak_mb:,.1f} MiB ({real.where}) with what "
                 f"later steps hold more, over the budget: the solver chose again from it"
             )
             return None
-        source = "the dry run's choice, which step one ran and confirms"
+        if self.plan_file is not None:  # what the file's choice frees and costs, as step one's profile offers it
+            offered = matched(planned, state.profile, self.levers)
+            if offered is None:
+                self._why_replanned = (
+                    f"step one's profile does not offer every configuration of {self.planned_choice} (a layer "
+                    f"without a graph, or a lever's option it does not offer): the solver chose again from step one"
+                )
+                return None
+            planned = offered
+        source = f"{self.planned_choice}, which step one ran and confirms"
         return replace(
             planned, budget_bytes=self.budget_bytes, measured=real, predicted=real, source=source,
             segments=segment_peaks(self.solved, mine, mine),
@@ -323,7 +385,7 @@ class BudgetPlanner:
         shape = "x".join(map(str, state.profile.shape)) or "?"
         ranks = self.ranks.size
         if self.planned is not None:
-            ran = f"the dry run's choice, `--memory_opt_config {self.planned.config()}`"
+            ran = f"{self.planned_choice}, `--memory_opt_config {self.planned.config()}`"
         else:
             ran = f"every layer recomputed whole{self._levers_ran}"
         chose = "the choice kept is" if result.source else "the solver chose"
@@ -358,7 +420,7 @@ class BudgetPlanner:
             against = f"under the budget of {self.budget_mb:,.1f} MiB"
         if result.source:  # the dry run's choice, which step one ran: its own figure with what later steps hold
             return (
-                f"memory_opt_config auto: step one ran the dry run's choice{everyone} and keeps it, {against}: "
+                f"memory_opt_config auto: step one ran {self.planned_choice}{everyone} and keeps it, {against}: "
                 f"predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}) from step one's own "
                 f"memory and what later steps hold more"
             )
@@ -568,3 +630,18 @@ class BudgetPlanner:
             atomic_write(path, write)
         except OSError as e:  # a report must never cost the run
             logger.error("could not write %s (%s); training goes on without it", path, e)
+
+
+def batch_shape(args, kwargs) -> Optional[tuple]:
+    """(batch, tokens) of a forward's inputs: `input_ids`, `inputs_embeds`, or its first tensor argument of two or more
+    dimensions; None where none is given."""
+    import torch
+
+    for name in ("input_ids", "inputs_embeds"):
+        t = kwargs.get(name)
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return tuple(t.shape[:2])
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2:
+            return tuple(t.shape[:2])
+    return None

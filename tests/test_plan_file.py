@@ -1,0 +1,146 @@
+"""`--memory_plan_file` (issue 53, a start in seconds): a training run starts from `memopt-plan --json`'s file instead
+of a dry run of its own step: step one runs the file's choice and checks it; a file planned for another step, batch,
+budget or flags is refused before any step, each difference said."""
+
+import json
+
+import pytest
+import torch
+from helpers import LossRecordingTrainer, Tokens, make_args
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import optimum_memopt
+from optimum_memopt.backends.torch.decide.budget import Prediction, fit_of_plans
+from optimum_memopt.planning.dry_run import StepSpec, dry_run
+from optimum_memopt.planning.plan_file import PlannedStep, differences
+from optimum_memopt.trainer_args import MemoptTrainingArguments
+
+pytestmark = pytest.mark.torch_backend  # the grammar and the comparison: the fast tier; the runs: the slow one
+
+SEQ, BATCH = 128, 2
+
+
+def config(hidden=64):
+    # the smallest decoder whose head is a large part of its step (vocabulary 16x hidden), so that the budget below
+    # takes a choice with a lever and per-layer recompute apart, not all or nothing
+    c = LlamaConfig(
+        vocab_size=1024, hidden_size=hidden, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="sdpa",
+    )  # fmt: skip
+    c.architectures = ["LlamaForCausalLM"]
+    return c
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """memopt-plan's file for the decoder's step on the CPU under 85% of the eager step's peak (a dry run's)."""
+    spec = StepSpec(config(), batch=BATCH, seq=SEQ, optimizer="adamw_torch")
+    budget = float(int(0.85 * dry_run(spec, backend=False).peak_bytes / 2**20))
+    path = tmp_path_factory.mktemp("plan") / "plan.json"
+    kw = dict(batch=BATCH, seq=SEQ, optim="adamw_torch", search=False, device="cpu", budget_mb=budget)
+    optimum_memopt.plan(config(), **kw).write_json(str(path))
+    return path, json.loads(path.read_text()), budget
+
+
+def train(tmp_path, *flags, model_config=None, batch=BATCH, steps=3):
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(model_config or config())
+    args = make_args(
+        tmp_path / "out", "--max_steps", str(steps), "--per_device_train_batch_size", str(batch),
+        "--memory_opt_backend", "torch", "--optim", "adamw_torch", *flags,
+    )  # fmt: skip
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=Tokens(n=16, seq=SEQ, vocab=1024))
+    trainer.train()
+    return trainer
+
+
+@pytest.mark.slow
+def test_a_run_starts_from_the_files_choice_without_a_dry_run(tmp_path, planned, capsys):
+    path, record, budget = planned
+    (auto,) = [c for c in record["configurations"] if c["name"] == "auto"]
+    assert auto["choice"], auto  # the budget is below eager's peak: something is recomputed or chunked
+    trainer = train(tmp_path, "--memory_plan_file", str(path))
+    planner = trainer.memopt_handle.planner
+    # no dry run: the file's choice ran from step one, and step one confirmed it
+    assert planner.twin is None and not planner.search
+    assert planner.planned.config() == auto["choice"]
+    summary = planner.summary()
+    assert summary["config"] == auto["choice"] and summary["dry_run_peak_mb"] == pytest.approx(auto["peak_mb"])
+    said = capsys.readouterr().out
+    assert f"`--memory_plan_file {path}` chose `--memory_opt_config {auto['choice']}` under the budget" in said
+    assert "no dry run here: step one runs it" in said
+    assert f"step one running the choice of `--memory_plan_file {path}` to check it" in said
+    assert "a dry run of step one" not in said and "a dry run's choice" not in said
+    # the file's figure against what the step measured (the CPU counts storages as the dry run does)
+    (check,) = planner.verified
+    assert check["measured_peak_mb"] <= budget
+    assert abs(auto["peak_mb"] - check["measured_peak_mb"]) <= 0.01 * check["measured_peak_mb"], (auto, check)
+    # the choice kept carries what step one measured it frees and costs
+    assert planner.fits[0].source.startswith(f"the choice of `--memory_plan_file {path}`")
+    assert planner.fits[0].recompute_seconds > 0
+    # the same losses as the choice given by hand
+    by_hand = train(tmp_path / "hand", "--memory_opt_config", auto["choice"])
+    assert trainer.losses == by_hand.losses
+
+
+@pytest.mark.slow
+def test_a_file_for_another_step_is_refused_before_any_step(tmp_path, planned):
+    path, record, budget = planned
+    with pytest.raises(
+        ValueError,
+        match=r"planned another step than this run's: the model's config: head_dim 16 there, 24 here, hidden_size 64 there, 96 here\.",
+    ):
+        train(tmp_path / "model", "--memory_plan_file", str(path), model_config=config(hidden=96))
+    with pytest.raises(ValueError, match=r"`--gradient_accumulation_steps`: the file's 1, this run's 2"):
+        train(tmp_path / "accum", "--memory_plan_file", str(path), "--gradient_accumulation_steps", "2")
+    with pytest.raises(RuntimeError, match=rf"planned batches of {BATCH} x {SEQ} tokens, and this run's first is 4 x"):
+        train(tmp_path / "batch", "--memory_plan_file", str(path), batch=4)
+
+
+@pytest.mark.slow
+def test_the_flags_are_checked_against_the_file(tmp_path, planned):
+    path, record, budget = planned
+
+    def parse(*flags):
+        return MemoptTrainingArguments(
+            output_dir=str(tmp_path), use_cpu=True, report_to="none", memory_opt_backend="torch", **dict(flags)
+        )
+
+    args = parse(("memory_plan_file", str(path)))
+    assert args.memory_opt.auto and args.memory_opt.budget_mb == budget  # auto under the file's budget, implied
+    with pytest.raises(ValueError, match=rf"chose under {budget:g} MiB, but `--memory_budget_mb 1` was given"):
+        parse(("memory_plan_file", str(path)), ("memory_budget_mb", 1.0))
+    with pytest.raises(ValueError, match=r"and `--memory_opt_config Layer\+:1:-1` asks for other plans"):
+        parse(("memory_plan_file", str(path)), ("memory_opt_config", "Layer+:1:-1"))
+    with pytest.raises(ValueError, match=r"`--memory_plan_file .*missing.json` cannot be read"):
+        parse(("memory_plan_file", str(tmp_path / "missing.json")))
+    no_auto = tmp_path / "no_auto.json"  # memopt-plan's file where it was given no budget: the rows, no `auto`
+    record["configurations"] = [c for c in record["configurations"] if c["name"] != "auto"]
+    record["run"]["auto_budget_mb"] = None
+    no_auto.write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"has no `auto` row: memopt-plan plans `auto` under a budget"):
+        parse(("memory_plan_file", str(no_auto)))
+
+
+def test_a_choice_in_the_plan_grammar_comes_back_as_it_was_written():
+    predicted = Prediction(1, "x")
+    for written in ("Layer+:1:-1@0,Mul+silu+:1:-1@1-2,Loss+:1:-1@chunks2", "", "Layer+:1:-1@0-2"):
+        assert fit_of_plans(written, 3, 10, predicted, predicted, "").config() == written
+
+
+def test_lora_left_to_peft_s_default_is_peft_s_default():
+    step = dict(model={"model_type": "llama"}, dtype="bfloat16", autocast="bfloat16", optimizer="adamw_torch_fused")
+    step.update(grad_accum=1, fsdp=1, ddp=1)
+    file_lora = {"r": 16, "lora_alpha": 32, "lora_dropout": 0.05}  # memopt-plan --use_peft without targets
+    run_lora = {"r": 16, "lora_dropout": 0.05, "target_modules": ["v_proj", "q_proj"]}
+    assert differences(PlannedStep(**step, lora=file_lora), PlannedStep(**step, lora=run_lora)) == []
+    run_lora["target_modules"] = ["q_proj", "k_proj", "v_proj"]
+    (said,) = differences(PlannedStep(**step, lora=file_lora), PlannedStep(**step, lora=run_lora))
+    assert said.startswith("LoRA: the file's {'r': 16, 'lora_dropout': 0.05, 'target_modules': ['q_proj', 'v_proj']}")
+
+
+def test_memopt_plan_plans_the_cpus_step_under_a_budget_only(capsys):
+    from optimum_memopt.planning.cli import main
+
+    assert main(["--model_name_or_path", "./nowhere", "--device", "cpu"]) == 2
+    assert "give the budget, as in `--device cpu --memory_budget_mb 2000`" in capsys.readouterr().err
