@@ -94,3 +94,41 @@ def _params():
 
     with torch.device("meta"):
         return [p for p in AutoModelForCausalLM.from_config(CONFIG).parameters() if p.requires_grad]
+
+
+def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path):
+    """Issue 53's case: a Llama of 4 layers (hidden 256, MLP 896, vocabulary 8,192) on 4,096 tokens under 218 MiB.
+    A dry run of step one weighs the MLPs in tiles and trains under the budget; step one measured instead (no dry
+    run) cannot run one MLP alone whole beside its peak, so the tiles cannot be priced from it: the refusal says so,
+    and what weighs them (the size is the issue's: at 1,024 tokens the MLP alone fits beside step one's peak)."""
+    from helpers import LossRecordingTrainer, Tokens, make_args
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=8192, hidden_size=256, intermediate_size=896, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=4096, attn_implementation="sdpa",
+    )  # fmt: skip
+
+    def train(steps, *flags):
+        args = make_args(
+            tmp_path, "--max_steps", str(steps), "--per_device_train_batch_size", "1", "--memory_opt_backend", "torch",
+            "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb", "218", *flags,
+        )  # fmt: skip
+        trainer = LossRecordingTrainer(
+            model=LlamaForCausalLM(config), args=args, train_dataset=Tokens(n=4, seq=4096, vocab=8192)
+        )
+        trainer.train()
+        return trainer.memopt_handle.planner
+
+    planner = train(3)  # the choice runs from step one; step two is checked at step three's start
+    assert "MLP+" in planner.planned.config() and planner.verified[-1]["measured_peak_mb"] <= 218, planner.verified
+    with pytest.raises(RuntimeError) as refused:
+        train(2, "--memory_auto_dry_run", "false")  # refused at step two's start
+    said = str(refused.value)
+    assert said.startswith("`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 218`")
+    assert (
+        "Not weighed, so these figures are not the least the levers reach: the MLPs in tiles (`MLP+`): one MLP "
+        in said
+    )
+    assert "run alone after step one was not run whole, as the step ran it (it could hold up to " in said
+    assert "`--memory_opt_config Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8`" in said

@@ -290,11 +290,20 @@ class BudgetPlanner:
         self.fits.append(result)
         self._write()
         if result.choice is None:
+            unweighed = [why for lever in state.levers.values() if (why := lever.unweighed(state.profile))]
+            untried = ""
+            if unweighed:
+                untried = (
+                    f". Not weighed, so these figures are not the least the levers reach: {'; '.join(unweighed)}. A "
+                    f"dry run of step one weighs every way (`--memory_auto_dry_run true`, the default, where one can "
+                    f"run); or give plans by hand, as in `--memory_opt_config Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8`"
+                )
             raise RuntimeError(
                 f"`--memory_opt_config auto` found nothing that fits {self.asked}: "
                 f"{result.why_not}. The least any recompute reaches is {result.floor.peak_mb:,.1f} MiB "
                 f"({result.floor.where}); raise the budget or lower `--per_device_train_batch_size`"
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
+                + untried
             )
         self._run(state, result)
         self.say(self._said(result))

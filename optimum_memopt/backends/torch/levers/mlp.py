@@ -410,6 +410,22 @@ class TiledMLP(Lever):
             )
         return out
 
+    def unweighed(self, profile) -> Optional[str]:
+        measured, problem = profile.levers.get(self.name), profile.lever_problems.get(self.name)
+        ran = {self.tiles_at(i) or 1 for i in range(len(self.layers)) if self.mlps[i] is not None}
+        if measured is None:
+            return f"the MLPs in tiles (`MLP+`): not measured each way they can run ({problem or 'not run'})"
+        if not measured.draws_as_whole():
+            return f"the MLPs in tiles (`MLP+`): never chosen, one draws at random {measured.draws} time(s) a forward"
+        missing = sorted(ran - set(measured.options))
+        if missing:
+            as_ran = "whole" if missing == [1] else f"in {missing[0]} tiles"
+            return (
+                f"the MLPs in tiles (`MLP+`): one MLP run alone after step one was not run {as_ran}, as the step ran "
+                f"it ({measured.why_not.get(missing[0], 'not run')}), so no change from it can be priced"
+            )
+        return None
+
     def notes(self, profile) -> List[str]:
         out = []
         if self.installed:

@@ -91,6 +91,12 @@ class Lever:
         option = self.option
         return [LeverChoice(self.name, option, self.plan())]
 
+    def unweighed(self, profile) -> Optional[str]:
+        """Why the solver was offered none of the lever's options but the one the step ran, though it has others
+        (not measured each way, or never chosen): said where `auto` finds nothing that fits, so that a refusal never
+        passes for the least the levers reach. None where they were weighed. By default None."""
+        return None
+
     def rows(self, profile, drop: Optional[Callable[[List[LeverChoice]], dict]]) -> List[FoundPlan]:
         """The table's rows for the options measured (`drop(choices)`: the PEAK DROP fields of a row whose options
         move the step as `choices` do)."""
