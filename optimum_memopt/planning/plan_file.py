@@ -202,6 +202,7 @@ class PlanFile:
     budget_mb: float  # what `auto` chose under
     step: PlannedStep
     least_mb: Optional[float] = None  # the least memory any row of the file reaches (its floor), where it has one
+    workspaces_mb: float = 0.0  # a card's cuBLAS workspaces the file's figures count (`--device`), 0 without
     made: Dict[str, object] = field(default_factory=dict)  # the file's model name and device, for messages
 
     @property
@@ -281,5 +282,6 @@ def read(path: str) -> PlanFile:
         budget_mb=float(run["auto_budget_mb"]),
         step=planned,
         least_mb=min(peaks) if peaks else None,
+        workspaces_mb=float(record.get("workspaces_mb") or 0.0),
         made={"model": record.get("model"), "device": (record.get("device") or {}).get("name")},
     )

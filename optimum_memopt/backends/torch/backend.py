@@ -207,11 +207,12 @@ class TorchBackend(Backend):
         return model
 
     def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:
-        """The trainer's optimizer, for `auto`'s dry run of step one to train with one like it (not DeepSpeed's): held
-        only where that dry run is still to come, and let go of once it has run (`BudgetPlanner.before_step_one`)."""
+        """The trainer's optimizer, for `auto`'s dry run of step one to train with one like it (not DeepSpeed's), or
+        for what the process holds outside the step to leave its state out: held only where that dry run, or the
+        start from a plan file, is still to come, and let go of once it has run (`BudgetPlanner.before_step_one`)."""
         if not deepspeed:
             for state in list(self._mine):
-                if state.planner is not None and state.planner.twin is not None:
+                if state.planner is not None and (state.planner.twin is not None or state.planner.plan_file):
                     state.optimizer = optimizer
         return None
 

@@ -167,7 +167,7 @@ class BudgetPlanner:
         twin, self.twin = self.twin, None
         optimizer, state.optimizer = getattr(state, "optimizer", None), None  # not kept past the dry run
         if self.plan_file is not None:
-            self._from_plan_file(state, args, kwargs)
+            self._from_plan_file(state, model, args, kwargs, optimizer)
             return
         why = self.no_dry_run
         if why is None and self.budget_bytes is None:
@@ -238,9 +238,12 @@ class BudgetPlanner:
             f"{outside}); step one runs it and is measured to check it"
         )
 
-    def _from_plan_file(self, state, args, kwargs) -> None:
+    def _from_plan_file(self, state, model, args, kwargs, optimizer) -> None:
         """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
-        before step one, where the batch is not the file's (a longer sequence holds more than the file planned)."""
+        before step one, where the batch is not the file's (a longer sequence holds more than the file planned). The
+        figure said is the file's with what this process holds outside the step in place of the workspaces the file
+        counted (`live.held_outside`, as a run's own dry run counts it): the file planned a process that holds
+        nothing else."""
         plan = self.plan_file
         flag = f"`--memory_plan_file {plan.path}`"
         shape = batch_shape(args, kwargs)
@@ -259,7 +262,12 @@ class BudgetPlanner:
                 f"; this batch has {shape[1]:,} tokens of the {planned.seq:,} planned: the choice is for the longest, "
                 f"and may recompute more than shorter batches need"
             )
-        predicted = Prediction(int(round(plan.peak_mb * MIB)), plan.peak_at or "memopt-plan's dry run")
+        gc.collect()  # what the process holds outside the step, with no garbage waiting to be freed in it
+        device = next(iter(model.parameters())).device
+        make_library_workspaces(device)  # before step one, as a run's own dry run makes them: what is held counts them
+        held = held_outside(model, (args, kwargs), device, optimizer, self.ddp)
+        peak = int(round((plan.peak_mb - plan.workspaces_mb) * MIB)) + held
+        predicted = Prediction(peak, plan.peak_at or "memopt-plan's dry run")
         least = Prediction(int(round(plan.least_mb * MIB)), "the least any row of the plan file reaches") if (
             plan.least_mb is not None
         ) else predicted  # fmt: skip
@@ -267,10 +275,20 @@ class BudgetPlanner:
         fit = fit_of_plans(plan.choice, len(state.layers), self.budget_bytes, predicted, least, "")
         self.planned = fit
         self._run(state, fit)
+        outside = ""
+        if held >= MIB / 10 or plan.workspaces_mb:
+            files = plan.workspaces_mb
+            instead = f" in place of the file's {files:,.1f} MiB of workspaces" if files else ""
+            outside = (
+                f"; with the {held / MIB:,.1f} MiB this process holds outside the step{instead}: predicted "
+                f"{predicted.peak_mb:,.1f} MiB"
+            )
+            if predicted.peak_bytes > self.budget_bytes:
+                outside += ", over the budget (the file planned a process holding nothing else)"
         self.say(
             f"memory_opt_config auto: {flag} chose {plan.config_flag} under the budget of {self.budget_mb:,.1f} MiB, "
-            f"its dry run's peak {plan.peak_mb:,.1f} MiB ({predicted.where}); no dry run here: step one runs it and "
-            f"is measured to check it{shorter}"
+            f"its dry run's peak {plan.peak_mb:,.1f} MiB ({plan.peak_at}){outside}; no dry run here: step one runs "
+            f"it and is measured to check it{shorter}"
         )
 
     def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
