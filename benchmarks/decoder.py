@@ -75,14 +75,14 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def build_model(d: DecoderArguments, device: str = "cpu"):
-    """The decoder of `d`'s shape (its preset's, where one is named), built on `device` in `d.weights_dtype`, with
-    LoRA's adapters where `d.lora_r` is set (PEFT's fp32 adapters on q and v, the rest frozen)."""
+def config_of(d: DecoderArguments) -> LlamaConfig:
+    """The config of `d`'s shape (its preset's, where one is named): what `build_model` builds, and what
+    benchmarks/real_size.py plans with `memopt-plan`'s code for a run's `--memory_plan_file`."""
     for name, value in PRESETS.get(d.preset, {}).items():
         setattr(d, name, value)
     if d.preset and d.preset not in PRESETS:
         raise SystemExit(f"`--preset {d.preset}`: the presets are {', '.join(PRESETS)}, as in `--preset llama-3.2-1b`")
-    config = LlamaConfig(
+    return LlamaConfig(
         vocab_size=d.vocab,
         hidden_size=d.hidden,
         intermediate_size=d.intermediate,
@@ -93,6 +93,12 @@ def build_model(d: DecoderArguments, device: str = "cpu"):
         tie_word_embeddings=d.tie,
         attn_implementation="sdpa",
     )
+
+
+def build_model(d: DecoderArguments, device: str = "cpu"):
+    """The decoder of `d`'s shape (`config_of`), built on `device` in `d.weights_dtype`, with LoRA's adapters where
+    `d.lora_r` is set (PEFT's fp32 adapters on q and v, the rest frozen)."""
+    config = config_of(d)
     if d.liger_flce:
         from liger_kernel.transformers import apply_liger_kernel_to_llama
 

@@ -8,7 +8,9 @@ warm-up steps):
 - the fixed recipes: eager, transformers' checkpointing, checkpointing with Liger's fused linear cross-entropy
   (where liger-kernel is installed; said where not), level 1 + `Loss+`;
 - `auto` under each budget: the card's (its memory less 1 GiB, less 5%: `memopt-plan`'s), then each fixed recipe's
-  own peak (the budget that recipe fits exactly), down to the least any recipe reached.
+  own peak (the budget that recipe fits exactly), down to the least any recipe reached;
+- beside each, `auto` from `memopt-plan`'s file (`--memory_plan_file`, planned here by the same code under the budget
+  as a whole MiB: `plan_s`): no dry run at the run's start.
 
 Each `auto` row is held to its goals, and the verdict printed beside it: within its budget; its dry run's figure
 (said before step one) within 1% of the peak it measured; at least as fast as the fastest fixed recipe within the
@@ -92,6 +94,43 @@ def merged(rounds: list) -> dict:
     return first
 
 
+def card_name(device: str):
+    """The device table's name of the card here (`planning.devices`), "cpu" on the CPU, None for a card not in it
+    (its plan then takes the H100's kernels, and the run refuses a file for other kernels, saying so)."""
+    if device != "cuda":
+        return "cpu"
+    import torch
+
+    name = torch.cuda.get_device_name(0)
+    cards = (("H200", "H200"), ("H100", "H100-80GB"), ("A100", "A100-80GB"), ("L40S", "L40S"), ("L4", "L4"))
+    for part, table in cards:
+        if part in name:
+            return table
+    return None
+
+
+def planned(model, batch, seq, budget, device, path) -> float:
+    """`memopt-plan`'s file for the setup's step under `budget` (its `auto` row alone), written to `path` by the same
+    code in this process, for the config decoder.py builds, its LoRA, weights' dtype, precision and optimizer: what a
+    run's `--memory_plan_file` is compared with. The seconds it took."""
+    from transformers import HfArgumentParser
+
+    import optimum_memopt
+
+    sys.path.insert(0, os.path.dirname(DECODER))
+    import decoder
+
+    (d,) = HfArgumentParser(decoder.DecoderArguments).parse_args_into_dataclasses([*model, "--seq", str(seq)])
+    config = decoder.config_of(d)
+    lora = {"r": d.lora_r, "lora_alpha": 2 * d.lora_r, "lora_dropout": d.lora_dropout} if d.lora_r else None
+    began = time.perf_counter()
+    optimum_memopt.plan(
+        config, batch=batch, seq=seq, bf16=device == "cuda", dtype=d.weights_dtype, lora=lora, optim=COMMON[1],
+        budget_mb=budget, device=card_name(device), search=False, rows=["auto"],
+    ).write_json(path)  # fmt: skip
+    return time.perf_counter() - began
+
+
 def verdicts(auto: dict, budget: float, fixed: list) -> dict:
     """`auto`'s goals at one budget, each a figure and whether it holds."""
     fits = [r for r in fixed if r["ok"] and r["peak_mb"] <= budget]
@@ -141,7 +180,7 @@ def main(argv=None):
     for name, (model, batch, seqs) in setups.items():
         for seq in a.seqs or seqs:
             print(f"{name}, batch {batch} x {seq:,} tokens", flush=True)
-            setup = {"setup": name, "batch": batch, "seq": seq, "fixed": [], "auto": []}
+            setup = {"setup": name, "batch": batch, "seq": seq, "fixed": [], "auto": [], "from_file": []}
             report["setups"].append(setup)
             runs = {label: [] for label, _ in recipes(liger)}
             for _ in range(a.rounds):  # interleaved: what drifts spreads over every row alike
@@ -160,6 +199,17 @@ def main(argv=None):
                 auto["verdicts"] = verdicts(auto, budget, setup["fixed"])
                 setup["auto"].append(auto)
                 print(f"      {json.dumps(auto['verdicts'])}", flush=True)
+                save()
+                # the same from memopt-plan's file: no dry run at the run's start (its `start_s` beside auto's)
+                path = os.path.join(os.path.dirname(os.path.abspath(a.out)), f"plan_{name}_{seq}_{budget:.0f}.json")
+                plan_s = planned(model, batch, seq, budget, device, path)
+                flags = TORCH + ["--memory_plan_file", path]
+                label = f"auto from memopt-plan's file, {float(int(budget)):,.1f} MiB"
+                from_file = merged([row(label, flags, batch, a, model, seq) for _ in range(a.rounds)])
+                from_file["budget_mb"], from_file["plan_s"] = float(int(budget)), plan_s
+                from_file["verdicts"] = verdicts(from_file, float(int(budget)), setup["fixed"])
+                setup["from_file"].append(from_file)
+                print(f"      {json.dumps(from_file['verdicts'])}", flush=True)
                 save()
     print(f"every figure: {a.out}")
     return 0

@@ -98,9 +98,9 @@ def _params():
 
 def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path):
     """Issue 53's case: a Llama of 4 layers (hidden 256, MLP 896, vocabulary 8,192) on 4,096 tokens under 218 MiB.
-    A dry run of step one weighs the MLPs in tiles and trains under the budget; step one measured instead (no dry
-    run) cannot run one MLP alone whole beside its peak, so the tiles cannot be priced from it: the refusal says so,
-    and what weighs them (the size is the issue's: at 1,024 tokens the MLP alone fits beside step one's peak)."""
+    A dry run of step one weighs the MLPs in tiles and fits the budget; step one measured instead (no dry run) cannot
+    run one MLP alone whole beside its peak, so the tiles cannot be priced from it: the refusal says so, and what
+    weighs them (the size is the issue's: at 1,024 tokens the MLP alone fits beside step one's peak)."""
     from helpers import LossRecordingTrainer, Tokens, make_args
     from transformers import LlamaForCausalLM
 
@@ -109,9 +109,9 @@ def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path)
         num_key_value_heads=4, max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
 
-    def train(steps, *flags):
+    def train(*flags):
         args = make_args(
-            tmp_path, "--max_steps", str(steps), "--per_device_train_batch_size", "1", "--memory_opt_backend", "torch",
+            tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "1", "--memory_opt_backend", "torch",
             "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb", "218", *flags,
         )  # fmt: skip
         trainer = LossRecordingTrainer(
@@ -120,10 +120,12 @@ def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path)
         trainer.train()
         return trainer.memopt_handle.planner
 
-    planner = train(3)  # the choice runs from step one; step two is checked at step three's start
-    assert "MLP+" in planner.planned.config() and planner.verified[-1]["measured_peak_mb"] <= 218, planner.verified
+    # a dry run of the step (the one a run makes before step one: its figure is the CPU's count of the choice's step,
+    # tests above) weighs the MLPs in tiles and fits
+    dry = dry_run(StepSpec(config, batch=1, seq=4096, optimizer="adamw_torch"), plans="auto", budget_mb=218)
+    assert "MLP+" in dry.fit.config() and dry.fit.predicted.peak_mb <= 218, (dry.fit.config(), dry.fit.predicted)
     with pytest.raises(RuntimeError) as refused:
-        train(2, "--memory_auto_dry_run", "false")  # refused at step two's start
+        train("--memory_auto_dry_run", "false")  # refused at step two's start
     said = str(refused.value)
     assert said.startswith("`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 218`")
     assert (

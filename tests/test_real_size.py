@@ -36,3 +36,9 @@ def test_the_benchmark_runs_its_rows_and_judges_auto_by_them(tmp_path):
     fastest = max(fits, key=lambda r: r["tokens_per_s"])
     assert verdicts["fastest_fixed"] == fastest["label"]
     assert verdicts["speed_vs_fastest"] == pytest.approx(auto["tokens_per_s"] / fastest["tokens_per_s"])
+    # `auto` from memopt-plan's file, planned by the same code under the budget in whole MiB: no dry run at its start
+    (from_file,) = setup["from_file"]
+    assert from_file["ok"] and from_file["budget_mb"] == float(int(auto["budget_mb"])) and from_file["plan_s"] > 0
+    said = from_file["verdicts"]
+    assert said["within_budget"] and abs(said["dry_run_error"]) <= 0.01, said
+    assert from_file["auto"]["dry_run_peak_mb"] is not None and from_file["start_s"] is not None

@@ -249,6 +249,7 @@ def plan(
     search: bool = True,
     fsdp: int = 1,
     ddp: int = 1,
+    rows: Optional[List[str]] = None,
 ) -> Plan:
     """Dry-run the step of `model` (a hub name or a local folder: its config only; or a transformers config) under
     each configuration the table compares, on `device` (the device table: `devices.DEVICES`) or under `budget_mb`.
@@ -258,7 +259,8 @@ def plan(
     batch and the longest sequence `auto` fits are found by dry runs of its floor (`Plan.reach`). `fsdp`: the number
     of processes FSDP2 shards every layer and the model over (`--fsdp full_shard`), each figure what one of them
     holds (1: no sharding). `ddp`: the number of processes DistributedDataParallel replicates the step over (several
-    processes without `--fsdp`: accelerate's default), each holding the whole model and DDP's gradient buckets."""
+    processes without `--fsdp`: accelerate's default), each holding the whole model and DDP's gradient buckets.
+    `rows`: the configurations to dry-run, by name (None: every one; `["auto"]`: what `--memory_plan_file` reads)."""
     config, found = _config(model)
     name = name or found
     autocast = "bfloat16" if bf16 else ("float16" if fp16 else None)
@@ -291,6 +293,8 @@ def plan(
     causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ["ForCausalLM"]))
     out = Plan(name, spec, target, budget_mb, [], kernels=CPU if on_cpu else f"cuda {capability[0]}.{capability[1]}")
     for label, flags, kwargs in _configurations(causal, plans, level, budget_mb):
+        if rows is not None and label not in rows:
+            continue
         conf = Configuration(label, flags)
         try:
             with _quiet():
