@@ -27,6 +27,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the `xdist_group` marks this adds
 def pytest_collection_modifyitems(config, items):
     skip_ort = pytest.mark.skip(reason="needs the ORT stack (onnxruntime-training, torch <= 2.4): its own CI suite")
     skip_torch = pytest.mark.skip(reason="needs torch >= 2.5 (the modern stack): its own CI suite")
