@@ -153,7 +153,7 @@ def test_the_flags_are_checked_against_the_file(tmp_path, planned):
 def test_a_choice_in_the_plan_grammar_comes_back_as_it_was_written():
     predicted = Prediction(1, "x")
     for written in ("Layer+:1:-1@0,Mul+silu+:1:-1@1-2,Loss+:1:-1@chunks2", "", "Layer+:1:-1@0-2"):
-        assert fit_of_plans(written, 3, 10, predicted, predicted, "").config() == written
+        assert fit_of_plans(written, 3, 10, predicted, predicted).config() == written
 
 
 def test_lora_left_to_peft_s_default_is_peft_s_default():

@@ -421,9 +421,7 @@ def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:
     return entries
 
 
-def fit_of_plans(
-    config: str, n_layers: int, budget_bytes: int, predicted: Prediction, floor: Prediction, source: str
-) -> Fit:
+def fit_of_plans(config: str, n_layers: int, budget_bytes: int, predicted: Prediction, floor: Prediction) -> Fit:
     """A choice written in the plan grammar (what `Fit.config` writes: a `memopt-plan` file's) as an answer for
     `n_layers` layers, `predicted` its peak: each layer's configuration and each lever's option as the plans name
     them. What each frees and costs is not in the grammar: 0 until a step's profile offers them (`matched`)."""
@@ -436,7 +434,7 @@ def fit_of_plans(
         if syntax is not None and entry.enabled:
             written.setdefault(syntax.name, []).append(str(entry))
     levers = tuple(LeverChoice(name, option, ",".join(written[name])) for name, option in policy.levers.items())
-    return Fit(budget_bytes, predicted, floor, choice, predicted, levers=levers, source=source)
+    return Fit(budget_bytes, predicted, floor, choice, predicted, levers=levers)
 
 
 def matched(result: Fit, profile: ModelProfile, levers: Dict[str, Sequence[LeverChoice]]) -> Optional[Fit]:

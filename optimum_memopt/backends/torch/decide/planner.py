@@ -183,10 +183,7 @@ class BudgetPlanner:
             from .from_plan import dry_run_choice
 
             try:
-                gc.collect()  # what the process holds outside the step, with no garbage waiting to be freed in it
-                device = next(iter(model.parameters())).device
-                libraries = make_library_workspaces(device)  # before step one, so that what is held counts them
-                held = held_outside(model, (args, kwargs), device, optimizer, self.ddp)
+                device, held, libraries = self._outside(model, args, kwargs, optimizer)
                 found: list = []  # the layers the step runs, known before its dry run's steps (which may raise)
                 try:
                     dry = dry_run_choice(
@@ -238,6 +235,16 @@ class BudgetPlanner:
             f"{outside}); step one runs it and is measured to check it"
         )
 
+    def _outside(self, model, args, kwargs, optimizer) -> tuple:
+        """Before step one: (the model's device, the bytes the process holds there outside the step, the libraries'
+        workspaces made now among them). The process's garbage is collected first, so that none waiting to be freed
+        is counted, and the workspaces are made before the step, so that what is held counts them
+        (`live.held_outside`, `live.make_library_workspaces`)."""
+        gc.collect()
+        device = next(iter(model.parameters())).device
+        libraries = make_library_workspaces(device)
+        return device, held_outside(model, (args, kwargs), device, optimizer, self.ddp), libraries
+
     def _from_plan_file(self, state, model, args, kwargs, optimizer) -> None:
         """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
         before step one, where the batch is not the file's (a longer sequence holds more than the file planned). The
@@ -262,17 +269,14 @@ class BudgetPlanner:
                 f"; this batch has {shape[1]:,} tokens of the {planned.seq:,} planned: the choice is for the longest, "
                 f"and may recompute more than shorter batches need"
             )
-        gc.collect()  # what the process holds outside the step, with no garbage waiting to be freed in it
-        device = next(iter(model.parameters())).device
-        make_library_workspaces(device)  # before step one, as a run's own dry run makes them: what is held counts them
-        held = held_outside(model, (args, kwargs), device, optimizer, self.ddp)
+        _, held, _ = self._outside(model, args, kwargs, optimizer)
         peak = int(round((plan.peak_mb - plan.workspaces_mb) * MIB)) + held
         predicted = Prediction(peak, plan.peak_at or "memopt-plan's dry run")
         least = Prediction(int(round(plan.least_mb * MIB)), "the least any row of the plan file reaches") if (
             plan.least_mb is not None
         ) else predicted  # fmt: skip
         self.planned_choice = f"the choice of {flag}"
-        fit = fit_of_plans(plan.choice, len(state.layers), self.budget_bytes, predicted, least, "")
+        fit = fit_of_plans(plan.choice, len(state.layers), self.budget_bytes, predicted, least)
         self.planned = fit
         self._run(state, fit)
         outside = ""
