@@ -26,18 +26,12 @@ from optimum_memopt.plans import FoundPlan, PlanReport
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLUE = os.path.join(ROOT, "examples", "run_glue", "run_glue.py")
-SMALL = [
-    GLUE,
-    "--model_size",
-    "small",
-    "--offline_train_samples",
-    "300",
-    "--use_cpu",
-    "--max_seq_length",
-    "128",
-    "--pad_to_max_length",
-]
 TINY = [GLUE, "--model_size", "tiny", "--offline_train_samples", "200", "--use_cpu"]
+# the probe's size: the tiny model at 128 tokens a row, batch 16, the smallest at which each probed plan and level 1
+# measure a saving well clear of a run's noise (2026-11-27: modern stack, tensor storages, counted exactly: no recompute
+# 80.3 MiB, the plans 44.1 and 44.6, level 1 48.8; ORT stack, the allocator's bytes, within 0.1 MiB over three runs:
+# 76.2, 68.8 and 73.3, level 1 52.8). Each probed configuration is a fresh process: a larger model adds its steps alone.
+PROBED = [*TINY, "--max_seq_length", "128", "--pad_to_max_length"]
 
 
 # -- selection, on measurements given by hand ------------------------------------------------------
@@ -115,7 +109,7 @@ def test_noise_level_extra_time_counts_as_no_cost(tmp_path):
 @pytest.mark.slow
 def test_probe_choose_verify_and_batch_search_for_real(tmp_path):
     lines = []
-    report = probe(SMALL, batch_size=16, steps=5, max_plans=2, levels=(1,), progress=lines.append)
+    report = probe(PROBED, batch_size=16, steps=3, max_plans=2, levels=(1,), progress=lines.append)
     assert any("[probe 1/" in line for line in lines)
     base = report.baseline.measurement
     assert base.ok and base.peak_mb > 0 and base.step_time_s > 0 and base.device == "cpu"
@@ -136,7 +130,7 @@ def test_probe_choose_verify_and_batch_search_for_real(tmp_path):
     best = max(report.ranked_plans(), key=lambda r: r.measured_saving_mb)
     assert best.measured_saving_mb > 0, [(r.config, r.measured_saving_mb) for r in report.ranked_plans()]
     budget = base.peak_mb - best.measured_saving_mb / 2
-    choice = verify(report, choose(report, budget), budget, steps=5, progress=lines.append)
+    choice = verify(report, choose(report, budget), budget, steps=3, progress=lines.append)
     assert choice.verified is not None and choice.verified.ok, choice.reason
     assert choice.verified.peak_mb <= budget < base.peak_mb and (choice.config or choice.level), choice.reason
 
@@ -460,7 +454,7 @@ def test_a_solver_run_hands_its_choice_to_the_probe(tmp_path):
     and its peak meets the budget."""
     from optimum_memopt.advisor import run_child
 
-    argv = [*SMALL, "--memory_opt_backend", "torch"]
+    argv = [*PROBED, "--memory_opt_backend", "torch"]
     base = run_child(argv, "base", memory_flags(True), 16, steps=3)
     assert base.ok and base.auto is None
     budget = round(base.peak_mb * 0.7, 1)
