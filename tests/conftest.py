@@ -44,6 +44,10 @@ def pytest_collection_modifyitems(config, items):
         # a port found free and then bound by another worker's launch is a failure by chance.
         if marked & {"multiprocess", "loopback"}:
             item.add_marker(pytest.mark.xdist_group("loopback"))
+        # A module whose tests share a module-scoped fixture that costs a run (a saved model, a plain run to hold the
+        # others to) runs on one worker, which builds it once: on two, each would build it.
+        elif "one_worker" in marked:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture

@@ -19,7 +19,8 @@ from optimum_memopt.planning.dry_run import StepSpec, dry_run
 from optimum_memopt.planning.plan_file import PlannedStep, differences
 from optimum_memopt.trainer_args import MemoptTrainingArguments
 
-pytestmark = pytest.mark.torch_backend  # the grammar and the comparison: the fast tier; the runs: the slow one
+# the grammar and the comparison: the fast tier; the runs: the slow one, on one worker (`planned`: one memopt-plan run)
+pytestmark = [pytest.mark.torch_backend, pytest.mark.one_worker]
 
 SEQ, BATCH = 128, 2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.one_worker]  # one worker builds the model and the unswitched run once
 
 trl = pytest.importorskip("trl")
 pytest.importorskip("peft")
