@@ -581,13 +581,22 @@ def test_mlps_drawing_several_dropout_masks_are_no_floor_auto_reaches():
     import optimum_memopt
 
     lora = {"r": 4, "lora_alpha": 8, "lora_dropout": 0.1, "target_modules": ["gate_proj", "up_proj", "down_proj"]}
-    plan = optimum_memopt.plan(tiny(layers=2, vocab=256), batch=1, seq=128, lora=lora, budget_mb=1e4)
+    floors = ["level 1 + Loss+", "level 1 + Loss+ + MLP+ (8 tiles)"]  # the rows read here, and `auto`'s (`rows`)
+    plan = optimum_memopt.plan(
+        tiny(layers=2, vocab=256), batch=1, seq=128, lora=lora, budget_mb=1e4, rows=[*floors, "auto"]
+    )
     rows = {c.name: c for c in plan.configurations}
-    tiled = rows["level 1 + Loss+ + MLP+ (8 tiles)"]
+    tiled = rows[floors[1]]
     assert tiled.peak_mb is not None and tiled.note.startswith("`auto` does not tile these MLPs: each draws 3 ")
     assert tiled.note.endswith("`--lora_dropout 0` lets it, where the masks are LoRA's")
     assert "MLP+" not in (rows["auto"].choice or "")
     assert plan.reach["under"] == "level 1 + Loss+", plan.reach
+    # each size dry-run once: the sequence's cap (256) is twice the plan's and the search's prediction, run once
+    sizes = [(k, run[k]) for run in plan.reach["runs"] for k in ("batch", "seq") if k in run]
+    assert len(sizes) == len(set(sizes)) and ("seq", 256) in sizes, plan.reach["runs"]
     assert f"level 1 + Loss+ + MLP+ (8 tiles): {tiled.note}" in plan.table()
-    without = optimum_memopt.plan(tiny(layers=2, vocab=256), batch=1, seq=128, lora={**lora, "lora_dropout": 0.0})
-    assert all(c.note is None for c in without.configurations)
+    # the note is the tiled row's alone
+    without = optimum_memopt.plan(
+        tiny(layers=2, vocab=256), batch=1, seq=128, lora={**lora, "lora_dropout": 0.0}, rows=floors[1:]
+    )
+    assert [c.note for c in without.configurations] == [None]

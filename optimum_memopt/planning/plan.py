@@ -355,14 +355,18 @@ def _quiet() -> Iterator[None]:
 def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known: int, cap: int, step: int = 1):
     """The largest `field` ("batch" or "seq", a multiple of `step`, at most `cap`) whose dry run under `kwargs` peaks
     within `budget_bytes`: a line through two dry runs (the plan's own value, whose peak is `known`, and twice it),
-    then dry runs at its prediction, moved down until one fits (at most four); the value and every run's figures."""
+    then dry runs at its prediction, moved down until one fits (at most four); the value and every run's figures.
+    A value is dry-run once: one already run (twice the plan's value, where the cap makes it the prediction too)
+    gives its peak again."""
     runs = []
+    peaks = {}
 
     def peak_at(n: int) -> int:
-        with _quiet():
-            bytes_ = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True).peak_bytes
-        runs.append({field: n, "peak_mb": bytes_ / MIB})
-        return bytes_
+        if n not in peaks:
+            with _quiet():
+                peaks[n] = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True).peak_bytes
+            runs.append({field: n, "peak_mb": peaks[n] / MIB})
+        return peaks[n]
 
     start = getattr(spec, field)
     twice = min(2 * start, cap)
