@@ -358,23 +358,24 @@ def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known
     then dry runs at its prediction, moved down until one fits (at most four); the value and every run's figures.
     A value is dry-run once: one already run (twice the plan's value, where the cap makes it the prediction too)
     gives its peak again."""
-    runs = []
-    peaks = {}
+    peaks = {}  # each value run, in the order run: its peak
 
     def peak_at(n: int) -> int:
         if n not in peaks:
             with _quiet():
                 peaks[n] = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True).peak_bytes
-            runs.append({field: n, "peak_mb": peaks[n] / MIB})
         return peaks[n]
+
+    def runs() -> list:
+        return [{field: n, "peak_mb": nbytes / MIB} for n, nbytes in peaks.items()]
 
     start = getattr(spec, field)
     twice = min(2 * start, cap)
     if twice == start:
-        return (start if known <= budget_bytes else None), runs
+        return (start if known <= budget_bytes else None), runs()
     slope = (peak_at(twice) - known) / (twice - start)
     if slope <= 0:
-        return None, runs
+        return None, runs()
     fits, over = (start if known <= budget_bytes else 0), cap + step
     n = start + (budget_bytes - known) / slope
     for _ in range(4):
@@ -388,7 +389,7 @@ def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known
         else:
             over = n
             n = n - max((peak - budget_bytes) / slope, step)
-    return (fits or None), runs
+    return (fits or None), runs()
 
 
 def _reach(spec: StepSpec, floor: Configuration, budget_mb: float, held: int = 0, kernels=None) -> dict:
