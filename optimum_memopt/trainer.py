@@ -274,7 +274,16 @@ class MemoptTrainerMixin(OrtTrainerParts):
             no_dry_run=self._memopt_no_dry_run(),
             ddp=self._memopt_ddp_processes(),
             plan_file=self._memopt_plan_file() if a.memory_plan_file is not None else None,
+            instruments=self._memopt_instruments() if a.memory_auto_dry_run else None,
         )
+
+    @staticmethod
+    def _memopt_instruments():
+        """What `auto`'s dry run of step one is handed: the package's `optimize_memory` and the default device's
+        roofline, as `memopt-plan` hands them (`planning.dry_run.instruments`): the same dry run, the same figure."""
+        from .planning.dry_run import instruments
+
+        return instruments()
 
     def _memopt_plan_file(self):
         """`--memory_plan_file`, read and compared with the step this run is about to train (the batch's shape at

@@ -244,8 +244,9 @@ def beside_the_allocator(spec, kw) -> dict:
     import torch
 
     from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch import fake_step as module
     from optimum_memopt.backends.torch.measure.live import make_library_workspaces
-    from optimum_memopt.planning import dry_run as module
+    from optimum_memopt.planning.dry_run import dry_run
 
     class AllocatorBeside(module.PartsCount):
         def __init__(self, device: str = "cpu"):
@@ -283,7 +284,7 @@ def beside_the_allocator(spec, kw) -> dict:
     made = make_library_workspaces(torch.device("cuda"))
     original, module.PartsCount = module.PartsCount, Kept
     try:
-        real = module.dry_run(spec, fake=False, device="cuda", held_bytes=made, **kw)
+        real = dry_run(spec, fake=False, device="cuda", held_bytes=made, **kw)
     finally:
         module.PartsCount = original
     count = seen["count"]

@@ -5,8 +5,9 @@
 For each family (tests/test_moe.py's tiny configs), the plain step on fake tensors and on `--device`: each run's peak,
 its parts, and per op the calls and the bytes the count grew by; the ops whose figures differ are printed. Then the
 real step again with transformers' fallback experts kernel forced (the kernel the fake step takes for fp32), to tell a
-kernel's choice from a counting difference. On CUDA the fake step runs this card's attention kernels
-(`planning.attention`; `--cpu_attention`: the CPU's, as before that module, which is how its gap was found).
+kernel's choice from a counting difference. On CUDA the fake step runs this card's attention
+kernels (`backends.torch.measure.attention`; `--cpu_attention`: the CPU's, as before that module, which is how its gap
+was found).
 """
 
 import argparse
@@ -19,7 +20,8 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
-from optimum_memopt.planning import dry_run as dr  # noqa: E402
+from optimum_memopt.backends.torch import fake_step as dr  # noqa: E402
+from optimum_memopt.planning.dry_run import dry_run  # noqa: E402
 
 
 def by_op(run_once):
@@ -62,7 +64,7 @@ def main():
     parser.add_argument("--archs", nargs="*", default=["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "olmoe"])
     parser.add_argument("--cpu_attention", action="store_true", help="the fake step takes the CPU's attention kernel")
     args = parser.parse_args()
-    from optimum_memopt.planning.attention import CudaKernels
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
 
     kernels = CudaKernels.here() if args.device == "cuda" and not args.cpu_attention else None
     from test_moe import moe
@@ -84,10 +86,10 @@ def main():
         )
     for arch in args.archs:
         spec = dr.StepSpec(moe(arch).config, batch=4, seq=16, dtype=args.dtype)
-        fake, fake_ops = by_op(lambda: dr.dry_run(spec, backend=False, kernels=kernels))
-        real, real_ops = by_op(lambda: dr.dry_run(spec, fake=False, device=args.device, backend=False))
+        fake, fake_ops = by_op(lambda: dry_run(spec, backend=False, kernels=kernels))
+        real, real_ops = by_op(lambda: dry_run(spec, fake=False, device=args.device, backend=False))
         with fallback_experts():
-            forced, _ = by_op(lambda: dr.dry_run(spec, fake=False, device=args.device, backend=False))
+            forced, _ = by_op(lambda: dry_run(spec, fake=False, device=args.device, backend=False))
         print(
             f"\n== {arch} {args.dtype}: fake {fake.peak_bytes}, real {real.peak_bytes} "
             f"(apart {real.peak_bytes - fake.peak_bytes:+d} B), real with the fallback kernel {forced.peak_bytes} "

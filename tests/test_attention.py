@@ -1,4 +1,4 @@
-"""A dry run's attention as a CUDA card runs it (`planning.attention`): the kernel torch 2.11 takes for each kind of
+"""A dry run's attention as a CUDA card runs it (`backends.torch.measure.attention`): the kernel torch 2.11 takes for each kind of
 input, and what each keeps for backward when the fake step runs it. Held to torch's own choice and to CUDA's tensors
 on a GPU by tests/test_gpu_torch.py; here, the rules and the tensors as the composite op prepares them."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from optimum_memopt.planning.attention import CUDNN, EFFICIENT, FLASH, MATH, CudaKernels, choose, on_cuda
+from optimum_memopt.backends.torch.measure.attention import CUDNN, EFFICIENT, FLASH, MATH, CudaKernels, choose, on_cuda
 
 pytestmark = pytest.mark.torch_backend
 

@@ -1,5 +1,5 @@
-"""`auto`'s dry run (`planning.dry_run` with `plans="auto"`: what `memopt-plan` runs, and a training run's `auto` before
-its step one): every choice checked by a fake step of its own, the answer the least recompute whose step fitted, its
+"""`auto`'s dry run (the torch backend's `fake_step` with `plans="auto"`: what `memopt-plan` runs, through
+`planning.dry_run`, and a training run's `auto` before its step one): every choice checked by a fake step of its own, the answer the least recompute whose step fitted, its
 figure the one a dry run of that choice as fixed plans counts, byte for byte (one figure for one step and choice).
 
 The decoder's head is most of its step (a vocabulary 32 times its width, tied): the smallest size at which step one's
@@ -10,9 +10,9 @@ step fit)."""
 import pytest
 from transformers import LlamaConfig
 
+from optimum_memopt.backends.torch.measure.attention import CudaKernels
 from optimum_memopt.backends.torch.measure.storages import block_bytes
 from optimum_memopt.memory import MIB
-from optimum_memopt.planning.attention import CudaKernels
 from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
 from optimum_memopt.planning.dry_run import StepSpec, dry_run
 

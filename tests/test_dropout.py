@@ -1,5 +1,5 @@
-"""A dry run's dropout as a CUDA card keeps it (`planning.dropout`): the fused `native_dropout`'s one-byte mask where
-the card fuses the call, the noise of the input's dtype (what the CPU keeps) where it does not. Held to CUDA's own
+"""A dry run's dropout as a CUDA card keeps it (`backends.torch.measure.dropout`): the fused `native_dropout`'s one-byte
+mask where the card fuses the call, the noise of the input's dtype (what the CPU keeps) where it does not. Held to CUDA's own
 saved tensors by tests/test_gpu_torch.py; here, the rule and a dry run's count."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from optimum_memopt.planning import dropout
+from optimum_memopt.backends.torch.measure import dropout
 
 pytestmark = pytest.mark.torch_backend
 
@@ -67,7 +67,7 @@ def test_a_lora_dry_run_for_a_card_counts_its_masks_as_the_card_keeps_them():
     apart."""
     from transformers import LlamaConfig
 
-    from optimum_memopt.planning.attention import CudaKernels
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
     layers, hidden, batch, seq = 3, 64, 2, 128

@@ -279,10 +279,10 @@ def determinism(request):
 
 @needs_cuda
 def test_cuda_attention_kernel_is_the_one_torch_takes(determinism):
-    """The dry run's rules (`planning.attention.choose`, torch 2.11's) name the kernel this torch takes on this card
+    """The dry run's rules (`backends.torch.measure.attention.choose`, torch 2.11's) name the kernel this torch takes on this card
     (`torch._fused_sdp_choice`) for every kind of input, with deterministic algorithms off, on with warnings only
     (cuDNN's attention still taken, as an H200 showed) and on (not taken)."""
-    from optimum_memopt.planning.attention import CHOICE_VALUES, CudaKernels, choose
+    from optimum_memopt.backends.torch.measure.attention import CHOICE_VALUES, CudaKernels, choose
 
     kernels, wrong = CudaKernels.here(), []
     for case in _attention_cases():
@@ -304,8 +304,8 @@ def test_cuda_attention_keeps_what_the_dry_run_counts(determinism):
     from test_attention import kept
 
     from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
     from optimum_memopt.backends.torch.measure.storages import block_bytes
-    from optimum_memopt.planning.attention import CudaKernels
 
     kernels, wrong = CudaKernels.here(), []
     for case in _attention_cases():

@@ -171,9 +171,9 @@ def test_the_table_says_the_routing_is_kept():
 def test_a_dry_run_counts_what_the_real_step_counts(arch, dtype):
     """On fake tensors (fp32 experts through transformers' fallback kernel: torch's fake rule for `grouped_mm` takes
     bf16 only) the step's peak is the real step's count on `DEVICE`, eager and level 1; on CUDA with the card's
-    attention kernels (`planning.attention`: in fp32 the math path with grouped heads, memory-efficient attention
+    attention kernels (`backends.torch.measure.attention`: in fp32 the math path with grouped heads, memory-efficient attention
     without, where the CPU's flash kernel kept 31 KiB less and 13 KiB more on an H200)."""
-    from optimum_memopt.planning.attention import CudaKernels
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
     kernels = CudaKernels.here() if DEVICE == "cuda" else None

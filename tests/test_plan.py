@@ -152,8 +152,9 @@ def test_a_dry_runs_step_one_is_what_a_real_cpu_run_reads_with_no_count_of_its_o
     of it on fake tensors: every segment's start and peak above the step's start within 1%. (The real process holds
     other tensors too, as a GPU's counter would: compared above the step's start.)"""
     import optimum_memopt
+    from optimum_memopt.backends.torch.fake_step import _build, _materialize
     from optimum_memopt.backends.torch.measure.live import LIVE_HOW
-    from optimum_memopt.planning.dry_run import StepSpec, _build, _materialize, dry_run
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
     spec = StepSpec(tiny(), batch=2, seq=128, optimizer="sgd")  # no optimizer state: the dry run primes it
     fake = dry_run(spec, plans=plans, level=level).profile.memory
@@ -372,12 +373,12 @@ def test_memopt_plan_says_when_no_config_can_be_read(tmp_path, capsys):
 @pytest.mark.slow
 def test_the_largest_batch_and_sequence_found_fit_and_one_more_does_not():
     """`Plan.reach`: each value found is checked by a dry run that fits, and the next value up (a batch more, 128
-    tokens more) by one that does not, with the attention kernels of the card the plan is for (`planning.attention`:
+    tokens more) by one that does not, with the attention kernels of the card the plan is for (`backends.torch.measure.attention`:
     fp32 with as many key heads as query heads takes memory-efficient attention on the default H100, which keeps no
     probabilities, so the sequence can grow; with grouped heads the math path keeps them, and it cannot here). The
     plan dry-runs the floor's row alone (`rows`): which row is the floor is held by the tests around this one."""
     import optimum_memopt
-    from optimum_memopt.planning.attention import CudaKernels
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
     from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
 
@@ -418,7 +419,8 @@ def _with(spec, field, value):
 
 def test_work_read_aside_is_in_neither_the_steps_peak_nor_its_time():
     """The loss lever measures its ways after step one, aside: a dry run's peak, parts and roofline are the step's."""
-    from optimum_memopt.planning.dry_run import OpCosts, PartsCount
+    from optimum_memopt.backends.torch.fake_step import PartsCount
+    from optimum_memopt.backends.torch.measure.op_costs import OpCosts
 
     count = PartsCount()
     count.ops = OpCosts()

@@ -44,11 +44,12 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 # three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
 JOBS = {
     "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers", "routing"},
-    "measure": {"watch", "profile", "graph", "aside", "storages", "live"},
+    "measure": {"watch", "profile", "graph", "aside", "storages", "live", "op_costs", "attention", "dropout"},
     "decide": {"solver", "budget", "planner", "report", "from_plan"},
 }
 SHARED = {"names", "rule", "policy", "nested"}
-GLUE = {"backend", "__init__", "_torch_api", "ranks"}
+# the fake step drives the whole backend (wrapped, stepped, planned) on fake tensors: glue, as the backend is
+GLUE = {"backend", "__init__", "_torch_api", "ranks", "fake_step"}
 # Levers beyond a layer's recompute, one module each (mechanism, what-if, candidates): above the three jobs.
 LEVERS = {"protocol", "loss", "head_form", "mlp"}
 PACKAGES = [*JOBS, "levers"]
@@ -160,6 +161,80 @@ def test_the_what_if_model_is_pure(module):
         ("decide", "budget"),
     }
     assert not torch_itself and mine <= pure, (module, mine - pure)
+
+
+# What sits above the backends and drives them: the package's face, the Trainer, the planner of `memopt-plan`, the
+# advisor. A backend is handed what it needs from them (`fake_step.Instruments`: the wrap, the clock's device).
+ABOVE = ("optimum_memopt", "optimum_memopt.api", "optimum_memopt.trainer", "optimum_memopt.trainer_args",
+         "optimum_memopt.planning", "optimum_memopt.advisor")  # fmt: skip
+
+
+def _absolute_imports(path):
+    """Every module `path` imports (at its top or inside a function), as an absolute dotted name: a `from X import y`
+    gives X.y (y a module or a name of X's)."""
+    parts = os.path.relpath(path, ROOT)[: -len(".py")].split(os.sep)
+    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    out = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = (package[: len(package) - node.level + 1] if node.level else []) + (
+                node.module.split(".") if node.module else []
+            )
+            out += [".".join(base + [a.name]) for a in node.names]
+    return out
+
+
+def _module(dotted):
+    path = os.path.join(ROOT, *dotted.split("."))
+    return os.path.exists(path + ".py") or os.path.isdir(path)
+
+
+def test_no_backend_reaches_above_itself():
+    """No module under `backends/` imports the package itself, its face (`api`), the Trainer and its arguments,
+    `planning` or the advisor: what the torch backend's dry run needs from above is handed to it (issue 53: the dry
+    run reached `optimum_memopt.optimize_memory` from inside, and `planning` imported the backend back)."""
+    found = {}
+    for folder, _, files in os.walk(os.path.join(PKG, "backends")):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                names = _absolute_imports(path)
+                up = [n for n in names if n in ABOVE or any(n.startswith(a + ".") for a in ABOVE[1:])]
+                # a name of the package's face (`from optimum_memopt import optimize_memory`), not one of its modules
+                up += [n for n in names if n.count(".") == 1 and n.startswith("optimum_memopt.") and not _module(n)]
+                if up:
+                    found[os.path.relpath(path, PKG)] = sorted(set(up))
+    assert not found, found
+    # and the fake step is what both callers run: `memopt-plan`'s dry run hands it the package's wrap
+    from optimum_memopt.backends.torch import fake_step
+    from optimum_memopt.planning import dry_run
+
+    assert dry_run.run is fake_step.run and dry_run.StepSpec is fake_step.StepSpec
+
+
+def test_the_torch_backend_has_no_import_circle():
+    """Its modules' imports (at the top or inside a function) form no circle: the fake step, which the planner runs,
+    takes the engine's attribute from `apply.layers` and the search's length from the planner it is handed (issue 53:
+    the dry run, the planner and the backend imported each other round)."""
+    graph = {m: _torch_imports(*m)[0] - {m} for m in _modules()}
+    done, path = set(), []
+
+    def visit(m):
+        if m in path:
+            raise AssertionError(f"an import circle: {' -> '.join('/'.join(p) for p in path[path.index(m) :] + [m])}")
+        if m in done:
+            return
+        path.append(m)
+        for n in sorted(graph.get(m, ())):
+            if n in graph:
+                visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(graph):
+        visit(m)
 
 
 def test_private_torch_names_are_reached_from_one_module_only():

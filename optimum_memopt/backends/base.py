@@ -77,6 +77,9 @@ class Budget:
     # `--memory_plan_file`, read and checked against the run (`planning.plan_file.PlanFile`): step one runs its choice
     # instead of a dry run's
     plan_file: Optional[object] = None
+    # with `dry_run`: what the backend's dry run of the step is handed from above (the torch backend's
+    # `fake_step.Instruments`: how the backend is put on a model, the device its ops are timed on)
+    instruments: Optional[object] = None
 
 
 @dataclass

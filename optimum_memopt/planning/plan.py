@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from typing import Dict, Iterator, List, Optional, Union
 
-from .attention import CudaKernels
+from ..backends.torch.measure.attention import CudaKernels
 from .devices import DEFAULT_DEVICE, DEVICES, WORKSPACES_MIB, Device, find
 from .dry_run import NOT_SEEN, PARTS, DryRun, StepSpec, dry_run
 from .plan_file import CPU, model_facts

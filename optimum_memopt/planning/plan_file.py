@@ -1,9 +1,9 @@
 """`--memory_plan_file`: a training run that starts from `memopt-plan --json`'s file instead of a dry run of its own.
 
-`memopt-plan`'s `auto` row is the dry run a run makes before its step one (one code path: `planning.dry_run`), so a
-run given the file can skip its own: step one runs the file's choice and checks it as it checks a dry run's (within
-the budget with what later steps hold more, or the solver chooses again from what step one measured). The start then
-costs no dry run.
+`memopt-plan`'s `auto` row is the dry run a run makes before its step one (one code path: `backends.torch.fake_step`),
+so a run given the file can skip its own: step one runs the file's choice and checks it as it checks a dry run's
+(within the budget with what later steps hold more, or the solver chooses again from what step one measured). The
+start then costs no dry run.
 
 Rules:
 - The file holds the step it planned (`PlannedStep`: the model's config, batch and sequence, the weights' dtype,

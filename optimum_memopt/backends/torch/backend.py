@@ -12,11 +12,10 @@ from ...memory import MIB
 from ...plans import PlanError, PlanReport, to_inline
 from ..base import Backend, WrapSettings, checkpointing_asked
 from . import torch_problem
-from .apply.layers import checkpointed_elsewhere, distinct, find_layers, repeated, towers
+from .apply.layers import STATE, checkpointed_elsewhere, distinct, find_layers, repeated, towers
 from .policy import LayerPolicy, RecomputePolicy, check_requests
 
 logger = logging.getLogger(__name__)
-STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state
 
 
 def _true(value) -> bool:
@@ -172,6 +171,8 @@ class TorchBackend(Backend):
             pass  # step one runs the file's choice: no dry run, no twin
         elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
             no_twin = budget.no_dry_run  # FSDP, DeepSpeed: the model copied here is not the one that trains
+        elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.instruments is None:
+            no_twin = "no dry run's instruments were handed to the backend (`Budget.instruments`)"
         elif budget is not None and budget.budget_mb is not None and budget.dry_run:
             from .decide.from_plan import twin_of
 
@@ -202,6 +203,7 @@ class TorchBackend(Backend):
                 given_mb=b.budget_mb,
             )
             state.planner.twin, state.planner.no_dry_run = twin, no_twin
+            state.planner.instruments = b.instruments
             state.planner.plan_file = b.plan_file
             state.planner.grad_accum, state.planner.autocast, state.planner.ddp = b.grad_accum, b.autocast, b.ddp
         return model

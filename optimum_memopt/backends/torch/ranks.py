@@ -12,7 +12,7 @@ class Ranks:
         # `alone`: this process for itself (a dry run of its own step, inside a launch of several: `from_plan`)
         self.size = dist.get_world_size() if not alone and dist.is_available() and dist.is_initialized() else 1
         self.rank = dist.get_rank() if self.size > 1 else 0
-        # a dry run's fake process group (`planning.dry_run`): one process runs rank 0's step for all of them, and
+        # a dry run's fake process group (`fake_step`): one process runs rank 0's step for all of them, and
         # every rank's figures are its own (its collectives move nothing: an object sent through one is lost)
         self.mirrored = self.size > 1 and dist.get_backend() == "fake"
 

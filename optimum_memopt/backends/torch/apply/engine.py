@@ -62,7 +62,7 @@ class RecomputeState:
         self._ran_closed = False  # this step's first forward has ended: its later micro-batches are not recorded
         self._cache_said = False  # the message that the engine drops a KV cache in training, said once
         # the layers a training step runs, in the list's order, where a dry run of the step saw it leave some out (a
-        # vision-language model's tower on text alone; `planning.dry_run.layer_order`); None: every layer. A step
+        # vision-language model's tower on text alone; `fake_step.layer_order`); None: every layer. A step
         # starts at the first, its forward ends at the last, and step one is measured over them
         self.running: Optional[List[int]] = None
         self._ran_checked = False

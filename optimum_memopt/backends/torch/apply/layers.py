@@ -5,6 +5,8 @@ from typing import Callable, List, Optional
 
 from torch import nn
 
+STATE = "_memopt_recompute"  # the attribute of the wrapped model that holds the engine's state (`RecomputeState`)
+
 
 def _block_list(module: nn.Module) -> bool:
     """An `nn.ModuleList` of modules, or an `nn.Sequential` of blocks (each a module of modules: a plain `Linear,

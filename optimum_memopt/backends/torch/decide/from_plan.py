@@ -3,7 +3,7 @@
 Without it, `auto` spends step one measuring with every layer recomputed whole (the least memory any policy needs)
 and runs its choice from step two. With it: when the model is wrapped, a twin of it is made on the meta device
 (`twin_of`: its modules and their parameters' shapes, nothing allocated); at the first training forward, before any
-of it runs, the twin trains that step on fake tensors (`planning.dry_run`: the batch's shapes and the run's
+of it runs, the twin trains that step on fake tensors (`fake_step`: the batch's shapes and the run's
 optimizer, gradient accumulation and autocast, every storage counted as CUDA counts it, which is also how the CPU
 counts a real step: `measure.live`), and `auto`'s solver chooses from the dry run's step one. The real step one runs
 that choice, measured; at step two's start the solver chooses again from the real step (`planner`), which is where a
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .. import _torch_api
+from ..fake_step import LayerOrderError  # noqa: F401 - what the dry run raises, for the planner to catch
 from ..nested import map_tensors
 
 _HOOKS = (
@@ -86,6 +87,7 @@ def optimizer_like(optimizer):
 
 
 def dry_run_choice(
+    instruments,
     twin: nn.Module,
     args,
     kwargs,
@@ -98,16 +100,17 @@ def dry_run_choice(
     running_into: Optional[list] = None,
     device=None,
 ):
-    """`auto`'s choice from a dry run of the step about to run: `twin` (`twin_of` the model) trained on fake copies of
+    """`auto`'s choice from a dry run of the step about to run (`fake_step.run` with the `instruments` the run was
+    handed: the step `memopt-plan` runs): `twin` (`twin_of` the model) trained on fake copies of
     this forward's arguments (their shapes, strides and dtypes: a fake tensor has no values), with `optimizer`'s like,
     `grad_accum` micro-batches a step and autocast to `autocast` ("bfloat16") or none, and with DistributedDataParallel
     over `ddp` processes, its gradient buckets, and `held_bytes` the process holds on the device outside the step
     (`measure.live.held_outside`) counted from the start; on a CUDA `device` (the run's), its attention kernels as
-    this process's next call would take them (`planning.attention.CudaKernels.here`). The process's random generators
+    this process's next call would take them (`measure.attention.CudaKernels.here`). The process's random generators
     are given back as they were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits); the layers
     the step runs go into `running_into` before its steps (`dry_run`)."""
-    from ....planning.attention import CudaKernels
-    from ....planning.dry_run import StepSpec, dry_run
+    from ..fake_step import StepSpec, run
+    from ..measure.attention import CudaKernels
 
     making = optimizer_like(optimizer)
 
@@ -124,8 +127,9 @@ def dry_run_choice(
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []  # every device's generator given back
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
-        return dry_run(
+        return run(
             spec,
+            instruments,
             "auto",
             budget_mb=budget_mb,
             model=twin,

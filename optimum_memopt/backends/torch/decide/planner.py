@@ -56,6 +56,8 @@ SEARCH_CHECKS = 4  # a dry run's choices checked by a step each, at most (`Budge
 
 
 class BudgetPlanner:
+    search_checks = SEARCH_CHECKS  # what a dry run driving the search reads (`fake_step.run`)
+
     def __init__(
         self,
         budget_bytes: Optional[int],
@@ -97,6 +99,7 @@ class BudgetPlanner:
         # starting from the plan (`from_plan`): the model's twin on the meta device (or why there is none), the step's
         # micro-batches and autocast, and the dry run's choice once made (step one runs it)
         self.twin = None
+        self.instruments = None  # what the dry run is handed from above (`fake_step.Instruments`)
         self.no_dry_run: Optional[str] = None
         self.grad_accum = 1
         self.autocast: Optional[str] = None
@@ -108,7 +111,7 @@ class BudgetPlanner:
         self._why_replanned = ""  # why step one did not confirm the dry run's choice (said with the solver's)
         self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
         self.device: Optional[str] = None  # the layers' device, from step one
-        # a dry run (`planning.dry_run`), whose steps count what the card would to the byte: each choice is checked by
+        # a dry run (`fake_step`), whose steps count what the card would to the byte: each choice is checked by
         # a step of its own, and the budget the solver is given moved by what the check measured, until the least
         # recompute whose step fits is found (`_search`); its figure is the step's, not a prediction's
         self.search = False
@@ -179,16 +182,15 @@ class BudgetPlanner:
         fit, dry, held, libraries, running = None, None, 0, 0, None
         ranks = Ranks(alone=self.alone)
         if why is None and ranks.rank == 0:
-            from ....planning.dry_run import LayerOrderError
-            from .from_plan import dry_run_choice
+            from .from_plan import LayerOrderError, dry_run_choice
 
             try:
                 device, held, libraries = self._outside(model, args, kwargs, optimizer)
                 found: list = []  # the layers the step runs, known before its dry run's steps (which may raise)
                 try:
                     dry = dry_run_choice(
-                        twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum, self.autocast, self.ddp, held,
-                        running_into=found, device=device,
+                        self.instruments, twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum,
+                        self.autocast, self.ddp, held, running_into=found, device=device,
                     )  # fmt: skip
                 finally:
                     running = found[0] if found else None

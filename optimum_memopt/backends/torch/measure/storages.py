@@ -12,7 +12,7 @@ on top (a block's rounding beyond 512 bytes, fragmentation, a library's workspac
 a dry run states them as a margin.
 
 On fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`) a storage has its size and no memory: the same count
-is then the dry run's meter (`planning.dry_run`), a step at real size on any machine. It has the face of a
+is then the dry run's meter (`fake_step`), a step at real size on any machine. It has the face of a
 `memory.MemoryMeter` (`read`, `reset_peak`, `close`, `device`, `allocator`), so the step watch and the budget planner
 read it as they read a device.
 

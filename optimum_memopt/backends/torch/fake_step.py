@@ -1,0 +1,728 @@
+"""A training step at real size on fake tensors: the torch backend's own instrument for `auto`'s dry run of a run's
+step one (`decide.from_plan`) and for `memopt-plan`'s tables (`planning.dry_run`, a thin caller): one code path, one
+figure. The model (built from its config, or a run's own twin on the meta device) trains a few steps under
+`FakeTensorMode` (shapes and dtypes, no memory, no weights), with the backend's engine, levers and planner in place
+exactly as in training, and every tensor storage counted as CUDA's caching allocator counts it
+(`measure.storages.StorageCount`).
+
+What puts the backend on the model and what the ops are timed by come from above (`Instruments`: the package's
+`optimize_memory`, a device's rates from `planning.devices`): this module imports nothing of the package outside the
+torch backend (tests/test_seam.py).
+
+What a run counts at its highest is split into parts as each storage was made: the weights (the model and its
+adapters, built before training), the gradients (a parameter's `.grad`, moved there as autograd stores it), the
+optimizer's state (made inside `optimizer.step` and kept), the activations (made by the layers' forward and the
+backward through them, recomputes included), the head and loss (made after the last layer's forward until backward
+reaches it), and other (the batch, masks and position tables made before the first layer, the optimizer's
+temporaries).
+
+Not seen by a dry run, and said as a margin wherever its figures are shown: the CUDA context, the caching
+allocator's rounding beyond 512 bytes and its fragmentation, and what one op holds inside itself (an attention
+backward's FP32 buffer for the queries' gradient, a reduction's staging). cuBLAS's workspaces are counted where the
+caller gives them (`held_bytes`: a plan for a card, `devices.WORKSPACES_MIB`; a training run's own step, what its
+device holds once they are made).
+"""
+
+import contextlib
+import copy
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+
+from . import _torch_api
+from .apply.layers import STATE, find_layers, run_order_problem
+from .measure import dropout
+from .measure.attention import CudaKernels, on_cuda
+from .measure.op_costs import OpCosts, clock_for
+from .measure.storages import StorageCount, block_bytes
+from .nested import tensors_in
+
+MIB = float(1024 * 1024)
+
+WEIGHTS = "weights"
+GRADIENTS = "gradients"
+OPTIMIZER = "optimizer state"
+ACTIVATIONS = "activations"
+HEAD = "head and loss"
+OTHER = "other"
+PARTS = (WEIGHTS, GRADIENTS, OPTIMIZER, ACTIVATIONS, HEAD, OTHER)
+
+# The Trainer's `--optim` names a dry run builds (the Trainer's default first), and how.
+OPTIMIZERS = ("adamw_torch_fused", "adamw_torch", "sgd", "adafactor")
+
+NOT_SEEN = (
+    "the CUDA context, the caching allocator's rounding beyond 512 bytes and its fragmentation, and what one op holds "
+    "inside itself (an attention backward's FP32 buffer, a reduction's staging)"
+)
+
+
+@dataclass(frozen=True)
+class Instruments:
+    """What a fake step is handed from above. `wrap(model, plans, level, budget_mb)`: the memory backend put on the
+    model as a run puts it, returning its handle (`api.MemoptHandle`: `planner`, `layers`, `profile`, `report()`,
+    `step_done()`, `remove()`); `device`: the device whose roofline times each op (`measure.op_costs`: what the
+    engine's profile, and so the solver, weigh recompute by; a `planning.devices.Device`)."""
+
+    wrap: Callable
+    device: object
+
+
+class PartsCount(StorageCount):
+    """A storage count that also keeps each storage's part (the phase it was made in, or the one it was moved to),
+    and the parts at the highest count of the whole run (`top`, never reset: the step watch resets `peak`)."""
+
+    def __init__(self, device: str = "cpu"):
+        super().__init__(device)
+        self.phase = WEIGHTS
+        self.parts: Dict[str, int] = {p: 0 for p in PARTS}
+        self._part: Dict[int, str] = {}
+        self.top = 0  # the highest count of the whole run
+        self.top_parts: Dict[str, int] = dict(self.parts)
+        self.top_at = ""  # where the run was at its highest
+        self.step = 0  # the training step running (set by the driver)
+        self.where = "before the layers"  # the mark the step passed last (`_marks`)
+        self.step_top = 0  # the highest count of the step running
+        self.step_top_parts: Dict[str, int] = dict(self.parts)  # the step's highest count by part, and where
+        self.step_top_at = ""
+        self.ops: Optional[OpCosts] = None  # each op's FLOPs and bytes, where the driver counts them
+
+    def see(self, t: torch.Tensor) -> None:
+        super().see(t)
+        if isinstance(t, torch.nn.Parameter) and _torch_api.wrapped_tensors(t) is None:
+            # a parameter's data, wherever it was made: FSDP2 gathers a layer's weights into buffers it makes as the
+            # layer's forward (or the model's, or a backward) begins, and they are weights from their first use on
+            self._to_part(_torch_api.storage_identity(t.untyped_storage()), WEIGHTS)
+
+    def hold(self, nbytes: int) -> None:
+        """Count `nbytes` held on the device outside the step, in `other`, from now on (no storage of the run's)."""
+        self.current += nbytes
+        self.parts[OTHER] += nbytes
+        self.peak = max(self.peak, self.current)
+
+    def from_here(self) -> None:
+        """Count the run's highest from now on: what came before never reached the device (a model built whole on
+        the host and sharded before it is moved to the device, as accelerate prepares FSDP2)."""
+        self.top, self.top_parts, self.top_at = self.current, dict(self.parts), "before training"
+
+    def _grew(self, key: int, nbytes: int) -> None:
+        part = self._part.setdefault(key, self.phase)
+        self.parts[part] += nbytes
+
+    def resized(self, storage) -> None:
+        """Resized in place outside any op: FSDP2's gathered weights (freed after a layer's forward and gathered
+        again for its backward), counted as weights whatever the step is doing."""
+        super().resized(storage)
+        self._to_part(_torch_api.storage_identity(storage), WEIGHTS)
+
+    def _gone(self, key: int, ref) -> None:
+        part = self._part.pop(key, None)
+        if part is not None:
+            self.parts[part] -= self._live.get(key, 0)
+        super()._gone(key, ref)
+
+    def move(self, t: Optional[torch.Tensor], part: str) -> None:
+        """Count `t`'s storage in `part` from now on (a gradient autograd just stored)."""
+        if t is None:
+            return
+        inner = _torch_api.wrapped_tensors(t)
+        if inner is not None:  # a DTensor (FSDP2's sharded gradient): the shard it wraps
+            for shard in inner:
+                self.move(shard, part)
+            return
+        self.see(t)
+        self._to_part(_torch_api.storage_identity(t.untyped_storage()), part)
+
+    def _to_part(self, key: int, part: str) -> None:
+        old = self._part.get(key)
+        if old is not None and old != part:
+            nbytes = self._live.get(key, 0)
+            self.parts[old] -= nbytes
+            self.parts[part] += nbytes
+            self._part[key] = part
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        name = _torch_api.op_name(func)
+        if "all_gather" in name or "allgather" in name:  # FSDP2 gathering weights: its buffers and the shards
+            for t in tensors_in(out) + tensors_in(args):
+                if _torch_api.wrapped_tensors(t) is None:
+                    self._to_part(_torch_api.storage_identity(t.untyped_storage()), WEIGHTS)
+        if self.ops is not None and not self.aside:  # a lever's measurement aside is not the step's time either
+            self.ops.add(func, args, kwargs or {}, out)
+        if self.current > self.step_top and not self.aside:  # a lever's measurement aside is not the step's
+            self.step_top = self.current
+            self.step_top_parts, self.step_top_at = dict(self.parts), f"step {self.step}, {self.where}"
+            if self.current > self.top:
+                self.top, self.top_parts = self.current, dict(self.parts)
+                self.top_at = f"step {self.step}, {self.where}"
+        return out
+
+
+@dataclass
+class StepSpec:
+    """The training step a dry run runs: the model's config and what the Trainer's flags set."""
+
+    config: object  # a transformers PretrainedConfig
+    batch: int = 1  # --per_device_train_batch_size
+    seq: int = 2048  # --block_size / max length: tokens per sequence
+    dtype: str = "float32"  # the weights' dtype as loaded (`torch_dtype`)
+    autocast: Optional[str] = None  # --bf16 / --fp16: "bfloat16" / "float16"
+    optimizer: str = "adamw_torch_fused"  # --optim
+    grad_accum: int = 1  # --gradient_accumulation_steps
+    lora: Optional[dict] = None  # --use_peft: LoraConfig's r, lora_alpha, lora_dropout, target_modules
+    attention: Optional[str] = None  # attn_implementation; None: transformers' default for it (SDPA where it has it)
+    # --use_cache: the Trainer sets the model's `config.use_cache` to it (False by default); a model that keeps its
+    # KV cache in training holds every layer's keys and values until the step's outputs are let go of
+    use_cache: bool = False
+    # --fsdp full_shard with this many processes: every decoder layer and the model sharded with FSDP2
+    # (`fully_shard`), counted as rank 0 holds it (1: no sharding)
+    fsdp: int = 1
+    # several processes without --fsdp or --deepspeed: accelerate's DistributedDataParallel over this many, each
+    # holding the whole model and DDP's gradient buckets (`_ddp_buckets`; 1: no DDP)
+    ddp: int = 1
+
+    def __post_init__(self):
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"`--optim {self.optimizer}` has no dry run here; accepted: {', '.join(OPTIMIZERS)} "
+                f"(as in `--optim adamw_torch_fused`)"
+            )
+        for name in ("batch", "seq", "grad_accum", "fsdp", "ddp"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"a dry run's {name} must be at least 1, not {getattr(self, name)!r}")
+        if self.fsdp > 1 and self.ddp > 1:
+            raise ValueError(f"a dry run shards with FSDP2 ({self.fsdp} processes) or replicates with DDP, not both")
+
+
+@dataclass
+class DryRun:
+    """What one configuration's dry run counted (bytes, as CUDA's caching allocator counts tensor storages)."""
+
+    peak_bytes: int  # the highest count of the whole run
+    before_training_bytes: int  # held before the first step: the weights (and adapters), buffers
+    parts: Dict[str, int]  # the count at its highest, by part (`PARTS`)
+    peak_at: str  # where: "step 2, layer 3 backward"
+    steps: int
+    seconds: float  # the dry run's own wall time
+    profile: object = None  # the engine's step one (`ModelProfile`), where the backend ran
+    auto: Optional[dict] = None  # `auto`'s choice and its check, where asked
+    solver: Optional[dict] = None  # `auto`'s figures (solver.json's), where asked
+    report: object = None  # the plan table's data (`PlanReport`), where the backend ran
+    fit: object = None  # `auto`'s first choice (`budget.Fit`), where asked
+    problem: Optional[str] = None
+    step_peaks: List[int] = field(default_factory=list)  # each step's highest count
+    step_parts: List[tuple] = field(default_factory=list)  # each step's highest count by part, and where it was
+    step_seconds: Optional[float] = None  # the last step on the cost device's roofline
+    # where the step ran layers but not the layer list's first (a VLM's tower on text alone): what to say, the flag
+    # for the layers that ran (`RecomputeState.first_layer_idle`)
+    first_layer_idle: Optional[tuple] = None
+    # `auto`'s: the layers the step runs, where it leaves some of the list out (`layer_order`); None: every layer
+    running: Optional[List[int]] = None
+    # the attention kernels the step ran as a CUDA card runs them, by kernel: calls (`kernels`); None: the CPU's own
+    attention: Optional[Dict[str, int]] = None
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+@contextmanager
+def _autocast(dtype: Optional[str], device: str) -> Iterator[None]:
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device, dtype=getattr(torch, dtype)):
+        yield
+
+
+@contextmanager
+def _experts_kernel() -> Iterator[None]:
+    """transformers' MoE experts run `torch.nn.functional.grouped_mm` where torch has it, and on the CPU its kernel
+    takes fp32; torch's fake (meta) rule for it takes bf16 only (torch 2.13: "Expected inputs of BF16 type"), so a
+    dry run of an fp32 MoE failed there. On fake tensors that are not bf16 the experts take transformers' own
+    fallback (a custom op with a fake rule of its own), which keeps the same tensors for backward (its inputs)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:  # pragma: no cover - a transformers without MoE kernels has nothing to patch
+        yield
+        return
+    chosen = getattr(moe, "_can_use_grouped_mm", None)
+    if chosen is None:
+        yield
+        return
+
+    def can_use(input, weight, offs) -> bool:
+        if _torch_api.is_fake(weight) and weight.dtype != torch.bfloat16:
+            return False
+        return chosen(input, weight, offs)
+
+    moe._can_use_grouped_mm = can_use
+    try:
+        yield
+    finally:
+        moe._can_use_grouped_mm = chosen
+
+
+@contextmanager
+def _masking_replaced(name: str, replacement: Callable[[Callable], Callable]) -> Iterator[None]:
+    """transformers' `masking_utils.<name>` replaced by `replacement(original)` inside; nothing where the installed
+    transformers has none."""
+    try:
+        from transformers import masking_utils
+    except ImportError:  # pragma: no cover - a transformers without it builds its masks otherwise
+        yield
+        return
+    found = getattr(masking_utils, name, None)
+    if found is None:
+        yield
+        return
+    setattr(masking_utils, name, replacement(found))
+    try:
+        yield
+    finally:
+        setattr(masking_utils, name, found)
+
+
+def _unpacked():
+    """transformers looks for sequences packed into one row by reading the position ids' values (`masking_utils.
+    find_packed_sequence_indices`), which fake tensors do not have: it then takes them for packed and builds a whole
+    mask the real step never makes. A dry run's rows are one sequence each, as the plan says: the search finds none."""
+    return _masking_replaced("find_packed_sequence_indices", lambda found: lambda position_ids: None)
+
+
+def _mask_read_as(every_token: bool):
+    """transformers reads a 2D attention mask's values to leave SDPA's mask out where it attends to every token
+    (`masking_utils._ignore_causal_mask_sdpa`: SDPA then runs causal, without a mask); a fake mask has no values, so
+    the fake step always built a 4D mask and ran another kernel than the real step (README's main job: its dry run
+    read 6.1 MiB more than its step one). A run's own dry run reads its real batch's mask first: where it attends to
+    every token (`every_token`), a fake mask is taken as none there, as the real step takes it."""
+    if not every_token:
+        return contextlib.nullcontext()
+
+    def reading(found):
+        def ignore(padding_mask, *args, **kwargs):
+            if padding_mask is not None and _torch_api.is_fake(padding_mask):
+                padding_mask = None
+            return found(padding_mask, *args, **kwargs)
+
+        return ignore
+
+    return _masking_replaced("_ignore_causal_mask_sdpa", reading)
+
+
+def _build(spec: StepSpec):
+    """The model (and its adapters) built on the meta device, as from_config and PEFT build them, then given fake
+    storages on the CPU device under the dry run's mode: each parameter and buffer once (tied ones stay tied),
+    counted as the weights. On meta, nothing initialises (no kernel runs) and PEFT's dtype moves work as on a real
+    model (on fake tensors `Module.to` cannot swap a tensor the fake mode's converter holds)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = getattr(torch, spec.dtype)
+    config = copy.deepcopy(spec.config)
+    config.use_cache = spec.use_cache  # as the Trainer sets it
+    with _default_dtype(dtype), torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attention)
+        if spec.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **spec.lora))
+    return model
+
+
+def _materialize(model, fakes: bool = True, device: str = "cpu") -> None:
+    """Give every meta parameter and buffer a storage on `device`: a fake one under the fake mode (on the CPU), or
+    (`fakes` False: the same step run for real, to hold a dry run to) one drawn small from the seeded generator."""
+    made: Dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            new = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+            if not fakes and new.is_floating_point():
+                with torch.no_grad():
+                    new.normal_(0.0, 0.02)
+            if isinstance(t, torch.nn.Parameter):
+                new = torch.nn.Parameter(new, requires_grad=t.requires_grad)
+            made[id(t)] = new
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = fake(p)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = fake(b)
+        for name, t in list(vars(module).items()):  # a tensor kept as a plain attribute (a rotary table's copy)
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                setattr(module, name, fake(t))
+
+
+def _optimizer(spec: StepSpec, params):
+    if spec.optimizer == "adamw_torch_fused":
+        return torch.optim.AdamW(params, lr=5e-5, fused=True)
+    if spec.optimizer == "adamw_torch":
+        return torch.optim.AdamW(params, lr=5e-5, foreach=True)
+    if spec.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=5e-5)
+    from transformers.optimization import Adafactor
+
+    return Adafactor(params, lr=5e-5, scale_parameter=False, relative_step=False)
+
+
+def _marks(model, layers, count: PartsCount):
+    """Hooks that tell the count the step's phase and its last mark as the step runs (see the module's docstring):
+    each layer's forward and backward starting, the head after the last layer; the handles."""
+    handles = []
+
+    def forward_starts(index, module, args):
+        if not _torch_api.in_backward() and torch.is_grad_enabled():
+            count.phase, count.where = ACTIVATIONS, f"layer {index} forward"
+
+    def forward_ends(index, module, args, out):
+        if _torch_api.in_backward() or not torch.is_grad_enabled():
+            return
+        first = next((t for t in _tensors(out) if t.requires_grad), None)
+        if first is not None:
+            first.register_hook(partial(backward_reached, index))
+        if index == len(layers) - 1:
+            count.phase, count.where = HEAD, "the head and loss"
+
+    def backward_reached(index, grad):
+        count.phase, count.where = ACTIVATIONS, f"layer {index} backward"
+        return grad
+
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(partial(forward_starts, index)))
+        handles.append(layer.register_forward_hook(partial(forward_ends, index)))
+    for p in model.parameters():
+        if p.requires_grad:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p: count.move(p.grad, GRADIENTS)))
+    return handles
+
+
+def _prime(optimizer, params, count: PartsCount) -> None:
+    """Make the optimizer's state before the first step (a step on zero gradients, which are then let go of), so that
+    the first step holds what every later step holds: one step measures what two would (a dry run's time is the
+    fake dispatch of every op)."""
+    count.phase, count.where = OPTIMIZER, "the optimizer's state, made before the first step"
+    count.aside += 1  # its own peak is none of the run's
+    try:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    finally:
+        count.aside -= 1
+
+
+@contextmanager
+def _sharding(spec: StepSpec) -> Iterator[object]:
+    """The device mesh FSDP2 shards over (None without `spec.fsdp`): the launch's process group where one is up (a
+    real run of the same step, which the tests hold a dry run to), else a fake one of `spec.fsdp` processes in this
+    one, taken down after. Made before the fake mode: inside it, the mesh's ranks cannot be read."""
+    if spec.fsdp <= 1:
+        yield None
+        return
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ours = not dist.is_initialized()
+    if ours:
+        _torch_api.fake_process_group(spec.fsdp)
+    elif dist.get_world_size() != spec.fsdp:
+        raise ValueError(
+            f"a dry run for `--fsdp` over {spec.fsdp} processes started in a launch of {dist.get_world_size()}"
+        )
+    try:
+        yield init_device_mesh("cpu", (spec.fsdp,))
+    finally:
+        if ours:
+            dist.destroy_process_group()
+
+
+def _shard(model, layers, mesh, spec: StepSpec) -> None:
+    """FSDP2 as accelerate applies it (`--fsdp full_shard`, version 2): each decoder layer, then the whole model; under
+    `--bf16` / `--fp16` with accelerate's mixed-precision policy (weights gathered, gradients reduced and outputs made
+    in 16 bits) and the trained parameters upcast to fp32 first, as accelerate upcasts them."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if spec.autocast is not None:
+        low = getattr(torch, spec.autocast)
+        policy = MixedPrecisionPolicy(param_dtype=low, reduce_dtype=low, output_dtype=low)
+        for p in model.parameters():
+            if p.requires_grad and p.dtype != torch.float32:
+                p.data = p.data.to(torch.float32)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def _ddp_buckets(params, device: str) -> List[torch.Tensor]:
+    """DistributedDataParallel's gradient buckets, made as its reducer makes them when DDP wraps the model, and held
+    for the whole run: a flat tensor of each trained parameter's gradient, one per dtype (DDP splits them into
+    `bucket_cap_mb` pieces, which sum to the same). With `gradient_as_bucket_view` off, as the Trainer and accelerate
+    leave it, each gradient is copied into its bucket for the all-reduce and back: the step holds both. DDP's own
+    reducer is C++ that reads every parameter's storage, which a fake tensor has not, so the dry run makes its buckets
+    here (their sizes are what `DistributedDataParallel._get_ddp_logging_data()["bucket_sizes"]` sums to: tested)."""
+    numels: Dict[torch.dtype, int] = {}
+    for p in params:
+        numels[p.dtype] = numels.get(p.dtype, 0) + p.numel()
+    return [torch.empty(n, dtype=dtype, device=device) for dtype, n in numels.items()]
+
+
+class LayerOrderError(ValueError):
+    """A step runs its layers in a way step one cannot be measured over (`layer_order`): out of the list's order, or
+    one layer several times."""
+
+
+def layer_order(model, layers, forward: Callable[[], object]) -> Optional[List[int]]:
+    """The layers a training step runs, from one forward of it (`forward`, run here without autograd: nothing is
+    kept, so the dry run's count is not raised): None where it runs the whole list in order; the indices it runs,
+    in order, where it leaves some out (a vision-language model's tower on text alone). Raises `LayerOrderError`
+    where it runs a layer before one listed earlier (BLT's patchers, listed after the layers they feed) or one layer
+    several times (HRM's cycles): `apply.layers.run_order_problem`."""
+    calls: List[int] = []
+    hooks = [
+        layer.register_forward_pre_hook(lambda module, args, k=k: calls.append(k)) for k, layer in enumerate(layers)
+    ]
+    try:
+        with torch.no_grad():
+            forward()
+    finally:
+        for h in hooks:
+            h.remove()
+    problem = run_order_problem(calls, layers, type(model).__name__)
+    if problem is not None:
+        raise LayerOrderError(problem)
+    return calls if calls and len(calls) < len(layers) else None
+
+
+def _local_bytes(p: torch.Tensor) -> int:
+    """What a parameter's gradient holds on this process, in CUDA's blocks (a sharded one: its local shards)."""
+    inner = _torch_api.wrapped_tensors(p)
+    return sum(_local_bytes(t) for t in inner) if inner is not None else block_bytes(p.numel() * p.element_size())
+
+
+def _loss(out) -> torch.Tensor:
+    """The loss a model's training forward returned (with the labels given), as the Trainer takes it."""
+    loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
+    if loss is None and isinstance(out, (tuple, list)) and out:
+        loss = out[0]
+    if not isinstance(loss, torch.Tensor):
+        raise ValueError(f"the model's forward returned no loss ({type(out).__name__}); a dry run trains on its loss")
+    return loss
+
+
+def _tensors(value) -> List[torch.Tensor]:
+    if hasattr(value, "to_tuple"):
+        value = value.to_tuple()
+    return tensors_in(value)
+
+
+def run(
+    spec: StepSpec,
+    instruments: Instruments,
+    plans: Optional[str] = None,
+    level: int = 0,
+    checkpointing: bool = False,
+    budget_mb: Optional[float] = None,
+    backend: bool = True,
+    price_step: bool = False,
+    fake: bool = True,
+    device: str = "cpu",
+    model=None,
+    batch: Optional[Callable[[], tuple]] = None,
+    optimizer_from: Optional[Callable] = None,
+    held_bytes: int = 0,
+    running_into: Optional[list] = None,
+    kernels: Optional[CudaKernels] = None,
+    peak_only: bool = False,
+    mask_attends_all: bool = False,
+) -> DryRun:
+    """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
+    `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
+    (`backend=False`: the plain step). The optimizer's state is made before the first step (`_prime`), so one step
+    holds what every later one does. Under `auto` step one measures and each step after it runs a choice, checked
+    as the next one starts (`BudgetPlanner.search`: at most `search_checks` choices, the budget the solver is given
+    moved by what each check measured), and the last runs the least recompute whose step fitted: `DryRun.fit`, its
+    figure that step's, and `step_peaks[-1]` / `step_parts[-1]` the step a run's step one runs. The ops' times the
+    engine profiles (what the solver weighs recompute by) are `instruments.device`'s roofline, and with `price_step`
+    the last step's ops are priced on it (`DryRun.step_seconds`); the backend goes on the model through
+    `instruments.wrap`. `fake` False runs the same step on real tensors on `device` under the same count and clock
+    (what the tests, and the GPU kit on CUDA, hold a dry run to).
+
+    A training run's own step (`auto` starting from the plan: `backends.torch.decide.from_plan`) gives its `model` (on
+    the meta device, built in place of `spec.config`'s), its `batch` (called under the fake mode: one micro-batch's
+    positional and keyword arguments, fake copies of the real ones) and `optimizer_from` (the trained parameters to
+    an optimizer like the run's); the planner then chooses for this process alone, whatever process group is up.
+    `held_bytes` is what that process holds on its device outside the step (another model, tensors kept from before:
+    `measure.live.held_outside`), counted from the start in `other`, as the device counts it in every reading.
+
+    Under `auto`, a forward of the step without autograd first finds the layers it runs (`layer_order`: a VLM on text
+    alone leaves its tower out; a step that runs them out of the list's order, or one several times, raises
+    `LayerOrderError`): step one is measured over them (`DryRun.running`; put in `running_into` too as soon as known,
+    for a caller whose dry run may raise after).
+
+    `kernels`: the CUDA card whose attention kernels the fake step runs (`attention.CudaKernels`: the kernel each
+    `scaled_dot_product_attention` takes there and the tensors it keeps, counted in `DryRun.attention`), and whose
+    dropout it runs (`dropout.on_cuda`: a one-byte mask kept); None: the fake tensors' own device's, the CPU's (what a
+    real step on the CPU runs).
+
+    `mask_attends_all`: the batch's attention mask, read where it is real (a run's own step), attends to every token:
+    SDPA gets no mask, as in the real step (`_mask_read_as`).
+
+    `peak_only`: the peak, its parts and the steps' peaks alone (what a search for the largest size needs): the last
+    step is not reported ended to the backend, so its levers measure nothing after it and no table is made
+    (`DryRun.report` None). The peak is the same (a lever's measurement after a step is held aside from the count:
+    tests/test_plan.py holds both)."""
+    if peak_only and plans == "auto":
+        raise ValueError(
+            "a dry run of `auto` checks its choices step by step: its peak alone (`peak_only`) is not one"
+        )
+    began = time.perf_counter()
+    steps = 2 if plans == "auto" else 1
+    count = PartsCount(device)
+    if not fake and device != "cpu":  # real tensors on a card: its storages alone, as its own counter counts
+        count.only = torch.device(device).type
+    # the engine's op times and the levers' are this device's roofline (the solver weighs recompute by them)
+    count.clock = clock_for(instruments.device)
+    if fake and device != "cpu":
+        raise ValueError(f"a dry run's fake tensors are on the CPU device (counted as CUDA counts), not {device!r}")
+    if kernels is not None and not fake:
+        raise ValueError("a dry run on real tensors runs their device's attention kernels: `kernels` is for fake ones")
+    mode = _torch_api.fake_mode() if fake else contextlib.nullcontext()
+    unpacked = _unpacked() if fake else contextlib.nullcontext()
+    experts = _experts_kernel() if fake else contextlib.nullcontext()
+    masks = _mask_read_as(mask_attends_all and fake)
+    handle = None
+    handles = []
+    model = _build(spec) if model is None else model
+    count.hold(held_bytes)
+    card = dropout.on_cuda(kernels is not None)  # a card's dropout keeps a one-byte mask, the CPU's the input's dtype
+    with _sharding(spec) as mesh, mode, unpacked, experts, masks, on_cuda(kernels) as attention, card, count:
+        # real tensors are made alike every run; fake ones draw nothing, and a run's own dry run (`from_plan`) must not
+        # reseed its devices' generators (`torch.manual_seed` seeds every CUDA device, lazily where none is up yet)
+        torch.manual_seed(0) if not fake else torch.default_generator.manual_seed(0)
+        _materialize(model, fake, device)
+        model.train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if backend and not checkpointing:
+            handle = instruments.wrap(model, plans, level, budget_mb)
+            if batch is not None and handle.planner is not None:
+                handle.planner.alone = True  # a run's own step, in one of its processes: no collective
+        layers = handle.layers if handle is not None else find_layers(model)
+        vocab = spec.config.get_text_config().vocab_size if batch is None else 0
+
+        def inputs():
+            if batch is not None:
+                return batch()
+            ids = torch.randint(0, vocab, (spec.batch, spec.seq), device=device)
+            return (), {"input_ids": ids, "labels": ids}
+
+        running = None
+        if plans == "auto" and handle is not None:  # `auto` measures step one over the layers the step runs
+
+            def forward():
+                args, kwargs = inputs()
+                with _autocast(spec.autocast, device):
+                    model(*args, **kwargs)
+
+            count.aside += 1  # finding the order runs a forward of its own, before the steps: none of their peak
+            try:
+                running = layer_order(model, layers, forward)
+            finally:
+                count.aside -= 1
+            getattr(model, STATE).running = running
+            if running_into is not None:  # known before the steps, which may raise (`auto` finding nothing fits)
+                running_into.append(running)
+        if mesh is not None:
+            _shard(model, layers, mesh, spec)
+            count.from_here()
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = optimizer_from(params) if optimizer_from is not None else _optimizer(spec, params)
+        buckets = _ddp_buckets(params, device) if spec.ddp > 1 else []
+        for b in buckets:
+            count.move(b, GRADIENTS)
+        handles = _marks(model, layers, count)
+        before = count.current
+        _prime(optimizer, params, count)
+        step_peaks, step_parts = [], []
+        planner = handle.planner if handle is not None and plans == "auto" else None
+        if planner is not None:  # each choice checked by a step of its own (`BudgetPlanner.search`)
+            planner.search = True
+            if spec.grad_accum > 1:  # held across micro-batches: a later one holds them (as the Trainer says a run's)
+                planner.grad_bytes = sum(_local_bytes(p) for p in params)
+            planner.peaked_where = lambda: step_parts[-1][1].partition(", ")[2] if step_parts else ""  # the mark
+        try:
+            step = 0
+            while True:
+                step += 1
+                count.step, count.phase, count.where = step, OTHER, "before the layers"
+                count.step_top = count.current
+                count.step_top_parts, count.step_top_at = dict(count.parts), f"step {step}, {count.where}"
+                if price_step and step >= steps:  # every step that may be the last, priced
+                    count.ops = OpCosts()
+                for _ in range(spec.grad_accum):
+                    args, kwargs = inputs()
+                    with _autocast(spec.autocast, device):
+                        loss = _loss(model(*args, **kwargs))
+                    (loss / spec.grad_accum).backward()
+                    del loss, args, kwargs
+                for p in params:  # FSDP2 stores a sharded gradient itself, past the parameters' hooks
+                    count.move(p.grad, GRADIENTS)
+                count.phase, count.where = OPTIMIZER, "the optimizer step"
+                optimizer.step()
+                count.phase = OTHER
+                optimizer.zero_grad(set_to_none=True)
+                if handle is not None and not peak_only:
+                    handle.step_done()
+                step_peaks.append(count.step_top)
+                step_parts.append((dict(count.step_top_parts), count.step_top_at))
+                # `auto`: step one measures, each step after it runs a choice, checked as the next one starts; the
+                # last runs the search's answer (its planner done), and is the step the figures are read from
+                if planner is None or (step >= steps and planner.stage == "done"):
+                    break
+                if step >= steps + planner.search_checks:
+                    break
+        finally:
+            for h in handles:
+                h.remove()
+            del buckets
+    result = DryRun(
+        peak_bytes=count.top,
+        before_training_bytes=before,
+        parts=dict(count.top_parts),
+        peak_at=count.top_at,
+        steps=steps,
+        seconds=time.perf_counter() - began,
+        step_peaks=step_peaks,
+        step_parts=step_parts,
+        running=running,
+        attention=dict(attention.ran) if attention is not None else None,
+    )
+    if count.ops is not None:
+        result.step_seconds = count.ops.seconds(instruments.device)
+    if handle is not None:
+        result.profile = handle.profile
+        result.report = None if peak_only else handle.report()
+        state = getattr(model, STATE, None)
+        result.first_layer_idle = state.first_layer_idle() if state is not None else None
+        if plans == "auto":
+            result.auto = handle.auto
+            result.solver = handle.solver_figures()
+            planner = handle.planner
+            result.fit = planner.searched or (planner.fits[0] if planner.fits else None)
+        handle.remove()
+    return result
