@@ -8,6 +8,7 @@ parameter, a storage saved before it, or a planned output recomputable in turn, 
 bytes freed and the op time recomputed once per backward. The plan table and the budget solver read it. Pure: no torch.
 """
 
+import math
 from dataclasses import dataclass, field
 from itertools import combinations
 from typing import Dict, FrozenSet, Iterable, List, Set, Tuple
@@ -15,6 +16,9 @@ from typing import Dict, FrozenSet, Iterable, List, Set, Tuple
 from ..rule import KEPT, RecomputeRule
 
 PARAM = -1  # an input that is a parameter (or a leaf that requires grad): always there at backward
+
+# a graph's signature -> plan names -> (freed, recomputed, bytes freed): `LayerGraph.effects_known`
+_KNOWN: Dict[tuple, Dict[FrozenSet[str], tuple]] = {}
 
 
 @dataclass
@@ -40,6 +44,19 @@ class LayerGraph:
         """Equal for layers whose graphs differ only in op times (a model's repeated blocks)."""
         nodes = tuple((n.plan, n.nbytes, n.call, n.inputs, n.own, n.boundary, n.routing) for n in self.nodes)
         return nodes, tuple(self.saved)
+
+    def effects_known(self) -> Dict[FrozenSet[str], tuple]:
+        """What `effect` found for each set of plan names on a graph of this signature (the rule's replay depends on
+        the structure alone, not the op times): shared by the layers of a model's repeated blocks and kept across the
+        solver's calls. Read again where the graph grew since (step one records it op by op)."""
+        size = (len(self.nodes), len(self.saved))
+        if getattr(self, "_known_for", None) != size:
+            self._known = _KNOWN.setdefault(self.signature(), {})
+            self._known_for = size
+            if len(_KNOWN) > 256:  # the graphs of a few models at most are in use at once
+                _KNOWN.clear()
+                _KNOWN[self.signature()] = self._known
+        return self._known
 
     def plans(self) -> List[str]:
         """The plan names whose outputs autograd saved here or that lead to them, most bytes saved first."""
@@ -88,8 +105,23 @@ class _GraphRule(RecomputeRule):
 
 
 def effect(graph: LayerGraph, ops: Iterable[str]) -> Effect:
-    """What recomputing the outputs of the plan names `ops` frees in this layer, and what it costs."""
+    """What recomputing the outputs of the plan names `ops` frees in this layer, and what it costs: the storages the
+    rule stashes and the recipes it builds, found once per graph structure (`LayerGraph.effects_known`), and their
+    calls' op time read from this graph's own nodes."""
     ops = frozenset(ops)
+    nodes = graph.nodes
+    known = graph.effects_known()
+    found = known.get(ops)
+    if found is None:
+        found = known[ops] = _replay(graph, ops)
+    freed, built, freed_bytes = found
+    calls = {nodes[i].call: nodes[i].seconds for i in built}
+    return Effect(freed_bytes, math.fsum(calls.values()), freed, built)  # exact: the same whatever the sets' order
+
+
+def _replay(graph: LayerGraph, ops: FrozenSet[str]) -> tuple:
+    """The rule replayed on the graph for `ops`: (the saved nodes stashed, the nodes whose recipe is built, the bytes
+    freed)."""
     nodes = graph.nodes
     kept: Set[int] = set()  # saved as they are, so far
     built: Set[int] = set()  # recipes built (stashed outputs and chain links)
@@ -114,11 +146,8 @@ def effect(graph: LayerGraph, ops: Iterable[str]) -> Effect:
             freed.add(i)
         else:
             kept.add(i)
-    calls = {}
-    for i in built:
-        calls[nodes[i].call] = nodes[i].seconds
     freed_bytes = sum(nodes[i].nbytes for i in freed if not nodes[i].boundary)
-    return Effect(freed_bytes, sum(calls.values()), frozenset(freed), frozenset(built))
+    return frozenset(freed), frozenset(built), freed_bytes
 
 
 def whole_layer(graph: LayerGraph, op_seconds: float) -> Effect:
