@@ -60,7 +60,19 @@ if [ "$STACK" = ort ]; then
   fi
   if ! "$PY" -c 'import sys; from optimum_memopt.backends.ort import extensions_built; sys.exit(0 if extensions_built() else 1)'; then
     echo "[setup] building ORTModule's C++ extensions (first time: ~4 minutes on 2 cores)"
+    # Beside them, DeepSpeed's shared-memory all-reduce op, which DeepSpeed compiles (torch's JIT loader, cached under
+    # ~/.cache/torch_extensions) the first time its communication starts on the CPU, as in a ZeRO run launched as a
+    # user launches it: 50-110 s of both cores inside that run otherwise. ORTModule's first extension is one file, a
+    # core idle meanwhile. Not built here: DeepSpeed builds it when first needed, as before.
+    shm_log="$VENV/.memopt-deepspeed-shm.log"
+    "$PY" -c 'import importlib; importlib.import_module("deepspeed.comm.torch").build_shm_op()' > "$shm_log" 2>&1 &
+    shm=$!
     (cd "$VENV" && MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" -m onnxruntime.training.ortmodule.torch_cpp_extensions.install)
+    if wait "$shm" && grep -q "built successfully" "$shm_log"; then
+      echo "[setup] DeepSpeed's shared-memory all-reduce op built beside them"
+    else
+      echo "[setup] DeepSpeed's shared-memory all-reduce op not built here (DeepSpeed builds it when first needed): $shm_log"
+    fi
   fi
 fi
 export MEMOPT_VENV="$VENV"
