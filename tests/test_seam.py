@@ -173,7 +173,7 @@ def _absolute_imports(path):
     """Every module `path` imports (at its top or inside a function), as an absolute dotted name: a `from X import y`
     gives X.y (y a module or a name of X's)."""
     parts = os.path.relpath(path, ROOT)[: -len(".py")].split(os.sep)
-    package = parts[:-1] if parts[-1] != "__init__" else parts[:-1]
+    package = parts[:-1]  # a module's package, or an __init__'s own: where its relative imports start
     out = []
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
