@@ -1,4 +1,4 @@
-"""The tiled MLP lever (`MLP+`, `backends/torch/levers/mlp.py`): a decoder layer's MLP over tiles of tokens, each
+"""The tiled MLP lever (`MLP+`, `backends/torch/levers/mlp/`): a decoder layer's MLP over tiles of tokens, each
 tile's intermediates made again in backward. On gated and plain MLPs of six families it trains as the plain model
 (the loss bitwise, the gradients to the weights' summation order), alone, inside whole-layer recompute and beside op
 plans in the same layer, with dropout in the MLP; it is refused with the reason on a mixture of experts; it comes

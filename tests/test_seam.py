@@ -44,15 +44,19 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 # three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
 JOBS = {
     "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers", "routing"},
-    "measure": {"watch", "profile", "graph", "aside", "storages", "live", "op_costs", "attention", "dropout"},
+    "measure": {"watch", "profile", "graph", "aside", "ways", "storages", "live", "op_costs", "attention", "dropout"},
     "decide": {"solver", "budget", "planner", "report", "from_plan"},
 }
 SHARED = {"names", "rule", "policy", "nested"}
 # the fake step drives the whole backend (wrapped, stepped, planned) on fake tensors: glue, as the backend is
 GLUE = {"backend", "__init__", "_torch_api", "ranks", "fake_step"}
-# Levers beyond a layer's recompute, one module each (mechanism, what-if, candidates): above the three jobs.
-LEVERS = {"protocol", "loss", "head_form", "mlp"}
-PACKAGES = [*JOBS, "levers"]
+# Levers beyond a layer's recompute, above the three jobs: the protocol, and a package each (its option, its
+# mechanism, its measurement on the shared harness `measure.ways`, its rows and options).
+LEVERS = {
+    "levers": {"__init__", "protocol"},
+    "levers/loss": {"__init__", "option", "head_form", "chunks", "lever", "measure"},
+    "levers/mlp": {"__init__", "option", "tiles", "lever", "measure"},
+}
 
 
 def _modules():
@@ -66,11 +70,23 @@ def _modules():
     return out
 
 
+def _key(parts):
+    """The backend's module at `parts` (a path under it) as (package or "", name), a package as its `__init__`;
+    None where there is none."""
+    path = os.path.join(TORCH_PKG, *parts)
+    if os.path.isfile(path + ".py"):
+        return ("/".join(parts[:-1]), parts[-1])
+    if os.path.isdir(path):
+        return ("/".join(parts), "__init__")
+    return None
+
+
 def _torch_imports(package, name):
     """The backend's own modules that `package/name` imports, as (package or "", name), and whether it imports torch
-    itself. Relative imports are resolved from the module's own place."""
+    itself. Relative imports are resolved from the module's own place; `from X import y` is module X.y where there is
+    one, else X."""
     path = os.path.join(TORCH_PKG, package, f"{name}.py")
-    here = ["optimum_memopt", "backends", "torch"] + ([package] if package else [])
+    here = ["optimum_memopt", "backends", "torch"] + (package.split("/") if package else [])
     mine, torch_itself = set(), False
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
@@ -80,24 +96,25 @@ def _torch_imports(package, name):
                 torch_itself |= node.module == "torch" or (node.module or "").startswith("torch.")
                 continue
             base = here[: len(here) - node.level + 1] + (node.module.split(".") if node.module else [])
-            inside = base[3:] if base[:3] == ["optimum_memopt", "backends", "torch"] else None
-            if inside is None:
+            if base[:3] != ["optimum_memopt", "backends", "torch"]:
                 continue
-            targets = [inside] if inside else []
-            if (
-                not node.module or len(inside) == 1 and inside[0] in PACKAGES
-            ):  # `from . import x`, `from .apply import x`
-                targets = [inside + [a.name] for a in node.names]
-            for t in targets:
-                mine.add(
-                    (t[0], t[1]) if t and t[0] in PACKAGES and len(t) > 1 else ("", t[0]) if t else ("", "__init__")
-                )
+            inside = base[3:]
+            for a in node.names:
+                # a name of the backend's face (`__init__`, which imports its modules lazily) is no module's
+                key = (_key(inside + [a.name]) or _key(inside)) if inside else (_key([a.name]) or ("", a.name))
+                if key is not None:
+                    mine.add(key)
     return mine, torch_itself
+
+
+def _jobs(mine):
+    """The top packages (a job's, `levers`, or "" for the backend's own modules) of `mine`."""
+    return {p.split("/")[0] for p, _ in mine}
 
 
 def test_the_torch_backend_is_grouped_by_job():
     expected = {(job, n) for job, names in JOBS.items() for n in names} | {(job, "__init__") for job in JOBS}
-    expected |= {("", n) for n in SHARED | GLUE} | {("levers", n) for n in LEVERS | {"__init__"}}
+    expected |= {("", n) for n in SHARED | GLUE} | {(p, n) for p, names in LEVERS.items() for n in names}
     assert _modules() == expected
     assert not os.path.exists(os.path.join(PKG, "backends", "torch_recompute.py"))
 
@@ -110,14 +127,14 @@ def _of(job):
 def test_no_job_reaches_a_lever(module):
     """A lever uses the three jobs; none of them knows a lever (the backend installs it, the planner is handed it)."""
     mine, _ = _torch_imports(*module)
-    assert not {p for p, _ in mine} & {"levers"}, (module, mine)
+    assert not _jobs(mine) & {"levers"}, (module, mine)
 
 
 @pytest.mark.parametrize("module", _of("measure"))
 def test_measuring_reaches_neither_applying_nor_deciding(module):
     """The readings and step one's records are forms the other two fill and read: they import neither."""
     mine, _ = _torch_imports(*module)
-    assert not {p for p, _ in mine} & {"apply", "decide"}, (module, mine)
+    assert not _jobs(mine) & {"apply", "decide"}, (module, mine)
 
 
 @pytest.mark.parametrize("module", _of("decide"))
@@ -125,14 +142,14 @@ def test_deciding_never_reaches_the_engine(module):
     """What any plan would do, the solver and the planner work on step one's figures: they import no module that
     runs a layer (the planner drives the engine through the state it is handed)."""
     mine, _ = _torch_imports(*module)
-    assert not {p for p, _ in mine} & {"apply"}, (module, mine)
+    assert not _jobs(mine) & {"apply"}, (module, mine)
 
 
 @pytest.mark.parametrize("module", _of("apply"))
 def test_applying_never_reaches_the_solver(module):
     """The engine takes a policy and records step one; it never asks the solver, the budget or the planner."""
     mine, _ = _torch_imports(*module)
-    assert not {p for p, _ in mine} & {"decide"}, (module, mine)
+    assert not _jobs(mine) & {"decide"}, (module, mine)
 
 
 @pytest.mark.parametrize(

@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from optimum_memopt.backends.torch.levers.head_form import HeadForm
 from optimum_memopt.backends.torch.levers.loss import ChunkedLoss, Chunking, causal_lm, loss_problem, plan_of
+from optimum_memopt.backends.torch.levers.loss.head_form import HeadForm
 
 pytestmark = pytest.mark.torch_backend
 
@@ -310,7 +310,7 @@ def test_every_causal_lm_of_transformers_is_read_and_chunked_or_refused_with_its
     """Each causal LM (and image-text-to-text model) class of the installed transformers: its forward read into a form
     or refused with a reason, never an error; the families people fine-tune now among those chunked, each MoE with its
     aux loss added after the loss as its forward adds it, each scaled or soft-capped head with what it does."""
-    from optimum_memopt.backends.torch.levers.head_form import _form_of
+    from optimum_memopt.backends.torch.levers.loss.head_form import _form_of
 
     forms = {}
     for kind, cls in _every_causal_lm():

@@ -1,4 +1,4 @@
-"""Levers beyond a layer's recompute, one module each, on one protocol (`protocol.Lever`): its grammar (how a plan
+"""Levers beyond a layer's recompute, one package each, on one protocol (`protocol.Lever`): its grammar (how a plan
 entry names it, its layers and its parameter: a `plans.LeverSyntax`), its mechanism (built on the model, installed,
 run as an option, removed), its measurement (each option's bytes by segment and seconds, taken after step one into
 the profile), its rows for the table and its options for the solver (`budget.LeverChoice`).
@@ -8,20 +8,20 @@ live across `apply/`, `measure/` and `decide/`. A lever here may use all three; 
 backend builds every registered lever on the model and hands them to the engine, the planner and the table, which
 call the protocol's methods and read its data.
 
-A new lever is a module here and one line in `REGISTERED`: nothing else in the package names a lever
-(tests/test_levers.py holds it).
+A new lever is a package here (its option, its mechanism, its measurement on the shared harness `measure.ways`) and
+one line in `REGISTERED`: nothing else in the package names a lever (tests/test_levers.py holds it).
 
 - `loss`: a causal LM's head and cross-entropy run over chunks of tokens, each chunk's logits recomputed in backward
   (`Loss+`).
 - `mlp`: a decoder layer's MLP run over tiles of tokens, each tile's intermediates recomputed in backward (`MLP+`).
 
-This module stays light: it imports a lever's module only when its plan name is met or the backend builds it.
+This module stays light: it imports a lever's package only when its plan name is met or the backend builds it.
 """
 
 import importlib
 from typing import Dict, List, Optional
 
-# The registration: each lever's plan name and its module (a name under this package, or a dotted path).
+# The registration: each lever's plan name and its package (a name under this package, or a dotted path).
 # fmt: off
 REGISTERED: Dict[str, str] = {
     "Loss+": "loss",

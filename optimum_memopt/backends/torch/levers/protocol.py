@@ -1,8 +1,8 @@
 """The lever protocol: what a lever beyond the layers' recompute is to the rest of the backend.
 
-A lever is one module of `levers/`, registered by its plan name (`levers.REGISTERED`), whose `LEVER` is a subclass
-of `Lever`. It has five parts, and the backend, the engine, the planner and the table reach each through this
-class only:
+A lever is one package of `levers/` (or a module), registered by its plan name (`levers.REGISTERED`), whose `LEVER`
+is a subclass of `Lever`. It has five parts, and the backend, the engine, the planner and the table reach each
+through this class only:
 
 1. **Its grammar**: `syntax`, a `plans.LeverSyntax` (its name, its plan word, whether it acts in layers, its
    parameter's words). The plan grammar parses every lever's entries alike; the policy holds each lever's option as

@@ -1,0 +1,258 @@
+"""The head and loss measured each way they can run (`measure`, after step one, on the shared harness `measure.ways`),
+and what that measurement gives the solver (`choices`) and the table (`rows`, `how_measured`).
+"""
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .....memory import MIB
+from .....plans import FoundPlan
+from ...decide.budget import LeverChoice
+from ...measure.profile import HEAD_SEGMENT
+from ..protocol import sharded
+from .chunks import chunk_losses
+from .option import SYNTAX, Chunking, candidate_chunks, plan_of
+
+REPEATS = 3  # each way of running the head is timed this many times (interleaved), its median taken
+
+
+BOUND_MARGIN = 0.25  # a way of running the head is run only where its bound, this much higher, fits (`measure`)
+
+
+@dataclass(frozen=True)
+class HeadOption:
+    """One way to run a causal LM's head and loss, measured aside (`measure`): its plan (`Loss+:1:-1@chunks8`;
+    "" for the model's own head), the most it held above the level it started at, and its seconds."""
+
+    plan: str
+    held_bytes: int
+    seconds: float
+    bound_bytes: int = 0  # the most it was let hold before it ran (what step one's peak left free bounded it by)
+    rows: int = 0  # the rows of logits it makes at once (every token for the model's own head); 0: not known
+
+
+@dataclass
+class HeadMeasure:
+    """The head and loss measured after step one, each way it can run, on the step's shapes. `ran` is the plan the
+    step ran (its option is among `options`, which are ordered as measured); a way not measured is said in `why_not`
+    (by plan)."""
+
+    tokens: int
+    hidden: int
+    vocab: int
+    ran: str
+    options: List[HeadOption]
+    why_not: Dict[str, str] = field(default_factory=dict)
+    # the logits the model's own head returns (its forward's output holds them: a loop that keeps the outputs, as
+    # `outputs = model(**batch)` does, holds them through the backward and the next forward)
+    logits_bytes: int = 0
+
+    def option(self, plan: str) -> Optional[HeadOption]:
+        return next((o for o in self.options if o.plan == plan), None)
+
+    def seconds(self, option: HeadOption) -> float:
+        """`option`'s seconds, never below what chunking must add to the model's own head, where that was measured:
+        a chunked way makes each chunk's logits again in backward (the head's three matmuls, one forward and two
+        backward, become four), so it is taken at least a third slower than the own head. A chunked way measured
+        faster than that is the clock's noise on a small head (two chunks were measured faster than the whole head
+        on the tests' decoder, and `auto` chose them under a budget with room for everything)."""
+        own = self.option("")
+        if own is None or not option.plan:
+            return option.seconds
+        return max(option.seconds, own.seconds * 4 / 3)
+
+
+def measure(lever, profile, resets: bool = True):
+    """The head and loss of `lever` (a `ChunkedLoss`) run each way worth offering on step one's shapes, on the shared
+    harness (`measure.ways`: from the fewest rows up, each only where its bound fits what step one's peak left free,
+    read aside, interleaved repeats): the model's own head, each chunk count of `candidate_chunks`, and the chunking
+    the step ran. A way's bound is what the way before it held (at first what every way holds besides its rows) and
+    the most each further row can add, `BOUND_MARGIN` higher (tests/test_torch_loss.py holds every way under its
+    bound). The hidden states and labels come from a generator of the measurement's own (its figures depend on the
+    shapes alone; the process's streams stay the user's). A `HeadMeasure`, or the reason there is none."""
+    from ... import _torch_api
+    from ...measure.storages import block_bytes
+    from ...measure.ways import run_ways
+
+    if lever.trl:
+        return "the head is TRL's fused LM head, which chunks already"
+    shape = profile.shape  # the first layer's input: a VLM's tower's patches, where the head reads the text
+    if lever.tokens is None and len(shape) < 2:
+        return "step one's layers took no hidden states to count the tokens by"
+    head = lever.lm.get_output_embeddings()
+    how = sharded(head)
+    if how is not None:
+        return f"the head's weight is sharded ({how}): measured alone it would be gathered on one process's say"
+    if profile.memory is None:
+        return (
+            "step one's memory was not read, so how much a way of running the head may take without going above "
+            "step one's peak is not known"
+        )
+    weight = head.weight
+    tokens = lever.tokens or math.prod(shape[:-1])  # the hidden states the head took in step one
+    hidden, vocab = lever.width or weight.shape[1], lever.vocab
+    device = weight.device.type
+    ran = lever.chunking if lever.installed else None
+    ways: List[Optional[Chunking]] = [None] + [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
+    if ran not in ways:
+        ways.append(ran)
+    params = [p for p in head.parameters() if p.requires_grad]
+    autocast = getattr(torch, profile.autocast) if profile.autocast else None
+    itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else weight.element_size()
+    # what any way holds besides its rows: the head's gradients (summed, and a chunk's), the hidden states' gradient
+    # (by chunk, then whole), under autocast the weight's copy and its gradient; and what each row adds at most: a
+    # chunk's logits and their gradient (in the head's dtype), their fp32 copy and log-softmax (its gradient), soft-
+    # capped the cap's two intermediates, under autocast the chunk's hidden states cast and their gradient cast back.
+    # Checked against what each way held (tests/test_torch_loss.py); every bound is taken `BOUND_MARGIN` higher, for
+    # what the allocator rounds.
+    fixed = 2 * sum(p.numel() * p.element_size() for p in params) + 2 * tokens * hidden * weight.element_size()
+    upcast = 8 if itemsize != 4 else 4  # in fp32 the loss's upcast is the logits themselves
+    per_row = vocab * (2 * itemsize + upcast + (0 if lever.form.bare else 2 * itemsize))
+    if autocast is not None:
+        fixed += 2 * weight.numel() * itemsize
+        per_row += hidden * (itemsize + 4)
+    # drawn from a generator of the measurement's own: the process's streams (every dropout mask after step one)
+    # stay the ones the run without the plugin draws
+    own = torch.Generator(device=weight.device).manual_seed(0)
+    hidden_states = torch.randn(
+        tokens, hidden, generator=own, dtype=weight.dtype, device=weight.device, requires_grad=True
+    )
+    labels = torch.randint(0, vocab, (tokens,), generator=own, device=weight.device)
+
+    def run(chunking: Optional[Chunking]) -> None:
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            if chunking is None:
+                logits = lever.logits_of(hidden_states)
+                loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+                del logits
+            else:
+                rows = chunking.rows(tokens, hidden, vocab)
+                parts = chunk_losses(lever.logits_of, hidden_states, labels, rows, -100, None)
+                loss = functools.reduce(torch.add, parts)
+                del parts
+        grads = torch.autograd.grad(loss, [hidden_states, *params])
+        del grads
+
+    def rows_of(way: Optional[Chunking]) -> int:
+        return tokens if way is None else min(tokens, way.rows(tokens, hidden, vocab))
+
+    def bound(rows: int, last: Optional[Tuple[int, int]]) -> int:
+        last_rows, last_held = last or (0, fixed)  # before any: what any way holds besides its rows
+        return int((last_held + (rows - last_rows) * per_row) * (1 + BOUND_MARGIN))
+
+    # on the head's GPU as the current one: read there, and its generator given back (`held_aside`)
+    with torch.cuda.device(weight.device) if device == "cuda" else contextlib.nullcontext():
+        got = run_ways(
+            ways,
+            rows_of,
+            bound,
+            run,
+            device,
+            profile.memory.peak.peak_bytes,
+            _torch_api.is_fake(weight),
+            REPEATS,
+            resets,
+        )
+    why_not = {plan_of(way): why for way, why in got.why_not.items()}
+    if not got.ran(ran):
+        how = plan_of(ran) or "the model's own head"
+        return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
+    options = [
+        HeadOption(plan_of(way), got.held[way], got.seconds[way], got.bounds[way], rows_of(way))
+        for way in ways
+        if got.ran(way)
+    ]
+    logits = block_bytes(tokens * vocab * itemsize)
+    return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits)
+
+
+def choices(head: Optional[HeadMeasure], ran: str = "") -> List[LeverChoice]:
+    """The ways the head and loss can run, as the solver weighs them (`budget.LeverChoice`, in the head's segment):
+    the bytes each holds less than the way the step ran, and the seconds it takes more than the fastest way (a
+    constant apart from what the step ran: the least total time is the same); where none was measured, the way the
+    step ran (`ran`, its plan) alone.
+
+    A way that holds more than the step's is weighed by its bound (what it was let take before it ran, above what
+    it held): run alone, a way's bytes differ from what it adds in a step (a coarser head was measured 0.3 MiB
+    short of its step's on the tests' wide decoder), and a choice that rests on that difference could peak over the
+    budget; a way that holds less is weighed as measured (the table's PEAK DROP, within 2% of what runs measure).
+    A way that makes more rows of logits at once than the step's (coarser chunks, or the model's own head) is
+    weighed by its bound too, whatever it held alone: alone, what the rows add can fall under what every way holds
+    besides them (the head's gradients), where in a step, on top of the layers' tensors, it does not (on Llama at
+    tiny size chunks of 16 rows and of 8 held the same alone and 12 KiB apart in the step; on Qwen2-VL the own head
+    held 28 KiB less than the step's chunks alone and 28 KiB more in the step: `auto` chose them over its budget)."""
+    if head is None:
+        return [_choice(ran)]
+    ran_option = head.option(head.ran)
+    fastest = min(head.seconds(o) for o in head.options)
+
+    def held(o) -> int:
+        if o.held_bytes > ran_option.held_bytes or o.rows > ran_option.rows:
+            return max(o.held_bytes, o.bound_bytes)
+        return o.held_bytes
+
+    return [
+        _choice(
+            o.plan, ran_option.held_bytes - held(o), head.seconds(o) - fastest, head.logits_bytes if not o.plan else 0
+        )
+        for o in head.options
+    ]
+
+
+def _choice(plan: str, less: int = 0, seconds: float = 0.0, returned: int = 0) -> LeverChoice:
+    """The `LeverChoice` of the head run as `plan` ("": the model's own head)."""
+    option = plan.partition("@")[2] if plan else None
+    return LeverChoice(SYNTAX.name, option, plan, ((HEAD_SEGMENT, less),) if less else (), seconds, returned)
+
+
+def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:
+    """One row per way of chunking the head and loss measured after step one: SAVING, what the head's own peak holds
+    less than the model's own head (or, where the step ran chunks, than the chunks it ran); PEAK DROP, how much lower
+    step one's peak would be with it alone; TIME, what it adds to a step."""
+    if head is None:
+        return []
+    ran = head.option(head.ran)
+    base = head.option("") or ran
+    out = []
+    for option in head.options:
+        if not option.plan:
+            continue
+        on = option.plan == head.ran
+        saving = base.held_bytes - option.held_bytes
+        out.append(
+            FoundPlan(
+                config=option.plan,
+                enabled=on,
+                frequency=1,
+                saving_bytes=float(saving),
+                applied_count=int(on),
+                applied_saving_bytes=float(saving if on else 0),
+                recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
+                head=True,
+                **(drop([_choice(option.plan, ran.held_bytes - option.held_bytes)]) if drop is not None else {}),
+            )
+        )
+    return out
+
+
+OWN_HEAD = "the model's own head"
+
+
+def how_measured(head: HeadMeasure) -> str:
+    """The table's note on how the head's ways were measured."""
+    base = head.option("") or head.option(head.ran)
+    against = "the model's own head" if base.plan == "" else f"{head.ran}, which the step ran"
+    return (
+        f"the head and loss (`Loss+` rows): each way run alone after step one on its shapes ({head.tokens:,} tokens, "
+        f"hidden {head.hidden}, vocabulary {head.vocab:,}; random values: memory and time depend on the shapes) and "
+        f"read after every op, once after a warm-up; the head alone held {base.held_bytes / MIB:,.1f} MiB at most "
+        f"as {against}; SAVING is what a row's head holds less, PEAK DROP how much lower step one's peak would be "
+        f"with it alone, TIME what it adds to a step (each chunk's logits made again in backward)"
+        + "".join(f"; {plan or OWN_HEAD} was not run: {why}" for plan, why in head.why_not.items())
+    )
