@@ -30,6 +30,25 @@ def tiny(layers=3, vocab=512):
 
 
 # -- the count -------------------------------------------------------------------------------------------------------
+def test_a_dry_run_holds_what_came_before_it_out_of_its_collections_unless_another_froze_objects():
+    """`fake_step._collections_of_its_own`: where nothing is frozen, what lives when the dry run starts is frozen for
+    its length and given back after; where something froze objects already (as this suite's conftest does between
+    tests), nothing is changed, so their freeze is not undone."""
+    import gc
+
+    from optimum_memopt.backends.torch.fake_step import _collections_of_its_own
+
+    gc.unfreeze()  # this worker's own freeze (conftest), made again after the test
+    with _collections_of_its_own():
+        assert gc.get_freeze_count() > 0  # the worker's modules, at least
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    frozen_again = gc.get_freeze_count()
+    with _collections_of_its_own():
+        assert gc.get_freeze_count() == frozen_again
+    assert gc.get_freeze_count() == frozen_again
+
+
 def test_storages_are_counted_in_cudas_blocks_and_given_back_when_freed():
     assert [block_bytes(n) for n in (0, 1, 512, 513, 4096)] == [0, 512, 512, 1024, 4096]
     with StorageCount() as count:
