@@ -66,7 +66,7 @@ def run_from_the_file(path, out):
     planner = trainer.memopt_handle.planner
     by_hand = train(out / "hand", "--memory_opt_config", planner.planned.config())
     return {
-        "twin": planner.twin is not None,
+        "twin": planner.start.twin is not None,
         "search": planner.search,
         "planned": planner.planned.config(),
         "summary": planner.summary(),

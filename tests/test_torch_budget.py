@@ -203,6 +203,20 @@ def test_the_heads_ways_are_weighed_by_bytes_against_the_one_the_step_ran_and_by
         head("Loss+:1:-1@chunks4", 0, pytest.approx(0.002)),
     ]
     assert choices(None) == [head("")]
+    # a way that holds more than the step's, or makes more rows at once, is weighed by its bound; a chunked way is
+    # never faster than four thirds of the model's own head
+    measured = HeadMeasure(1024, 64, 4096, "Loss+:1:-1@chunks4", [
+        HeadOption("", 40, 0.010, bound_bytes=55, rows=1024),
+        HeadOption("Loss+:1:-1@chunks2", 18, 0.009, bound_bytes=25, rows=512),  # holds less, more rows: its bound
+        HeadOption("Loss+:1:-1@chunks8", 12, 0.020, bound_bytes=14, rows=128),  # less, fewer rows: as measured
+        HeadOption("Loss+:1:-1@chunks4", 20, 0.016, bound_bytes=24, rows=256),
+    ])  # fmt: skip
+    assert choices(measured) == [
+        head("", -35, 0.0),
+        head("Loss+:1:-1@chunks2", -5, pytest.approx(0.010 * 4 / 3 - 0.010)),
+        head("Loss+:1:-1@chunks8", 8, pytest.approx(0.010)),
+        head("Loss+:1:-1@chunks4", 0, pytest.approx(0.006)),
+    ]
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0])

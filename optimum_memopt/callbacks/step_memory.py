@@ -108,7 +108,7 @@ class StepMemoryCallback(MetricsCallback):
         if self.path is not None or not state.is_world_process_zero:
             return
         planner = self._planner(model)
-        if planner is None or planner.memory is None or not planner.fits or (checked and planner.stage != "done"):
+        if planner is None or planner.memory is None or not planner.fits or (checked and not planner.settled):
             return
         path = os.path.join(args.output_dir, "memory_auto", "step_memory.png")
         self.path = path

@@ -71,7 +71,7 @@ def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
         "losses": trainer.losses,
         "param_sum": float(params.sum()),
         "planned": planner.planned.config() if planner.planned is not None else None,
-        "ddp": planner.ddp,  # the processes the dry run of step one held DDP's gradient buckets for
+        "ddp": planner.start.ddp,  # the processes the dry run of step one held DDP's gradient buckets for
         "configs": [f.config() for f in planner.fits],
         "predicted_mb": [f.predicted.peak_mb for f in planner.fits],
         "floor_mb": planner.fits[0].floor.peak_mb,

@@ -189,9 +189,10 @@ class TorchBackend(Backend):
         state.reset_peaks = settings.reset_peaks
         state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
         if settings.budget is not None:
-            from .decide.planner import BudgetPlanner
+            from .decide.planner import BudgetPlanner, Start
 
             b = settings.budget
+            start = Start(b.plan_file, twin, b.instruments, no_twin, b.grad_accum, b.autocast, b.ddp)
             state.planner = BudgetPlanner(
                 None if b.budget_mb is None else int(b.budget_mb * MIB),
                 share=b.share,
@@ -201,11 +202,8 @@ class TorchBackend(Backend):
                 grad_bytes=b.grad_bytes,
                 resets=settings.reset_peaks,
                 given_mb=b.budget_mb,
+                start=start,
             )
-            state.planner.twin, state.planner.no_dry_run = twin, no_twin
-            state.planner.instruments = b.instruments
-            state.planner.plan_file = b.plan_file
-            state.planner.grad_accum, state.planner.autocast, state.planner.ddp = b.grad_accum, b.autocast, b.ddp
         return model
 
     def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:
@@ -214,7 +212,8 @@ class TorchBackend(Backend):
         start from a plan file, is still to come, and let go of once it has run (`BudgetPlanner.before_step_one`)."""
         if not deepspeed:
             for state in list(self._mine):
-                if state.planner is not None and (state.planner.twin is not None or state.planner.plan_file):
+                start = state.planner.start if state.planner is not None else None
+                if start is not None and (start.twin is not None or start.plan_file is not None):
                     state.optimizer = optimizer
         return None
 
@@ -271,6 +270,7 @@ class TorchBackend(Backend):
         )
 
     def plan_report(self, wrapped: nn.Module, settings: WrapSettings) -> Optional[PlanReport]:
+        from .decide.planner import Stage
         from .decide.report import plan_report
 
         state = getattr(wrapped, STATE)
@@ -290,18 +290,19 @@ class TorchBackend(Backend):
                     f"`handle.step_done()` after each optimizer step)"
                 )
         planner = state.planner
-        if planner is not None and planner.stage in ("start", "measure") and planner.planned is not None:
+        if planner is not None and planner.stage in (Stage.START, Stage.MEASURE) and planner.planned is not None:
             report.auto = planner.asked
             report.auto_ran = planner.planned.config() or "nothing recomputed"
-            if planner.plan_file is not None:
-                report.auto_ran_as = f"the choice of `--memory_plan_file {planner.plan_file.path}`"
-            ran = report.auto_ran_as if planner.plan_file is not None else "the choice of a dry run of it"
+            plan_file = planner.start.plan_file
+            if plan_file is not None:
+                report.auto_ran_as = f"the choice of `--memory_plan_file {plan_file.path}`"
+            ran = report.auto_ran_as if plan_file is not None else "the choice of a dry run of it"
             report.notes.append(
                 f"--memory_opt_config auto ({planner.asked}): this first step ran {ran} "
                 f"(`{report.auto_ran}`), measured to check it: kept where its own memory with what later steps hold "
                 f"more fits, else the solver chooses again from it at the next step (said then)"
             )
-        elif planner is not None and planner.stage in ("start", "measure"):
+        elif planner is not None and planner.stage in (Stage.START, Stage.MEASURE):
             running = [lever.plan() for lever in state.levers.values() if lever.plan()]
             head = f" and {', '.join(running)}" if running else ""
             report.auto = planner.asked

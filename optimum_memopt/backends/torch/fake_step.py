@@ -721,7 +721,7 @@ def run(
                 step_parts.append((dict(count.step_top_parts), count.step_top_at))
                 # `auto`: step one measures, each step after it runs a choice, checked as the next one starts; the
                 # last runs the search's answer (its planner done), and is the step the figures are read from
-                if planner is None or (step >= steps and planner.stage == "done"):
+                if planner is None or (step >= steps and planner.settled):
                     break
                 if step >= steps + planner.search_checks:
                     break

@@ -156,13 +156,13 @@ class RecomputeState:
                 self._ran_closed = True
             else:
                 self._check_layers_ran()
-        if self.planner is not None and self.planner.stage == "start" and self.profile is None:
+        if self.planner is not None and self.planner.waits_for_step_one and self.profile is None:
             self.planner.before_step_one(self, self._model, args, kwargs)
 
     def measuring(self) -> bool:
         """Whether the training step about to start may have its memory measured: step one (profiled and watched),
         and the steps the budget planner measures until it is done (the step after its last check is read too)."""
-        return self.profile is None or (self.planner is not None and self.planner.stage != "done")
+        return self.profile is None or (self.planner is not None and not self.planner.settled)
 
     def set_policy(self, policy: RecomputePolicy) -> None:
         """Run the layers under another policy from the next forward on (call it between steps)."""
@@ -196,7 +196,7 @@ class RecomputeState:
         if self.first in order:
             self._ran_checked, self._orders = True, []
             problem = run_order_problem(order, self.layers, owner)
-            if problem is not None and self.planner is not None and self.planner.stage != "done":
+            if problem is not None and self.planner is not None and not self.planner.settled:
                 raise RuntimeError(
                     f"`--memory_opt_config auto` measures step one layer by layer, but {problem}; nothing was "
                     f"chosen. Recompute whole layers instead (`--memory_opt_level 1`)"
@@ -212,7 +212,7 @@ class RecomputeState:
         problem = run_order_problem(order, self.layers, owner)
         if problem is None and any(o != order for o in orders):
             problem = f"the first {FIRST_LAYER_STEPS} steps ran different layers ({'; '.join(map(str, orders))})"
-        auto = self.planner is not None and self.planner.stage == "start"
+        auto = self.planner is not None and self.planner.waits_for_step_one
         if problem is None:
             self.running = order
             logger.warning(
@@ -293,7 +293,7 @@ class RecomputeState:
             self._step_ended = True  # a loop that does not report steps: the last step's backward has ended
         self._backward_ended = False
         if starts:
-            if self.planner is not None and (self._step_ended or self.planner.stage == "start"):
+            if self.planner is not None and (self._step_ended or self.planner.waits_for_step_one):
                 self.planner.at_step_start(self, _device(args, kwargs))
                 if self._readings is not None and not self.measuring():  # its last check read: this step is not
                     self._readings.stop()

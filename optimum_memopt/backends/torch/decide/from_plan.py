@@ -87,21 +87,19 @@ def optimizer_like(optimizer):
 
 
 def dry_run_choice(
-    instruments,
+    start,
     twin: nn.Module,
     args,
     kwargs,
     optimizer,
     budget_mb: float,
-    grad_accum: int,
-    autocast: Optional[str],
-    ddp: int = 1,
     held_bytes: int = 0,
     running_into: Optional[list] = None,
     device=None,
 ):
     """`auto`'s choice from a dry run of the step about to run (`fake_step.run` with the `instruments` the run was
-    handed: the step `memopt-plan` runs): `twin` (`twin_of` the model) trained on fake copies of
+    handed, the step `memopt-plan` runs; `start`: the planner's `Start`, the run's micro-batches, autocast and DDP
+    processes with them): `twin` (`twin_of` the model) trained on fake copies of
     this forward's arguments (their shapes, strides and dtypes: a fake tensor has no values), with `optimizer`'s like,
     `grad_accum` micro-batches a step and autocast to `autocast` ("bfloat16") or none, and with DistributedDataParallel
     over `ddp` processes, its gradient buckets, and `held_bytes` the process holds on the device outside the step
@@ -123,13 +121,13 @@ def dry_run_choice(
 
     mask = kwargs.get("attention_mask")
     every_token = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
-    spec = StepSpec(getattr(twin, "config", None), grad_accum=grad_accum, autocast=autocast, ddp=ddp)
+    spec = StepSpec(getattr(twin, "config", None), grad_accum=start.grad_accum, autocast=start.autocast, ddp=start.ddp)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []  # every device's generator given back
     with torch.random.fork_rng(devices=devices, device_type="cuda"):
         return run(
             spec,
-            instruments,
+            start.instruments,
             "auto",
             budget_mb=budget_mb,
             model=twin,

@@ -23,7 +23,8 @@ import gc
 import json
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable, Dict, List, Optional
 
 from ....callbacks.base import atomic_write
@@ -55,6 +56,33 @@ MARGIN = 0.005  # of the budget, kept by a re-plan after a check over its predic
 SEARCH_CHECKS = 4  # a dry run's choices checked by a step each, at most (`BudgetPlanner.search`)
 
 
+class Stage(str, Enum):
+    """Where `auto` is in a run (`BudgetPlanner.stage`), in order; each equal to its value's text."""
+
+    START = "start"  # before step one (armed at its first layer's forward)
+    MEASURE = "measure"  # step one running, watched
+    VERIFY = "verify"  # a choice running, its step checked against its prediction
+    DONE = "done"  # the choice checked: nothing more measured
+
+
+@dataclass
+class Start:
+    """How `auto`'s step one starts (`BudgetPlanner.before_step_one`), set when the backend wraps the model: from a
+    `--memory_plan_file`'s choice (`plan_file`: `planning.plan_file.PlanFile`); else from a dry run of the step (the
+    model's `twin` on the meta device, trained on fake copies of the batch by the `instruments` the run was handed,
+    `fake_step.Instruments`, with the run's micro-batches, autocast and DistributedDataParallel's processes, whose
+    gradient buckets it holds); else, where there is neither (`no_dry_run`: why, said), measuring with every layer
+    recomputed whole."""
+
+    plan_file: object = None
+    twin: object = None
+    instruments: object = None
+    no_dry_run: Optional[str] = None
+    grad_accum: int = 1
+    autocast: Optional[str] = None
+    ddp: int = 1
+
+
 class BudgetPlanner:
     search_checks = SEARCH_CHECKS  # what a dry run driving the search reads (`fake_step.run`)
 
@@ -68,6 +96,7 @@ class BudgetPlanner:
         resets: bool = True,
         given_mb: Optional[float] = None,
         detail: Callable[[str], None] = logger.debug,
+        start: Optional[Start] = None,
     ):
         if (budget_bytes is None) == (share is None):
             raise ValueError("a budget planner takes a peak in bytes or a share of the activations, one of them")
@@ -80,7 +109,7 @@ class BudgetPlanner:
         self.grad_bytes = grad_bytes  # held across micro-batches under gradient accumulation (0 without)
         self.meter: Optional[MemoryMeter] = None  # on the device the layers run on, from step one
         self.resets = resets
-        self.stage = "start"  # -> measure -> verify -> done
+        self.stage = Stage.START
         self.memory: Optional[StepMemory] = None
         self.fits: List[Fit] = []
         self.extra = 0  # what later steps hold that step one did not, read at step two's start
@@ -96,17 +125,8 @@ class BudgetPlanner:
         self.watch: Optional[StepWatch] = None
         self.ranks: Optional[Ranks] = None  # from step one's start, where any process group is up
         self.alone = False  # True: choose for this process alone whatever group is up (a dry run of a run's own step)
-        # starting from the plan (`from_plan`): the model's twin on the meta device (or why there is none), the step's
-        # micro-batches and autocast, and the dry run's choice once made (step one runs it)
-        self.twin = None
-        self.instruments = None  # what the dry run is handed from above (`fake_step.Instruments`)
-        self.no_dry_run: Optional[str] = None
-        self.grad_accum = 1
-        self.autocast: Optional[str] = None
-        self.ddp = 1  # DistributedDataParallel's processes (the dry run holds its gradient buckets)
-        self.planned: Optional[Fit] = None
-        # `--memory_plan_file` (`planning.plan_file.PlanFile`): step one runs its choice, with no dry run of its own
-        self.plan_file = None
+        self.start = start or Start()  # how step one starts (its twin let go once its dry run ran)
+        self.planned: Optional[Fit] = None  # step one's choice, where it ran one (a dry run's, a plan file's)
         self.planned_choice = "the dry run's choice"  # what step one runs, in the messages
         self._why_replanned = ""  # why step one did not confirm the dry run's choice (said with the solver's)
         self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
@@ -118,6 +138,16 @@ class BudgetPlanner:
         self.tried: List[tuple] = []  # (the choice, its step's measured peak in bytes), in the order checked
         self.searched: Optional[Fit] = None  # the search's answer, its `predicted` the peak its step measured
         self.peaked_where: Callable[[], str] = lambda: ""  # where the step a check read peaked (the dry run's)
+
+    @property
+    def waits_for_step_one(self) -> bool:
+        """Whether the run's step one has not started yet (what comes before it: its dry run, its plan file)."""
+        return self.stage is Stage.START
+
+    @property
+    def settled(self) -> bool:
+        """Whether the choice was checked: no step is measured any more."""
+        return self.stage is Stage.DONE
 
     @property
     def budget_mb(self) -> Optional[float]:
@@ -142,7 +172,7 @@ class BudgetPlanner:
         self.device = device
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
         self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets, state.running)
-        self.stage = "measure"
+        self.stage = Stage.MEASURE
 
     def _current(self) -> int:
         return int(round((self.meter.read().current_mb or 0.0) * MIB))
@@ -152,13 +182,13 @@ class BudgetPlanner:
         ended (`RecomputeState.step_done`). The step about to run is measured (step one, then each check): the
         process's garbage is collected first, so that nothing an earlier computation left in a reference cycle is
         freed by chance inside it, which would lower its readings and the prediction made from them."""
-        if self.stage in ("start", "measure", "verify"):
+        if self.stage is not Stage.DONE:
             gc.collect()
-        if self.stage == "start":
+        if self.stage == Stage.START:
             self.arm(state, device)
-        elif self.stage == "measure":
+        elif self.stage == Stage.MEASURE:
             self._choose(state)
-        elif self.stage == "verify":
+        elif self.stage == Stage.VERIFY:
             self._verify(state)
 
     def before_step_one(self, state, model, args, kwargs) -> None:
@@ -167,12 +197,12 @@ class BudgetPlanner:
         from its start (`live.held_outside`: every reading of the step counts it); where there is none, why, in the
         plan's file, and step one measures with every layer recomputed whole. Once, on rank 0 (the others wait for
         its choice, which every rank runs: a dry run on each would cost every process its CPU time for nothing)."""
-        twin, self.twin = self.twin, None
+        twin, self.start.twin = self.start.twin, None
         optimizer, state.optimizer = getattr(state, "optimizer", None), None  # not kept past the dry run
-        if self.plan_file is not None:
+        if self.start.plan_file is not None:
             self._from_plan_file(state, model, args, kwargs, optimizer)
             return
-        why = self.no_dry_run
+        why = self.start.no_dry_run
         if why is None and self.budget_bytes is None:
             return
         if why is None and twin is None:
@@ -189,9 +219,16 @@ class BudgetPlanner:
                 found: list = []  # the layers the step runs, known before its dry run's steps (which may raise)
                 try:
                     dry = dry_run_choice(
-                        self.instruments, twin, args, kwargs, optimizer, self.budget_mb, self.grad_accum,
-                        self.autocast, self.ddp, held, running_into=found, device=device,
-                    )  # fmt: skip
+                        self.start,
+                        twin,
+                        args,
+                        kwargs,
+                        optimizer,
+                        self.budget_mb,
+                        held,
+                        running_into=found,
+                        device=device,
+                    )
                 finally:
                     running = found[0] if found else None
                 fit = dry.fit
@@ -245,7 +282,7 @@ class BudgetPlanner:
         gc.collect()
         device = next(iter(model.parameters())).device
         libraries = make_library_workspaces(device)
-        return device, held_outside(model, (args, kwargs), device, optimizer, self.ddp), libraries
+        return device, held_outside(model, (args, kwargs), device, optimizer, self.start.ddp), libraries
 
     def _from_plan_file(self, state, model, args, kwargs, optimizer) -> None:
         """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
@@ -253,7 +290,7 @@ class BudgetPlanner:
         figure said is the file's with what this process holds outside the step in place of the workspaces the file
         counted (`live.held_outside`, as a run's own dry run counts it): the file planned a process that holds
         nothing else."""
-        plan = self.plan_file
+        plan = self.start.plan_file
         flag = f"`--memory_plan_file {plan.path}`"
         shape = batch_shape(args, kwargs)
         planned = plan.step
@@ -335,7 +372,7 @@ class BudgetPlanner:
         if self.watch.resets:
             self.meter.reset_peak()
         self._start = self._current()
-        self.stage = "verify"
+        self.stage = Stage.VERIFY
 
     def _confirmed(self, state, budget_bytes: Optional[int]) -> Optional[Fit]:
         """The dry run's choice, which step one ran, kept where step one's own memory with what later steps hold more
@@ -353,7 +390,7 @@ class BudgetPlanner:
                 f"later steps hold more, over the budget: the solver chose again from it"
             )
             return None
-        if self.plan_file is not None:  # what the file's choice frees and costs, as step one's profile offers it
+        if self.start.plan_file is not None:  # what the file's choice frees and costs, as step one's profile offers it
             offered = matched(planned, state.profile, self.levers)
             if offered is None:
                 self._why_replanned = (
@@ -527,7 +564,7 @@ class BudgetPlanner:
                 self._choose(state, floor.peak_bytes)
                 return
             self._write()
-            self.stage = "done"
+            self.stage = Stage.DONE
             self.meter.close()
             raise RuntimeError(
                 f"`--memory_opt_config auto` cannot keep {self.asked}: with the most recompute it has (`--memory_opt_"
@@ -580,7 +617,7 @@ class BudgetPlanner:
 
     def _finish(self) -> None:
         self._write()
-        self.stage = "done"
+        self.stage = Stage.DONE
         self.meter.close()
 
     def summary(self) -> Optional[dict]:

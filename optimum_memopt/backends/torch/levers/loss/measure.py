@@ -57,11 +57,10 @@ class HeadMeasure:
         return next((o for o in self.options if o.plan == plan), None)
 
     def seconds(self, option: HeadOption) -> float:
-        """`option`'s seconds, never below what chunking must add to the model's own head, where that was measured:
-        a chunked way makes each chunk's logits again in backward (the head's three matmuls, one forward and two
-        backward, become four), so it is taken at least a third slower than the own head. A chunked way measured
-        faster than that is the clock's noise on a small head (two chunks were measured faster than the whole head
-        on the tests' decoder, and `auto` chose them under a budget with room for everything)."""
+        """`option`'s seconds, never below four thirds of the model's own head's where that was measured: a chunked
+        way makes each chunk's logits again in backward (the head's three matmuls become four), and a chunked way
+        measured faster than that is the clock's noise (tests/test_torch_budget.py,
+        `test_the_heads_ways_are_weighed_...`; docs/STACK.md, "The head's chunks timed alone")."""
         own = self.option("")
         if own is None or not option.plan:
             return option.seconds
@@ -178,15 +177,11 @@ def choices(head: Optional[HeadMeasure], ran: str = "") -> List[LeverChoice]:
     constant apart from what the step ran: the least total time is the same); where none was measured, the way the
     step ran (`ran`, its plan) alone.
 
-    A way that holds more than the step's is weighed by its bound (what it was let take before it ran, above what
-    it held): run alone, a way's bytes differ from what it adds in a step (a coarser head was measured 0.3 MiB
-    short of its step's on the tests' wide decoder), and a choice that rests on that difference could peak over the
-    budget; a way that holds less is weighed as measured (the table's PEAK DROP, within 2% of what runs measure).
-    A way that makes more rows of logits at once than the step's (coarser chunks, or the model's own head) is
-    weighed by its bound too, whatever it held alone: alone, what the rows add can fall under what every way holds
-    besides them (the head's gradients), where in a step, on top of the layers' tensors, it does not (on Llama at
-    tiny size chunks of 16 rows and of 8 held the same alone and 12 KiB apart in the step; on Qwen2-VL the own head
-    held 28 KiB less than the step's chunks alone and 28 KiB more in the step: `auto` chose them over its budget)."""
+    The rule (tests/test_torch_budget.py, `test_the_heads_ways_are_weighed_...`): a way that holds more than the
+    step's way, or makes more rows of logits at once, is weighed by its bound where that is higher than what it held
+    (what a way holds alone is not what it adds in a step, by up to a few hundred KiB either side: docs/STACK.md,
+    "The head's ways alone and in a step"); a way that holds less and makes no more rows is weighed as measured (the
+    table's PEAK DROP, within 2% of what runs measure)."""
     if head is None:
         return [_choice(ran)]
     ran_option = head.option(head.ran)
