@@ -21,6 +21,11 @@ __all__ = [
     "with_memory_flags",
 ]
 
+from . import plans as _plans  # noqa: E402 - the plan grammar, light: no backend, no torch
+
+# the levers' plan words, read by the grammar from the torch backend's registry (imported at the first lever looked up)
+_plans.register_levers("optimum_memopt.backends.torch.levers")
+
 _LAZY = {
     "MemoptTrainingArguments": "trainer_args",
     "MemoptTrainer": "trainer",

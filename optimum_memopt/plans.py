@@ -31,7 +31,7 @@ import json
 import os
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 EXAMPLE = "Gelu+:1:-1"
 LAYER = "Layer+"  # the whole layer (torch backend)
@@ -54,8 +54,9 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class LeverSyntax:
-    """How a plan entry names a lever beyond the layers' op plans. Each lever module declares its own (the torch
-    backend's `levers/`); this module reads them by plan name (`lever_syntax`) and parses every entry alike."""
+    """How a plan entry names a lever beyond the layers' op plans. Each lever declares its own (the torch backend's
+    `levers/`), in a registry registered with this module (`register_levers`); this module reads them by plan name
+    (`lever_syntax`) and parses every entry alike."""
 
     name: str  # the lever's name: its key in the policy's, the engine's and the profile's levers ("loss")
     plan: str  # its subgraph word, as in `Loss+`
@@ -117,23 +118,36 @@ def layer_selector(layers: Sequence[int]) -> str:
     return "+".join(parts)
 
 
+# The registries the grammar reads the levers' syntax from: dotted module paths, each with `syntax_of(plan_word)` and
+# `lever_class(name)`, imported when a lever is first looked up. The grammar imports no backend: the package's face
+# registers the torch backend's levers (`optimum_memopt/__init__.py`), a test or another backend may add its own.
+LEVER_REGISTRIES: List[str] = []
+
+
+def register_levers(path: str) -> None:
+    """Read the levers' syntax from the module at dotted `path` too (after those registered before)."""
+    if path not in LEVER_REGISTRIES:
+        LEVER_REGISTRIES.append(path)
+
+
+def _registries():
+    import importlib
+
+    return [importlib.import_module(path) for path in LEVER_REGISTRIES]
+
+
 def lever_named(name: str) -> LeverSyntax:
     """The syntax of the lever named `name` (`LeverSyntax.name`: "loss"); KeyError for a name no lever has."""
-    from .backends.torch.levers import lever_class
-
-    found = lever_class(name)
+    found = next((c for c in (r.lever_class(name) for r in _registries()) if c is not None), None)
     if found is None:
         raise KeyError(f"no lever is named {name!r}")
     return found.syntax
 
 
 def lever_syntax(subgraph: str) -> Optional[LeverSyntax]:
-    """The syntax of the lever whose plan name `subgraph` is (in any case), or None for an op plan. The levers are
-    the torch backend's (`backends/torch/levers/`, registered there by plan name); only a registered name loads its
-    module."""
-    from .backends.torch.levers import syntax_of
-
-    return syntax_of(subgraph)
+    """The syntax of the lever whose plan name `subgraph` is (in any case), or None for an op plan. Only a registered
+    name loads its lever's module."""
+    return next((s for s in (r.syntax_of(subgraph) for r in _registries()) if s is not None), None)
 
 
 @dataclass(frozen=True)
@@ -368,34 +382,58 @@ def _checked_selector(prefix: str, selector: str) -> str:
 
 
 def _check_duplicates(entries: Sequence[PlanEntry]) -> None:
-    """One rule, whatever the spelling (`mul+` is `Mul+`): a subgraph may be named twice only on layers that do not
-    overlap, each entry with its `@` selector (`Mul+:1:-1@0-1,Mul+:1:-1@2-3`, as the solver writes its choices)."""
-    seen: Dict[str, List[PlanEntry]] = {}
+    """A lever that acts once a model named once; every subgraph, whatever its spelling (`mul+` is `Mul+`), by
+    `check_named_once`."""
+    seen: Dict[str, PlanEntry] = {}
     for entry in entries:
-        syntax = lever_syntax(entry.subgraph) if seen.get(entry.subgraph.lower()) else None
+        syntax = lever_syntax(entry.subgraph) if entry.subgraph.lower() in seen else None
         if syntax is not None and not syntax.layers:
             raise PlanError(
-                f"names {syntax.plan!r} twice ({str(seen[entry.subgraph.lower()][0])!r} and {str(entry)!r}); "
+                f"names {syntax.plan!r} twice ({str(seen[entry.subgraph.lower()])!r} and {str(entry)!r}); "
                 f"{syntax.once or 'it acts once a model'}: give one, as in {syntax.example}"
             )
-        for other in seen.get(entry.subgraph.lower(), []):
-            twice = f"names subgraph {other.subgraph!r} twice ({str(other)!r} and {str(entry)!r})"
-            if not (entry.layers or other.layers):
-                raise PlanError(f"{twice}; give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'")
-            disjoint = f"{other.subgraph}:1:-1@0-1,{other.subgraph}:1:-1@2-3"
-            if not (entry.layers and other.layers):
-                raise PlanError(
-                    f"{twice}, one of them without a layer selector (its first layers, or all); give both their "
-                    f"layers, on layers that do not overlap, as in {disjoint!r}"
-                )
-            layer = shared_layer(other, entry)
-            if layer is not None:
-                merged = f"{other.subgraph}:{other.optimization_type}:-1@{other.layers}+{entry.layers}"
-                raise PlanError(
-                    f"{twice}, both on layer {layer}; give each layer's subgraph once: one entry for all its layers, "
-                    f"as in {merged!r}, or entries on layers that do not overlap, as in {disjoint!r}"
-                )
-        seen.setdefault(entry.subgraph.lower(), []).append(entry)
+        seen.setdefault(entry.subgraph.lower(), entry)
+    check_named_once(entries)
+
+
+def check_named_once(
+    entries: Sequence[PlanEntry],
+    keys: Callable[[PlanEntry], Sequence[str]] = lambda entry: [entry.subgraph.lower()],
+    what: str = "subgraph",
+) -> None:
+    """The grammar's one rule for a thing plans name twice (a subgraph, whatever its spelling; a backend's op,
+    whatever name a plan gives it: `keys` of an entry, `what` they are, "subgraph" or "op"):
+    only on layers that do not overlap, each entry with its `@` selector, as the solver writes its choices
+    (`Mul+:1:-1@0-1,Mul+:1:-1@2-3`). PlanError naming both entries otherwise (tests/test_plans.py,
+    tests/test_backend_torch.py's OVERLAPS)."""
+    seen: Dict[str, List[PlanEntry]] = {}
+    for entry in entries:
+        for key in keys(entry):
+            for other in seen.get(key, []):
+                named = f"subgraph {other.subgraph!r}" if what == "subgraph" else f"the {what} {key!r}"
+                twice = f"names {named} twice ({str(other)!r} and {str(entry)!r})"
+                once = "Gelu+:1:-1,Cast+:2:-1" if what == "subgraph" else f"{other.subgraph}:1:-1"
+                disjoint = f"{other.subgraph}:1:-1@0-1,{entry.subgraph}:1:-1@2-3"
+                if not (entry.layers or other.layers):
+                    raise PlanError(
+                        f"{twice}; give each {what} once, as in {once!r}, or on layers that do not overlap, as in "
+                        f"{disjoint!r}"
+                    )
+                if not (entry.layers and other.layers):
+                    raise PlanError(
+                        f"{twice}, one of them without a layer selector (its first layers, or all); give both their "
+                        f"layers, on layers that do not overlap, as in {disjoint!r}"
+                    )
+                layer = shared_layer(other, entry)
+                if layer is not None:
+                    merged = f"{other.subgraph}:{other.optimization_type}:-1@{other.layers}+{entry.layers}"
+                    same = other.subgraph.lower() == entry.subgraph.lower()
+                    one = f"one entry for all its layers, as in {merged!r}, or " if same else ""
+                    raise PlanError(
+                        f"{twice}, both on layer {layer}; give each layer's {what} once: {one}entries on layers that "
+                        f"do not overlap, as in {disjoint!r}"
+                    )
+            seen.setdefault(key, []).append(entry)
 
 
 def parse_inline(text: str) -> List[PlanEntry]:

@@ -179,8 +179,8 @@ def test_what_the_torch_backend_refuses(kwargs, pattern):
 # Overlapping `@` plans are refused when the arguments are built (a layer number given is one the model must have,
 # so no layer count is needed), by one rule whatever the spelling; plans on layers that do not overlap are taken.
 OVERLAPS = [
-    ("Mul+:1:-1@0-1,Mul+silu+:1:-1@1", r"^`--memory_opt_config` has 'Mul\+:1:-1@0-1' and 'Mul\+silu\+:1:-1@1', "
-     r"which both name the op 'Mul' on layer 1; give each layer's op once"),
+    ("Mul+:1:-1@0-1,Mul+silu+:1:-1@1", r"^`--memory_opt_config` names the op 'Mul' twice \('Mul\+:1:-1@0-1' and "
+     r"'Mul\+silu\+:1:-1@1'\), both on layer 1; give each layer's op once"),
     ("Mul+:1:-1@0-1,Mul+:1:-1@1-3", r"^`--memory_opt_config` names subgraph 'Mul\+' twice \('Mul\+:1:-1@0-1' and "
      r"'Mul\+:1:-1@1-3'\), both on layer 1; .* as in 'Mul\+:1:-1@0-1\+1-3'"),
     ("mul+:1:-1@0-1,Mul+:1:-1@1-3", r"names subgraph 'mul\+' twice .*, both on layer 1"),

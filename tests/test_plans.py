@@ -108,11 +108,11 @@ BAD_INLINE = [
     ),
     (
         "BiasGelu+:1:-1,BiasGelu+:2:-1",
-        "`--memory_opt_config` names subgraph 'BiasGelu+' twice ('BiasGelu+:1:-1' and 'BiasGelu+:2:-1'); give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'",
+        "`--memory_opt_config` names subgraph 'BiasGelu+' twice ('BiasGelu+:1:-1' and 'BiasGelu+:2:-1'); give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1', or on layers that do not overlap, as in 'BiasGelu+:1:-1@0-1,BiasGelu+:1:-1@2-3'",
     ),
     (
         "Cast+:1:-1,BiasGelu+:1:-1,Cast+:1:-1",
-        "`--memory_opt_config` names subgraph 'Cast+' twice ('Cast+:1:-1' and 'Cast+:1:-1'); give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1'",
+        "`--memory_opt_config` names subgraph 'Cast+' twice ('Cast+:1:-1' and 'Cast+:1:-1'); give each subgraph once, as in 'Gelu+:1:-1,Cast+:2:-1', or on layers that do not overlap, as in 'Cast+:1:-1@0-1,Cast+:1:-1@2-3'",
     ),
     (
         "BiasGelu+;1;-1",

@@ -208,6 +208,18 @@ def _module(dotted):
     return os.path.exists(path + ".py") or os.path.isdir(path)
 
 
+def test_the_grammar_imports_no_backend():
+    """`plans.py` reads the levers' plan words from registries registered with it (`register_levers`: the package's
+    face registers the torch backend's), so it imports no backend, at its top or inside a function (issue 54: it
+    imported the torch levers' registry, the one arrow up)."""
+    imported = _absolute_imports(os.path.join(PKG, "plans.py"))
+    assert not [m for m in imported if m.startswith("optimum_memopt.backends")], imported
+    import optimum_memopt.plans as plans
+
+    assert "optimum_memopt.backends.torch.levers" in plans.LEVER_REGISTRIES
+    assert plans.lever_syntax("loss+").plan == "Loss+" and plans.lever_named("mlp").plan == "MLP+"
+
+
 def test_no_backend_reaches_above_itself():
     """No module under `backends/` imports the package itself, its face (`api`), the Trainer and its arguments,
     `planning` or the advisor: what the torch backend's dry run needs from above is handed to it (issue 53: the dry

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 from ...plans import LAYER as LAYER_PLAN
-from ...plans import PlanEntry, PlanError, lever_syntax, shared_layer
+from ...plans import PlanEntry, PlanError, check_named_once, lever_syntax
 from .names import VIEW_NAMES, canonical_ops
 
 KEEP, OPS, LAYER = "keep", "ops", "layer"
@@ -67,12 +67,11 @@ def check_requests(entries: Sequence[PlanEntry], flag: str = "--memory_opt_confi
 
 def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
     """Refuse plans that would silently do nothing here: a request naming only view operators (in PyTorch a view
-    creates no storage, so there is nothing to recompute), and one op asked for by two requests (two names of one
-    op, as `mul+` and `Mul+`, or `Gelu+` and `FastGelu+`: which count would win is not the user's to guess). Two
-    requests with `@` selectors may share an op on layers that do not overlap (`Mul+silu+:1:-1@0-1,silu+:1:-1@2-3`,
-    as the solver writes its choice), the rule the grammar applies to one subgraph named twice; that needs no layer
-    count, so it is checked here, when the arguments are built."""
-    claimed: Dict[str, List[PlanEntry]] = {}
+    creates no storage, so there is nothing to recompute), and one op asked for by two requests on a layer (two names
+    of one op, as `Gelu+` and `FastGelu+`, or `Mul+silu+` and `silu+`: which count would win is not the user's to
+    guess), by the grammar's rule for a thing named twice (`plans.check_named_once`), with the ops as what is named.
+    It needs no layer count, so it is checked when the arguments are built."""
+    ops = []
     for entry in entries:
         if entry.subgraph == LAYER_PLAN or lever_syntax(entry.subgraph) is not None:
             continue
@@ -83,21 +82,11 @@ def _check_ops(entries: Sequence[PlanEntry], flag: str) -> None:
                 f"PyTorch they create no storage, so the plan would recompute nothing; drop it, or name the op that "
                 f"makes the tensor, as in 'Gelu+:1:-1' (views ignored here: {', '.join(VIEW_NAMES)})"
             )
-        for name in names:
-            for other in claimed.get(name, []):
-                if not (entry.layers and other.layers):
-                    raise ValueError(
-                        f"`{flag}` names the op {name!r} twice ({str(other)!r} and {str(entry)!r}): in the torch "
-                        f"backend both stand for the same aten op; give it once, as in {f'{name}+:1:-1'!r}, or on "
-                        f"layers that do not overlap, as in {f'{name}+:1:-1@0-1,{name}+:1:-1@2-3'!r}"
-                    )
-                layer = shared_layer(other, entry)
-                if layer is not None:
-                    raise ValueError(
-                        f"`{flag}` has {str(other)!r} and {str(entry)!r}, which both name the op {name!r} on layer "
-                        f"{layer}; give each layer's op once, as in 'Mul+silu+:1:-1@0-1,silu+:1:-1@2-3'"
-                    )
-            claimed.setdefault(name, []).append(entry)
+        ops.append(entry)
+    try:
+        check_named_once(ops, lambda entry: canonical_ops(entry.subgraph)[0], "op")
+    except PlanError as e:
+        raise ValueError(f"`{flag}` {e}") from None
 
 
 def _layers(indexes: Sequence[int]) -> str:
