@@ -217,3 +217,24 @@ def test_a_mixed_plan_from_the_grammar_trains_as_plain_pytorch():
     report = plan_report(state.policy, state.profile)
     assert report.applied == ["MatMul+:1:-1", "Gelu+:1:-1", "Layer+:1:-1@every2"]
     assert any(n.startswith("layers 0, 2 are checkpointed whole") for n in report.notes)
+
+
+def test_the_set_a_layer_runs_has_its_combination_row_whatever_its_time(monkeypatch):
+    """`report.combinations`: the rows of sets run together are those best for their measured recompute time
+    (`graph.frontier`), and the set each layer runs (a chain the plans asked for) has its row whatever the clock
+    said: a run's noisy op times once left the chain a recipe asked for without a row (tests/test_example_clm.py)."""
+    from optimum_memopt.backends.torch.decide import report as report_module
+
+    def gated(block, x):
+        h = x @ block.w
+        return (F.silu(h) * h) @ block.w.t()
+
+    _, model = pair(gated, n=2)
+    state = engine(model, RecomputePolicy.from_plans(parse_plans("silu+Mul+:1:-1"), 0, 2))
+    step(model, torch.randn(4, 8))
+    monkeypatch.setattr(report_module, "frontier", lambda graph: [])  # no set is best by the clock
+    rows = [p for p in plan_report(state.policy, state.profile).plans if p.combination]
+    assert [(sorted(p.config.split(":")[0].strip("+").split("+")), p.enabled, p.applied_count) for p in rows] == [
+        (["Mul", "silu"], True, 2)
+    ]
+    assert rows[0].saving_bytes > 0
