@@ -20,6 +20,8 @@ budget (rounds interleaved, `--rounds`; the spread between them said). Its start
     python benchmarks/real_size.py --out benchmarks/real_size_h100.json            # on the card: the three setups
     python benchmarks/real_size.py --setups llama-3.1-8b-lora --seqs 8192 --rounds 1
     python benchmarks/real_size.py --tiny --out /tmp/real_size.json                # the same rows on the CPU, tiny
+    python benchmarks/real_size.py --setups llama-3.1-8b-lora --seqs 8192 --budgets_mb 68445.5 --no_file_rows \
+        --fixed_from benchmarks/real_size_h100_8k.json                             # auto again, beside earlier rows
 """
 
 import argparse
@@ -131,6 +133,19 @@ def planned(model, batch, seq, budget, device, path) -> float:
     return time.perf_counter() - began
 
 
+def earlier_fixed(path: str, name: str, seq: int, card) -> list:
+    """The fixed rows of an earlier report for the same setup and length, measured on the same card (refused
+    otherwise: figures of another card are not this one's)."""
+    with open(path, encoding="utf-8") as f:
+        earlier = json.load(f)
+    if earlier.get("card") != card:
+        raise SystemExit(f"--fixed_from {path}: measured on {earlier.get('card')!r}, this card is {card!r}")
+    for setup in earlier["setups"]:
+        if setup["setup"] == name and setup["seq"] == seq and setup["fixed"]:
+            return setup["fixed"]
+    raise SystemExit(f"--fixed_from {path}: no fixed rows for {name} at {seq:,} tokens")
+
+
 def verdicts(auto: dict, budget: float, fixed: list) -> dict:
     """`auto`'s goals at one budget, each a figure and whether it holds."""
     fits = [r for r in fixed if r["ok"] and r["peak_mb"] <= budget]
@@ -156,6 +171,10 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=6, help="training steps a run (the first two are the warm-up)")
     p.add_argument("--tiny", action="store_true", help="tiny setups on the CPU: the benchmark's check")
     p.add_argument("--budgets", type=int, default=None, help="the first N budgets alone (the card's, then down)")
+    p.add_argument("--budgets_mb", type=float, nargs="*", default=None, help="auto at these budgets alone (MiB)")
+    p.add_argument("--fixed_from", default=None, help="an earlier report of this benchmark on the same card: its "
+                   "fixed rows for the same setup and length, instead of running them again")  # fmt: skip
+    p.add_argument("--no_file_rows", action="store_true", help="leave out auto from memopt-plan's file")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "real_size.json"))
     a = p.parse_args(argv)
     import torch
@@ -182,13 +201,17 @@ def main(argv=None):
             print(f"{name}, batch {batch} x {seq:,} tokens", flush=True)
             setup = {"setup": name, "batch": batch, "seq": seq, "fixed": [], "auto": [], "from_file": []}
             report["setups"].append(setup)
-            runs = {label: [] for label, _ in recipes(liger)}
-            for _ in range(a.rounds):  # interleaved: what drifts spreads over every row alike
-                for label, flags in recipes(liger):
-                    runs[label].append(row(label, flags, batch, a, model, seq))
-            setup["fixed"] = [merged(r) for r in runs.values()]
+            if a.fixed_from:
+                setup["fixed"] = earlier_fixed(a.fixed_from, name, seq, report["card"])
+                setup["fixed_from"] = a.fixed_from
+            else:
+                runs = {label: [] for label, _ in recipes(liger)}
+                for _ in range(a.rounds):  # interleaved: what drifts spreads over every row alike
+                    for label, flags in recipes(liger):
+                        runs[label].append(row(label, flags, batch, a, model, seq))
+                setup["fixed"] = [merged(r) for r in runs.values()]
             save()
-            budgets = [card_budget_mb(device)] + sorted(
+            budgets = a.budgets_mb or [card_budget_mb(device)] + sorted(
                 {r["peak_mb"] for r in setup["fixed"] if r["ok"]}, reverse=True
             )
             for budget in [b for b in budgets if b is not None][: a.budgets]:
@@ -200,6 +223,8 @@ def main(argv=None):
                 setup["auto"].append(auto)
                 print(f"      {json.dumps(auto['verdicts'])}", flush=True)
                 save()
+                if a.no_file_rows:
+                    continue
                 # the same from memopt-plan's file: no dry run at the run's start (its `start_s` beside auto's)
                 path = os.path.join(os.path.dirname(os.path.abspath(a.out)), f"plan_{name}_{seq}_{budget:.0f}.json")
                 plan_s = planned(model, batch, seq, budget, device, path)

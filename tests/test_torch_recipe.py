@@ -214,3 +214,41 @@ def test_planned_outputs_under_autocast_are_recomputed_bitwise_in_their_dtype(re
         dtypes = {(name, made) for name, made, _, _ in recomputed_as_first}
         assert {("mm", torch.float32), ("mm", torch.bfloat16)} <= dtypes  # fp32 in the region, bf16 after
         assert all(same and made == back for _, made, back, same in recomputed_as_first), recomputed_as_first
+
+
+# An op that returns None among its outputs, as CUDA's attention kernels do (flash's cumulative sequence lengths
+# before its random seed and offset, which backward keeps); no CPU kernel of aten's does.
+_LIB = torch.library.Library("memopt_test", "FRAGMENT")
+_LIB.define("sin_none_cos(Tensor x) -> (Tensor, Tensor?, Tensor)")
+_LIB.impl("sin_none_cos", lambda x: (x.sin(), None, x.cos()), "CompositeExplicitAutograd")
+
+
+def _keep_input_and_cos(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[2])
+
+
+def _sin_backward(ctx, grad_sin, grad_none, grad_cos):
+    x, cos = ctx.saved_tensors
+    return grad_sin * cos - (grad_cos * x.sin() if grad_cos is not None else 0)
+
+
+torch.library.register_autograd(
+    "memopt_test::sin_none_cos", _sin_backward, setup_context=_keep_input_and_cos, lib=_LIB
+)
+
+
+def test_an_output_after_a_none_is_recomputed_as_the_one_saved(recomputed):
+    """A planned output's place counts the op's output tensors, a None among them not: the cosine saved here is the
+    op's second tensor, its third output."""
+
+    def none_between(block, x):
+        s, _, c = torch.ops.memopt_test.sin_none_cos(x @ block.w)
+        return s @ block.w
+
+    plain, planned = pair(none_between)
+    x = torch.randn(4, 8)
+    state = engine(planned, ops("sin_none_cos"))
+    got, want = step(planned, x), step(plain, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert recomputed == ["sin_none_cos"]
+    assert state.profile.layers[0].applied == {"sin_none_cos": 4 * 8 * 4 * 2}

@@ -166,8 +166,9 @@ class Stashed(StandIn):
                 f"{INPLACE}: output {self.index} of {self.recipe.func} (shape {list(self.size)}), recomputed for "
                 f"backward, was changed by {changed_by} after it was saved. {_WHY}"
             )
-        outs = self.recipe.outputs()
-        out = outs[self.index] if isinstance(outs, (tuple, list)) else outs
+        # the index counts the op's output tensors as the tracker did (`tensors_in`): CUDA's attention kernels
+        # return None among them (flash's cumulative sequence lengths), the CPU's do not
+        out = tensors_in(self.recipe.outputs())[self.index]
         if out.size() != self.size or out.stride() != self.stride or out.storage_offset() != self.offset:
             out = out.as_strided(self.size, self.stride, self.offset)
         self.recipe.release()

@@ -112,7 +112,7 @@ class Made:
     storage: object  # a weak reference to the storage (`_torch_api.storage_ref`): expired once it is freed
     nbytes: int
     version: int
-    index: int
+    index: int  # its place among the op's output tensors (`tensors_in` order: an output that is None has none)
     inputs: List[Optional[Input]]  # each tensor input in `tensors_in` order; None for parameters
     call: Optional[Call] = None  # when the op belongs to a plan applied here
     recipe: Optional[Recipe] = None
