@@ -2,6 +2,9 @@
 input, and what each keeps for backward when the fake step runs it. Held to torch's own choice and to CUDA's tensors
 on a GPU by tests/test_gpu_torch.py; here, the rules and the tensors as the composite op prepares them."""
 
+import json
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,21 +100,21 @@ def test_each_kernel_keeps_what_it_keeps_on_cuda():
     assert ran == {MATH: 1}
     probabilities, repeated = b * h * n * n * 4, 2 * b * h * n * d * 4
     assert nbytes >= probabilities + repeated, nbytes
-    # memory-efficient: its output and log-sum-exp (padded to 32 queries); its random state with dropout only (the
-    # card holds none without: an H200 kept 1 KiB less than the ops' fake rules make)
+    # memory-efficient: its output and log-sum-exp (padded to 32 queries); its random state is on the host, with
+    # dropout or without
     nbytes, ran = kept(H100, qkv())
     assert ran == {EFFICIENT: 1} and nbytes == b * h * n * d * 4 + b * h * 32 * 4, nbytes
     nbytes, ran = kept(H100, qkv(), dropout_p=0.1)
-    assert ran == {EFFICIENT: 1} and nbytes == b * h * n * d * 4 + b * h * 32 * 4 + 2 * 8, nbytes
-    # cuDNN's (Hopper, bf16): its output and log-sum-exp
+    assert ran == {EFFICIENT: 1} and nbytes == b * h * n * d * 4 + b * h * 32 * 4, nbytes
+    # cuDNN's (Hopper, bf16): its output and log-sum-exp, its seed and offset on the card (8 bytes each)
     nbytes, ran = kept(H100, qkv(torch.bfloat16))
-    assert ran == {CUDNN: 1} and nbytes == b * h * n * d * 2 + b * h * n * 4, nbytes
-    # flash without dropout: its output and log-sum-exp, no random state (CUDA makes it on the host then)
+    assert ran == {CUDNN: 1} and nbytes == b * h * n * d * 2 + b * h * n * 4 + 2 * 8, nbytes
+    # flash, without dropout too: its output, log-sum-exp and random state (two 8-byte words, and one beside them)
     nbytes, ran = kept(H100_DETERMINISTIC, qkv(torch.bfloat16))
-    assert ran == {FLASH: 1} and nbytes == b * h * n * d * 2 + b * h * n * 4, nbytes
+    assert ran == {FLASH: 1} and nbytes == b * h * n * d * 2 + b * h * n * 4 + 2 * 8 + 8, nbytes
     # flash on a head dimension of 20: the inputs padded to 24 are what it keeps, with its output
     nbytes, ran = kept(A100, qkv(torch.bfloat16, d=20))
-    assert ran == {FLASH: 1} and nbytes == 4 * b * h * n * 24 * 2 + b * h * n * 4, nbytes
+    assert ran == {FLASH: 1} and nbytes == 4 * b * h * n * 24 * 2 + b * h * n * 4 + 2 * 8 + 8, nbytes
     # memory-efficient with a boolean mask: the mask made a float bias of the query's dtype, kept
     nbytes, ran = kept(A100, qkv(torch.bfloat16), attn_mask=MASK)
     assert ran == {EFFICIENT: 1} and nbytes >= b * n * n * 2 + b * h * n * d * 2, nbytes
@@ -120,7 +123,7 @@ def test_each_kernel_keeps_what_it_keeps_on_cuda():
 def test_a_dry_run_for_a_card_runs_its_attention():
     """An fp32 step of a decoder with grouped-query attention on a card takes the math path, which keeps each
     layer's probabilities: the dry run for the card counts them, where the CPU's flash kernel keeps none; in bf16
-    both keep the same but for a few bytes."""
+    both keep the same but for the card's seed and offset (two 512-byte blocks a layer)."""
     from transformers import LlamaConfig
 
     from optimum_memopt.planning.dry_run import StepSpec, dry_run
@@ -136,6 +139,111 @@ def test_a_dry_run_for_a_card_runs_its_attention():
     assert card.peak_bytes - cpu.peak_bytes >= b * 4 * s * s * 4, (cpu.peak_bytes, card.peak_bytes)
     spec = StepSpec(config, batch=b, seq=s, dtype="bfloat16")
     cpu, card = dry_run(spec, backend=False), dry_run(spec, backend=False, kernels=H100_DETERMINISTIC)
-    assert card.attention == {FLASH: 2} and cpu.peak_bytes == card.peak_bytes, (cpu.peak_bytes, card.peak_bytes)
+    assert card.attention == {FLASH: 2} and card.peak_bytes - cpu.peak_bytes == 2 * 1024, (
+        cpu.peak_bytes,
+        card.peak_bytes,
+    )
     with pytest.raises(ValueError, match="`kernels` is for fake ones"):
         dry_run(spec, backend=False, fake=False, kernels=H100)
+
+
+def attention_cases():
+    """Inputs of every kind a kernel's rules tell apart: dtype, grouped heads, head dimension (20 flash pads, 256 its
+    most), a boolean mask, causal over as many or fewer queries than keys, dropout."""
+    cases = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for heads in ((4, 4), (4, 2)):
+            for d in (64, 20, 256):
+                for mask, causal, q_len in (
+                    (False, False, 32),
+                    (True, False, 32),
+                    (False, True, 32),
+                    (False, True, 16),
+                ):
+                    for dropout in (0.0, 0.1):
+                        cases.append((dtype, heads, d, mask, causal, q_len, dropout))
+    return cases
+
+
+def case_name(case) -> str:
+    dtype, (hq, hk), d, mask, causal, q_len, dropout = case
+    return (
+        f"{str(dtype)[6:]} {hq}/{hk} heads d{d}{' mask' if mask else ''}{' causal' if causal else ''}"
+        f"{' q' + str(q_len) if q_len != 32 else ''}{' dropout' if dropout else ''}"
+    )
+
+
+def attention_inputs(case, device):
+    dtype, (hq, hk), d, mask, causal, q_len, dropout = case
+    generator = torch.Generator().manual_seed(0)
+    make = lambda h, n: torch.randn(2, h, n, d, generator=generator).to(device, dtype).requires_grad_()  # noqa: E731
+    q, k, v = make(hq, q_len), make(hk, 32), make(hk, 32)
+    attn_mask = torch.ones(2, 1, q_len, 32, dtype=torch.bool).tril().to(device) if mask else None
+    return (q, k, v), dict(attn_mask=attn_mask, dropout_p=dropout, is_causal=causal, enable_gqa=hq != hk)
+
+
+H100_FIGURES = os.path.join(os.path.dirname(__file__), "data", "cuda_attention_kept_h100.json")
+
+
+@pytest.mark.parametrize("setting", ["default", "deterministic"])
+def test_every_kind_of_input_keeps_what_an_h100_kept(setting):
+    """The dry run's kernel and kept bytes for every kind of input are what an H100 took and kept (torch 2.11, cuDNN
+    9.19): the flash and cuDNN kernels' random state on the card, memory-efficient attention's on the host, the math
+    path's dropout mask one byte an element."""
+    with open(H100_FIGURES, encoding="utf-8") as f:
+        card = json.load(f)["cases"][setting]
+    kernels = CudaKernels((9, 0), deterministic=setting == "deterministic", cudnn_version=91900)
+    wrong = []
+    for case in attention_cases():
+        (q, k, v), kw = attention_inputs(case, "cpu")
+        nbytes, ran = kept(kernels, (q, k, v), blocks=True, **kw)
+        want = card[case_name(case)]
+        if (nbytes, "/".join(ran)) != (want["bytes"], want["kernel"]):
+            wrong.append(f"{case_name(case)}: dry run {'/'.join(ran)} {nbytes}, H100 {want['kernel']} {want['bytes']}")
+    assert not wrong, f"{len(wrong)} of {len(card)} apart: " + "; ".join(wrong)
+
+
+def _saved_bytes(run, inputs):
+    from optimum_memopt.backends.torch import _torch_api
+
+    saved = {}
+
+    def pack(t):
+        saved[_torch_api.storage_identity(t.untyped_storage())] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    mine = {_torch_api.storage_identity(t.untyped_storage()) for t in inputs}
+    return out, sum(n for key, n in saved.items() if key not in mine)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_math_paths_dropout_is_atens_on_the_cpu(dtype):
+    """`math_path` with the CPU's dropout is torch's math path on the CPU: the same values and gradients to the bit
+    and the same tensors kept, over grouped heads, a mask, causal over as many or fewer queries; with the card's
+    dropout it keeps one byte an element of the probabilities where the CPU keeps their fp32 noise."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from optimum_memopt.backends.torch.measure.attention import card_dropout, cpu_dropout, math_path
+
+    for heads in ((4, 4), (4, 2)):
+        for mask, causal, q_len in ((False, False, 32), (True, False, 32), (False, True, 32), (False, True, 16)):
+            case = (dtype, heads, 20, mask, causal, q_len, 0.1)
+            (q, k, v), kw = attention_inputs(case, "cpu")
+            scale = 1 / 20**0.5
+            torch.manual_seed(1)
+            with sdpa_kernel(SDPBackend.MATH):
+                theirs, kept_theirs = _saved_bytes(
+                    lambda: F.scaled_dot_product_attention(q, k, v, scale=scale, **kw), (q, k, v)
+                )
+            grads_theirs = torch.autograd.grad(theirs.sum(), (q, k, v))
+            torch.manual_seed(1)
+            args = (q, k, v, kw["attn_mask"], 0.1, causal, scale, kw["enable_gqa"])
+            mine, kept_mine = _saved_bytes(lambda: math_path(*args, cpu_dropout), (q, k, v))
+            grads_mine = torch.autograd.grad(mine.sum(), (q, k, v))
+            assert torch.equal(mine, theirs) and all(map(torch.equal, grads_mine, grads_theirs)), case_name(case)
+            assert kept_mine == kept_theirs, (case_name(case), kept_mine, kept_theirs)
+            _, kept_card = _saved_bytes(lambda: math_path(*args, card_dropout), (q, k, v))
+            probabilities = 2 * heads[0] * q_len * 32
+            assert kept_theirs - kept_card == probabilities * (4 - 1), (case_name(case), kept_theirs, kept_card)

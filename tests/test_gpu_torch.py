@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 from helpers import ClsData, LossRecordingTrainer, Tokens, make_args, tiny_decoder
+from test_attention import attention_cases, attention_inputs, case_name
 from test_backend_torch import build_model
 
 from optimum_memopt.backends.torch.measure.live import held_outside, make_library_workspaces
@@ -231,41 +232,6 @@ def _zero2_fp16(tmp_path, monkeypatch):
     assert len(finite) >= 20 and sum(finite[-5:]) / 5 < sum(finite[:5]) / 5, trainer.losses
 
 
-def _attention_cases():
-    """Inputs of every kind a kernel's rules tell apart: dtype, grouped heads, head dimension (20 flash pads, 256 its
-    most), a boolean mask, causal over as many or fewer queries than keys, dropout."""
-    cases = []
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        for heads in ((4, 4), (4, 2)):
-            for d in (64, 20, 256):
-                for mask, causal, q_len in (
-                    (False, False, 32),
-                    (True, False, 32),
-                    (False, True, 32),
-                    (False, True, 16),
-                ):
-                    for dropout in (0.0, 0.1):
-                        cases.append((dtype, heads, d, mask, causal, q_len, dropout))
-    return cases
-
-
-def _case_name(case) -> str:
-    dtype, (hq, hk), d, mask, causal, q_len, dropout = case
-    return (
-        f"{str(dtype)[6:]} {hq}/{hk} heads d{d}{' mask' if mask else ''}{' causal' if causal else ''}"
-        f"{' q' + str(q_len) if q_len != 32 else ''}{' dropout' if dropout else ''}"
-    )
-
-
-def _attention_inputs(case, device):
-    dtype, (hq, hk), d, mask, causal, q_len, dropout = case
-    generator = torch.Generator().manual_seed(0)
-    make = lambda h, n: torch.randn(2, h, n, d, generator=generator).to(device, dtype).requires_grad_()  # noqa: E731
-    q, k, v = make(hq, q_len), make(hk, 32), make(hk, 32)
-    attn_mask = torch.ones(2, 1, q_len, 32, dtype=torch.bool).tril().to(device) if mask else None
-    return (q, k, v), dict(attn_mask=attn_mask, dropout_p=dropout, is_causal=causal, enable_gqa=hq != hk)
-
-
 DETERMINISTIC = [(False, True), (True, True), (True, False)]  # (on, warn only)
 DETERMINISTIC_IDS = ["default", "deterministic-warn-only", "deterministic"]
 
@@ -287,15 +253,15 @@ def test_cuda_attention_kernel_is_the_one_torch_takes(determinism):
     from optimum_memopt.backends.torch.measure.attention import CHOICE_VALUES, CudaKernels, choose
 
     kernels, wrong = CudaKernels.here(), []
-    for case in _attention_cases():
-        (q, k, v), kw = _attention_inputs(case, "cuda")
+    for case in attention_cases():
+        (q, k, v), kw = attention_inputs(case, "cuda")
         theirs = torch._fused_sdp_choice(
             q, k, v, kw["attn_mask"], kw["dropout_p"], kw["is_causal"], enable_gqa=kw["enable_gqa"]
         )
         ours = choose(kernels, q, k, v, **kw)
         if CHOICE_VALUES[ours] != theirs:
-            wrong.append(f"{_case_name(case)}: ours {ours}, torch {theirs}")
-    assert not wrong, f"{kernels}: {len(wrong)} of {len(_attention_cases())} apart: " + "; ".join(wrong)
+            wrong.append(f"{case_name(case)}: ours {ours}, torch {theirs}")
+    assert not wrong, f"{kernels}: {len(wrong)} of {len(attention_cases())} apart: " + "; ".join(wrong)
 
 
 @needs_cuda
@@ -310,8 +276,8 @@ def test_cuda_attention_keeps_what_the_dry_run_counts(determinism):
     from optimum_memopt.backends.torch.measure.storages import block_bytes
 
     kernels, wrong = CudaKernels.here(), []
-    for case in _attention_cases():
-        (q, k, v), kw = _attention_inputs(case, "cuda")
+    for case in attention_cases():
+        (q, k, v), kw = attention_inputs(case, "cuda")
         saved = {}
 
         def pack(t):
@@ -324,11 +290,11 @@ def test_cuda_attention_keeps_what_the_dry_run_counts(determinism):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
         mine = {_torch_api.storage_identity(t.untyped_storage()) for t in (q, k, v)}
         real = sum(n for key, n in saved.items() if key not in mine)
-        (cq, ck, cv), ckw = _attention_inputs(case, "cpu")
+        (cq, ck, cv), ckw = attention_inputs(case, "cpu")
         fake, ran = kept(kernels, (cq, ck, cv), blocks=True, **ckw)
         if fake != real:
-            wrong.append(f"{_case_name(case)} {'/'.join(ran)}: dry run {fake}, CUDA {real}")
-    assert not wrong, f"{kernels}: {len(wrong)} of {len(_attention_cases())} apart: " + "; ".join(wrong)
+            wrong.append(f"{case_name(case)} {'/'.join(ran)}: dry run {fake}, CUDA {real}")
+    assert not wrong, f"{kernels}: {len(wrong)} of {len(attention_cases())} apart: " + "; ".join(wrong)
 
 
 @needs_cuda

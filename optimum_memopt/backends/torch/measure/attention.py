@@ -187,15 +187,55 @@ def run(
             if bias is not None and name == EFFICIENT:
                 bias = _efficient_bias(bias, q, k)
             return _Kernel.apply(name, q, k, v, bias, dropout_p, is_causal, scale, grad)
+        if dropout_p > 0:
+            return math_path(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, card_dropout)
         return aten._scaled_dot_product_attention_math(
             q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
         )[0]
 
 
+def card_dropout(attn: torch.Tensor, p: float) -> torch.Tensor:
+    """The math path's dropout as a card runs it: the fused `native_dropout`, which keeps a one-byte mask."""
+    return torch.ops.aten.native_dropout(attn, p, True)[0]
+
+
+def cpu_dropout(attn: torch.Tensor, p: float) -> torch.Tensor:
+    """The math path's dropout as the CPU runs it: noise of the probabilities' dtype, kept by the multiplication."""
+    return torch.dropout(attn, p, True)
+
+
+def math_path(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, dropout):
+    """`_scaled_dot_product_attention_math` op for op (torch 2.11's, aten's attention.cpp), its dropout `dropout`: aten
+    calls the CPU's or the card's by the device its tensors are on, inside one op, so a dry run's fake tensors would
+    keep the CPU's (four bytes an element of the fp32 probabilities, where an H100 kept one). With `cpu_dropout` it
+    is aten's op on the CPU to the bit and keeps the same tensors (tests/test_attention.py holds both)."""
+    low = q.dtype in LOW
+    origin = q.dtype
+    if low:  # the math path computes in fp32 for accuracy
+        q, k, v = q.float(), k.float(), v.float()
+    factor = math.sqrt(scale)
+    q = q * factor
+    if is_causal:
+        attn_mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None:
+        attn_mask = _float_bias(attn_mask, q.dtype)
+    if enable_gqa and q.shape[-3] != k.shape[-3]:
+        repeat = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    attn = torch.matmul(q, k.transpose(-2, -1) * factor)
+    if attn_mask is not None:
+        attn.add_(attn_mask)
+    attn = torch.ops.aten._safe_softmax(attn, -1)
+    attn = dropout(attn, dropout_p)
+    return torch.matmul(attn, v).to(origin)
+
+
 class _Kernel(torch.autograd.Function):
     """A CUDA kernel through its aten ops (`kernel`: flash, memory-efficient or cuDNN's), keeping for backward what
-    CUDA keeps: the inputs, the bias, the output and the log-sum-exp, and the random state with dropout only (without
-    it the card holds none: an H200 held 1 KiB less a layer than the ops' fake rules make, their seed and offset)."""
+    CUDA keeps: the inputs, the bias, the output and the log-sum-exp, and the random state where the card keeps it:
+    flash's and cuDNN's seed and offset are tensors on the card, kept with dropout or without (two 512-byte blocks a
+    call); memory-efficient attention's are on the host, counted nowhere on the card (an H100, torch 2.11: the
+    figures of tests/data/cuda_attention_kept_h100.json)."""
 
     @staticmethod
     def forward(ctx, kernel, q, k, v, bias, dropout_p, is_causal, scale, grad):
@@ -215,8 +255,11 @@ class _Kernel(torch.autograd.Function):
                 q, k, v, bias, grad, dropout_p, is_causal, False, scale=scale
             )
             ctx.extra = (cum_q, cum_k, max_q, max_k)
-        rng = (seed, offset) if dropout_p > 0 else ()
-        ctx.save_for_backward(q, k, v, out, lse, *((bias,) if bias is not None else ()), *rng)
+        on_host = kernel == EFFICIENT
+        ctx.host_rng = (seed, offset) if on_host else None
+        ctx.save_for_backward(
+            q, k, v, out, lse, *((bias,) if bias is not None else ()), *(() if on_host else (seed, offset))
+        )
         ctx.kernel, ctx.bias, ctx.args = kernel, bias is not None, (dropout_p, is_causal, scale)
         return out
 
@@ -225,7 +268,7 @@ class _Kernel(torch.autograd.Function):
         aten = torch.ops.aten
         q, k, v, out, lse, *rest = ctx.saved_tensors
         bias = rest.pop(0) if ctx.bias else None
-        seed, offset = rest or (torch.empty((), dtype=torch.int64), torch.empty((), dtype=torch.int64))
+        seed, offset = rest or ctx.host_rng
         dropout_p, is_causal, scale = ctx.args
         if ctx.kernel == FLASH:
             cum_q, cum_k, max_q, max_k = ctx.extra

@@ -10,8 +10,8 @@ counted each mask at the input's element size (fp32 LoRA adapters: four times wh
 Under `on_cuda(True)` every `torch.nn.functional.dropout` call the card would fuse runs `native_dropout` instead, as
 the card does, and keeps what the card keeps (the rule is torch's `is_fused_kernel_acceptable`, aten's Dropout.cpp);
 the others run as before. Held to CUDA's own saved tensors by tests/test_gpu_torch.py; here, by tests/test_dropout.py.
-Not reached: dropout inside an aten op (the math attention path's), `torch.dropout` called directly, and the
-feature and alpha dropouts.
+The math attention path's dropout, inside one aten op, is run as the card runs it by `attention.math_path`. Not
+reached: `torch.dropout` called directly, and the feature and alpha dropouts.
 """
 
 from contextlib import contextmanager
