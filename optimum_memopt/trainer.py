@@ -275,7 +275,40 @@ class MemoptTrainerMixin(OrtTrainerParts):
             ddp=self._memopt_ddp_processes(),
             plan_file=self._memopt_plan_file() if a.memory_plan_file is not None else None,
             instruments=self._memopt_instruments() if a.memory_auto_dry_run else None,
+            keep_plan=self._memopt_keep_plan() if rank0 and a.memory_auto_dry_run else None,
         )
+
+    def _memopt_run_step(self):
+        """The step this run is about to train as a plan file states one (`planning.plan_file.run_step`), for one
+        process or DDP's; PlanFileError where the model has no config."""
+        from .planning.plan_file import run_step
+
+        a = self.args
+        return run_step(
+            self.model,
+            device=a.device,
+            autocast="bfloat16" if a.bf16 else ("float16" if a.fp16 else None),
+            optimizer=getattr(a.optim, "value", a.optim),
+            grad_accum=a.gradient_accumulation_steps,
+            fsdp=1,
+            ddp=self._memopt_ddp_processes(),
+        )
+
+    def _memopt_keep_plan(self):
+        """Where `auto`'s dry run keeps its choice for the next run of this step: `memory_auto/plan.json` in the
+        output directory, with this run's step (`--memory_plan_file` takes it); None where the model has no config
+        to write (a run from the file compares it) or a plan file starts this run."""
+        from .planning.plan_file import PlanFileError, keeper
+
+        a = self.args
+        if a.memory_plan_file is not None or self.model is None or self._memopt_no_dry_run() is not None:
+            return None
+        try:
+            step = self._memopt_run_step()
+        except PlanFileError:
+            return None
+        config = getattr(self.model, "config", None)
+        return keeper(os.path.join(a.output_dir, "memory_auto", "plan.json"), step, type(config).__name__)
 
     @staticmethod
     def _memopt_instruments():
@@ -288,7 +321,7 @@ class MemoptTrainerMixin(OrtTrainerParts):
     def _memopt_plan_file(self):
         """`--memory_plan_file`, read and compared with the step this run is about to train (the batch's shape at
         step one: `BudgetPlanner`); ValueError naming every difference, before any step."""
-        from .planning.plan_file import FLAG, PlanFileError, read, run_step
+        from .planning.plan_file import FLAG, PlanFileError, read
 
         a = self.args
         path = a.memory_plan_file
@@ -304,15 +337,7 @@ class MemoptTrainerMixin(OrtTrainerParts):
             )
         try:
             plan = read(path)
-            run = run_step(
-                self.model,
-                device=a.device,
-                autocast="bfloat16" if a.bf16 else ("float16" if a.fp16 else None),
-                optimizer=getattr(a.optim, "value", a.optim),
-                grad_accum=a.gradient_accumulation_steps,
-                fsdp=1,
-                ddp=self._memopt_ddp_processes(),
-            )
+            run = self._memopt_run_step()
             plan.check(run)
         except PlanFileError as e:
             raise ValueError(str(e)) from None

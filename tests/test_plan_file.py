@@ -2,6 +2,7 @@
 of a dry run of its own step: step one runs the file's choice and checks it; a file planned for another step, batch,
 budget or flags is refused before any step, each difference said."""
 
+import gc
 import json
 import os
 import subprocess
@@ -110,6 +111,32 @@ def test_a_run_starts_from_the_files_choice_without_a_dry_run(tmp_path, planned)
     assert run["source"].startswith(f"the choice of `--memory_plan_file {path}`") and run["recompute_seconds"] > 0
     # the same losses as the choice given by hand
     assert run["losses"] == run["by_hand"]
+
+
+@pytest.mark.slow
+def test_a_runs_own_dry_run_is_kept_for_the_next_run_of_the_step(tmp_path, planned):
+    """`auto`'s dry run at a run's start keeps its choice as a plan file in the output directory: the next run of the
+    same step given it runs that choice from step one without a dry run, training as the first run did, and a run
+    of another step is refused it as memopt-plan's file is."""
+    from optimum_memopt.planning.plan_file import read
+
+    _, _, budget = planned
+    first = train(tmp_path / "first", "--memory_opt_config", "auto", "--memory_budget_mb", str(budget))
+    path = tmp_path / "first" / "out" / "memory_auto" / "plan.json"
+    chose, losses = first.memopt_handle.planner.planned.config(), first.losses
+    del first  # what the first run holds would be held outside the next one's step (the budget is 8 MiB)
+    gc.collect()
+    said = (tmp_path / "first" / "out" / "memory_plans.txt").read_text()
+    assert "a dry run of step one" in said and f"; kept in {path}: `--memory_plan_file {path}` starts the next" in said
+    kept = read(str(path))
+    assert (kept.choice, kept.budget_mb, kept.step.batch, kept.step.seq) == (chose, budget, BATCH, SEQ)
+    again = train(tmp_path / "again", "--memory_plan_file", str(path))
+    planner = again.memopt_handle.planner
+    assert planner.start.twin is None and planner.planned.config() == chose
+    assert not (tmp_path / "again" / "out" / "memory_auto" / "plan.json").exists()  # a file's run keeps none
+    assert again.losses == losses
+    with pytest.raises(RuntimeError, match=rf"planned batches of {BATCH} x {SEQ} tokens, and this run's first is 4 x"):
+        train(tmp_path / "batch", "--memory_plan_file", str(path), batch=4)
 
 
 @pytest.mark.slow

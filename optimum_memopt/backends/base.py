@@ -80,6 +80,10 @@ class Budget:
     # with `dry_run`: what the backend's dry run of the step is handed from above (the torch backend's
     # `fake_step.Instruments`: how the backend is put on a model, the device its ops are timed on)
     instruments: Optional[object] = None
+    # with `dry_run`: where the dry run's choice is kept as a file `--memory_plan_file` takes, so that the next run of
+    # the same step starts without one; called on rank 0 with the choice and the step's batch, returns the path
+    # (`planning.plan_file.keeper`); None: not kept
+    keep_plan: Optional[Callable[..., Optional[str]]] = None
 
 
 @dataclass

@@ -20,6 +20,7 @@ Rules:
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
@@ -228,6 +229,47 @@ class PlanFile:
                 f"`memopt-plan ... --memory_budget_mb {given:g} --json {self.path}`"
             )
         return self.budget_mb
+
+
+def write(path: str, step: PlannedStep, *, choice: str, peak_mb: float, peak_at: str, budget_mb: float,
+          workspaces_mb: float, batch: int, seq: int, model: Optional[str] = None) -> str:  # fmt: skip
+    """`step` planned with `auto`'s choice under `budget_mb`, written to `path` as `memopt-plan --json` writes what
+    `read` takes (the `auto` row, the step, the model's config as `model_facts` gives it, the kernels): a run's own dry
+    run kept for the next run of the same step. The file's peak is its step's for a process holding nothing else but
+    `workspaces_mb`, as memopt-plan's. Returns `path`."""
+    record = {
+        "written_by": "a training run's dry run of its step one (`--memory_opt_config auto`)",
+        "model": model,
+        "step": {
+            "batch": batch,
+            "seq": seq,
+            "dtype": step.dtype,
+            "autocast": step.autocast,
+            "optimizer": step.optimizer,
+            "grad_accum": step.grad_accum,
+            "lora": step.lora,
+            "fsdp": step.fsdp,
+            "ddp": step.ddp,
+        },  # fmt: skip
+        "budget_mb": budget_mb,
+        "workspaces_mb": workspaces_mb,
+        "configurations": [{"name": "auto", "choice": choice, "peak_mb": peak_mb, "peak_at": peak_at}],
+        "run": {"model_config": step.model, "kernels": step.kernels, "auto_budget_mb": budget_mb},
+    }
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(record, f, indent=2)
+    return path
+
+
+def keeper(path: str, step: PlannedStep, model: Optional[str] = None):
+    """What a run hands its dry run (`Budget.keep_plan`): writes the choice it is given with `step` to `path`."""
+
+    def keep(**choice) -> str:
+        return write(path, step, model=model, **choice)
+
+    return keep
 
 
 def read(path: str) -> PlanFile:

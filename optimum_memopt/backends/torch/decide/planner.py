@@ -72,7 +72,8 @@ class Start:
     model's `twin` on the meta device, trained on fake copies of the batch by the `instruments` the run was handed,
     `fake_step.Instruments`, with the run's micro-batches, autocast and DistributedDataParallel's processes, whose
     gradient buckets it holds); else, where there is neither (`no_dry_run`: why, said), measuring with every layer
-    recomputed whole."""
+    recomputed whole. A dry run's choice is handed to `keep_plan` where there is one, kept as a file a later run of
+    the same step starts from (`--memory_plan_file`)."""
 
     plan_file: object = None
     twin: object = None
@@ -81,6 +82,7 @@ class Start:
     grad_accum: int = 1
     autocast: Optional[str] = None
     ddp: int = 1
+    keep_plan: Optional[Callable[..., Optional[str]]] = None
 
 
 class BudgetPlanner:
@@ -268,10 +270,36 @@ class BudgetPlanner:
         outside = f", with {held / MIB:,.1f} MiB the process held outside the step" if held >= MIB / 10 else ""
         if outside and libraries:
             outside += f" ({libraries / MIB:,.1f} MiB of it cuBLAS's workspaces, made before the dry run)"
+        kept = ""
+        if ranks.rank == 0 and self.start.keep_plan is not None:
+            kept = self._keep(fit, held, libraries, batch_shape(args, kwargs))
         self.say(
             f"memory_opt_config auto: a dry run of step one{took} chose {config}, under the budget of "
             f"{self.budget_mb:,.1f} MiB: predicted peak {fit.predicted.peak_mb:,.1f} MiB ({fit.predicted.where}"
-            f"{outside}); step one runs it and is measured to check it"
+            f"{outside}); step one runs it and is measured to check it{kept}"
+        )
+
+    def _keep(self, fit: Fit, held: int, libraries: int, shape: Optional[tuple]) -> str:
+        """The dry run's choice handed to `Start.keep_plan`, as `memopt-plan --json` writes it: its step's peak for a
+        process holding nothing else but the workspaces made for it (what this process held outside the step taken
+        out, as a run from the file puts its own back in), and the batch's shape. Returns where it went and how a run
+        starts from it, said with the choice; a batch whose shape cannot be read is not kept (the file plans one)."""
+        if shape is None:
+            self.detail("memory_opt_config auto: the dry run's choice is not kept: the batch's shape was not read")
+            return ""
+        peak_mb = (fit.predicted.peak_bytes - held + libraries) / MIB
+        budget = self.given_mb if self.given_mb is not None else self.budget_mb
+        try:
+            path = self.start.keep_plan(
+                choice=fit.config(), peak_mb=peak_mb, peak_at=fit.predicted.where, budget_mb=budget,
+                workspaces_mb=libraries / MIB, batch=shape[0], seq=shape[1],
+            )  # fmt: skip
+        except OSError as e:  # keeping it is a convenience: the run goes on without it, saying why
+            return f" (its choice could not be kept for the next run: {e})"
+        return (
+            f"; kept in {path}: `--memory_plan_file {path}` starts the next run of this step without one"
+            if path
+            else ""
         )
 
     def _outside(self, model, args, kwargs, optimizer) -> tuple:
