@@ -8,6 +8,7 @@ prediction of a head run whole stands well above what the step holds (a head run
 step fit)."""
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 from optimum_memopt.backends.torch.measure.attention import CudaKernels
@@ -134,3 +135,42 @@ def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path)
     )
     assert "run alone after step one was not run whole, as the step ran it (it could hold up to " in said
     assert "`--memory_opt_config Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8`" in said
+
+
+class _Cycling(torch.nn.ModuleList):
+    """A layer list whose slice (what Llama's forward loops over) runs its first layer again after the others, as a
+    model that cycles its layers does."""
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            got = list(super().__getitem__(idx))
+            return got + got[:1]
+        return super().__getitem__(idx)
+
+
+def test_a_step_the_dry_run_cannot_measure_stops_the_run_before_step_one(tmp_path):
+    """Through the Trainer, a step that runs a layer twice is found by the dry run before step one, and every rank
+    stops there, saying why and what runs instead: no step trains (a refusal, not a fallback to measuring)."""
+    from helpers import LossRecordingTrainer, Tokens, make_args
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    model.model.layers = _Cycling(model.model.layers)
+    args = make_args(
+        tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "2", "--memory_opt_backend", "torch",
+        "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb", "1000",
+    )  # fmt: skip
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=Tokens(n=4, seq=32, vocab=256))
+    with pytest.raises(RuntimeError) as refused:
+        trainer.train()
+    assert str(refused.value) == (
+        "`--memory_opt_config auto` cannot measure this model's step: a step of LlamaForCausalLM runs layers 0 "
+        "(LlamaDecoderLayer) several times each (3 layer forwards for 2 layers), and step one is measured layer by "
+        "layer, once each. Nothing was chosen, and no step was trained. Recompute whole layers instead "
+        "(`--memory_opt_level 1`)"
+    )
+    assert trainer.losses == []

@@ -51,7 +51,14 @@ from .solver import candidates
 logger = logging.getLogger(__name__)
 
 
-REFUSED = "refused: "  # a dry run's reason that stops the run before step one (not a fallback to measuring)
+@dataclass(frozen=True)
+class Refusal:
+    """Why a run stops before step one, found by its dry run (every rank raises it; not a fallback to measuring
+    step one, which a reason given as text is)."""
+
+    text: str
+
+
 MARGIN = 0.005  # of the budget, kept by a re-plan after a check over its prediction
 SEARCH_CHECKS = 4  # a dry run's choices checked by a step each, at most (`BudgetPlanner.search`)
 
@@ -236,8 +243,8 @@ class BudgetPlanner:
                 fit = dry.fit
                 if dry.first_layer_idle is not None:
                     where, flag = dry.first_layer_idle
-                    why = (
-                        f"{REFUSED}`--memory_opt_config auto` measures step one from the first layer on, but {where}; "
+                    why = Refusal(
+                        f"`--memory_opt_config auto` measures step one from the first layer on, but {where}; "
                         f"nothing was measured or chosen, and no step was trained. Pass plans for the layers that run "
                         f"instead, as in {flag}"
                     )
@@ -249,15 +256,15 @@ class BudgetPlanner:
                         f"{fit.predicted.peak_mb:,.1f} MiB (`--memory_opt_config {fit.config()}`)"
                     )
             except LayerOrderError as e:  # step one could not be measured either: stop before it
-                why = (
-                    f"{REFUSED}`--memory_opt_config auto` cannot measure this model's step: {e}. Nothing was "
+                why = Refusal(
+                    f"`--memory_opt_config auto` cannot measure this model's step: {e}. Nothing was "
                     f"chosen, and no step was trained. Recompute whole layers instead (`--memory_opt_level 1`)"
                 )
             except Exception as e:  # the dry run's own failure costs the run nothing but the step
                 why = f"the dry run of step one failed ({type(e).__name__}: {e})"
         fit, why, running = ranks.from_rank0((fit if why is None else None, why, running))
-        if why is not None and why.startswith(REFUSED):  # every rank stops, before step one
-            raise RuntimeError(why[len(REFUSED) :])
+        if isinstance(why, Refusal):  # every rank stops, before step one
+            raise RuntimeError(why.text)
         if running is not None:  # step one is measured over the layers the step runs
             state.running = running
         if fit is None:
