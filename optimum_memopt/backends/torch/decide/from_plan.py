@@ -1,17 +1,18 @@
-"""`auto` starting from the plan: the run's first step already runs the choice made from a dry run of that very step.
+"""`auto`'s choice before step one, from a dry run of that very step.
 
-Without it, `auto` spends step one measuring with every layer recomputed whole (the least memory any policy needs)
-and runs its choice from step two. With it: when the model is wrapped, a twin of it is made on the meta device
-(`twin_of`: its modules and their parameters' shapes, nothing allocated); at the first training forward, before any
-of it runs, the twin trains that step on fake tensors (`fake_step`: the batch's shapes and the run's
-optimizer, gradient accumulation and autocast, every storage counted as CUDA counts it, which is also how the CPU
-counts a real step: `measure.live`), and `auto`'s solver chooses from the dry run's step one. The real step one runs
-that choice, measured; at step two's start the solver chooses again from the real step (`planner`), which is where a
-dry run and the device differ, and the check after it is today's.
-
-Where no dry run can be made (a model whose parameters are sharded or offloaded, an optimizer that is not torch's, a
-forward that reads its inputs' values, anything the fake mode refuses), the reason is written to the plan's file and
-step one measures with every layer recomputed whole, as before: nothing is lost but the step.
+Rules (held by tests/test_auto_dry_run.py and tests/test_plan_file.py):
+- When the model is wrapped, a twin of it is made on the meta device (`twin_of`: its modules and their parameters'
+  shapes, nothing allocated, no hook and no forward set on an instance).
+- At the first training forward, before any of it runs, the twin trains that step on fake tensors (`dry_run_choice`,
+  through `fake_step`: the batch's shapes, the run's optimizer, gradient accumulation, autocast and DDP processes,
+  every storage counted as CUDA counts it, which is how the CPU counts a real step too: `measure.live`), and the
+  solver chooses from it. Step one runs that choice and is measured; at step two's start the choice is kept where
+  step one's own memory with what later steps hold more fits the budget, else the solver chooses again from step one
+  (`planner`).
+- Where no dry run can be made (parameters sharded or offloaded, an optimizer that is not torch's, a forward that
+  reads its inputs' values, anything the fake mode refuses), the reason is written to the plan's file and step one
+  measures with every layer recomputed whole: the run loses that step's speed, nothing else. A step whose layers run
+  out of the list's order or more than once (`LayerOrderError`) stops the run before step one instead.
 """
 
 import copy

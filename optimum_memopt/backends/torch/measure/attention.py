@@ -4,12 +4,14 @@
 own tensors for backward: on the CPU (where a dry run's fake tensors are) a flash kernel for every dtype; on a CUDA
 card cuDNN's or the flash kernel in fp16/bf16, memory-efficient attention where those cannot run (fp32, a mask, a head
 dimension they do not take), and otherwise the math path, which keeps the softmax's probabilities (batch x heads x
-queries x keys) and, with fewer key/value heads than query heads, copies of the keys and values repeated. A dry run
-that let the CPU choose counted an fp32 step of a model with grouped-query attention far under what the card holds
-(the GPU kit on an H200: docs/GPU.md). Under `on_cuda(kernels)` the fake step runs the kernel `choose` names, as the
-composite op prepares its inputs on CUDA (flash: the head dimension padded to a multiple of 8; memory-efficient: a
-boolean mask made a float bias, padded where its strides are not multiples of 8, expanded over the heads), through
-the same aten ops, whose fake (meta) rules give their outputs' shapes.
+queries x keys) and, with fewer key/value heads than query heads, copies of the keys and values repeated. So a dry
+run for a card lets the card's rules choose, never the CPU's: under `on_cuda(kernels)` the fake step runs the kernel
+`choose` names, as the composite op prepares its inputs on CUDA (flash: the head dimension padded to a multiple of 8;
+memory-efficient: a boolean mask made a float bias, padded where its strides are not multiples of 8, expanded over the
+heads), through the same aten ops, whose fake (meta) rules give their outputs' shapes; each keeps its random state
+where the card keeps it (`_Kernel`), and the math path's dropout is the card's (`math_path`). Held to an H100's own
+figures for every kind of input by tests/test_attention.py (tests/data/cuda_attention_kept_h100.json), and on a card
+by tests/test_gpu_torch.py.
 
 The rules are torch 2.11's (`aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`, the torch of the GPU kit's
 image, whose runs hold `choose` to `torch._fused_sdp_choice`: tests/test_gpu_torch.py); another torch may choose
