@@ -539,6 +539,9 @@ def to_json_list(entries: Sequence[PlanEntry]) -> List[str]:
 
 
 # -- the report ------------------------------------------------------------------------------------
+HEAD_LEVER = "loss"  # the lever whose rows are the head and its loss' ways (`PlanReport.head_saving_mb`)
+
+
 @dataclass
 class FoundPlan:
     """One recompute opportunity a backend found in the training step."""
@@ -560,8 +563,9 @@ class FoundPlan:
     # the least and the most that drop can be (the same as peak_drop_bytes where the readings tell it exactly)
     peak_drop_min_bytes: Optional[float] = None
     peak_drop_max_bytes: Optional[float] = None
-    # a way of running the head and its loss (`Loss+`, torch backend), not a plan of the layers
-    head: bool = False
+    # the lever a row belongs to (torch backend: "loss" for the head and its loss' ways, `Loss+`; "mlp" for the MLPs
+    # in tiles, `MLP+`), not a plan of the layers' ops; "" for those
+    lever: str = ""
 
     @property
     def entries(self) -> List[PlanEntry]:
@@ -627,7 +631,7 @@ class PlanReport:
         def applied(p: FoundPlan) -> float:
             return p.applied_saving_bytes if p.applied_saving_bytes is not None else p.saving_bytes or 0.0
 
-        plans = [p for p in self.plans if not p.combination and not p.head]  # kept bytes; the head's are a peak's
+        plans = [p for p in self.plans if not p.combination and not p.lever]  # kept bytes; the levers' are a peak's
         if enabled_only:
             return sum(applied(p) for p in plans if p.enabled) / (1024.0 * 1024.0)
         # all found: the plans together, or a combination that chains them and frees more
@@ -638,7 +642,8 @@ class PlanReport:
     def head_saving_mb(self) -> float:
         """What the head and loss, as this run runs them, hold less at their most than the model's own head (the
         `Loss+` row that is on; 0 where none is): a transient peak's bytes, not added to `saving_mb`'s."""
-        return sum(p.saving_bytes or 0.0 for p in self.plans if p.head and p.enabled) / (1024.0 * 1024.0)
+        held_less = sum(p.saving_bytes or 0.0 for p in self.plans if p.lever == HEAD_LEVER and p.enabled)
+        return held_less / (1024.0 * 1024.0)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -646,9 +651,19 @@ class PlanReport:
     @classmethod
     def from_dict(cls, data: dict) -> "PlanReport":
         data = dict(data)
-        data["plans"] = [FoundPlan(**p) for p in data.get("plans", [])]
+        data["plans"] = [FoundPlan(**_lever_of(p)) for p in data.get("plans", [])]
         data["unmatched"] = [Unmatched(**u) for u in data.get("unmatched", [])]
         return cls(**data)
+
+
+def _lever_of(row: dict) -> dict:
+    """A row as `FoundPlan` takes it: a report written before rows named their lever said `head` of every lever's row
+    (the head's and the tiled MLP's), told apart here by the plan they run."""
+    row = dict(row)
+    if "head" in row:
+        head = row.pop("head")
+        row.setdefault("lever", ("mlp" if row.get("config", "").startswith("MLP+") else HEAD_LEVER) if head else "")
+    return row
 
 
 def match_requests(requested: Sequence[PlanEntry], found: Sequence[FoundPlan], n_closest: int = 3) -> List[Unmatched]:

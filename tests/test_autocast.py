@@ -27,7 +27,7 @@ def test_bf16_autocast_recomputes_bitwise_and_trains_as_plain_autocast(tmp_path,
     assert plain.accelerator.mixed_precision == "bf16"
     train(tmp_path / "table", arch, "--memory_opt_backend", "torch")
     plans = json.loads((tmp_path / "table" / "memory_plans.json").read_text())["plans"]
-    found = [p["config"] for p in plans if not p["combination"] and not p["head"]]  # the layers' (bitwise)
+    found = [p["config"] for p in plans if not p["combination"] and not p["lever"]]  # the layers' (bitwise)
     chains = [p["config"] for p in plans if p["combination"]]
     assert found and chains
     runs = [["--memory_opt_config", c] for c in found + chains + [",".join(found)]] + [["--memory_opt_level", "1"]]

@@ -289,7 +289,7 @@ def test_unmatched_and_unknown_requests_are_warned_with_the_closest(tmp_path, ca
 def _plans_to_try(tmp_path, arch):
     """The table's plans (one op each) and its combinations (sets chained together)."""
     train(tmp_path, arch, "--memory_opt_backend", "torch", steps=1, name="table")
-    plans = [p for p in report_of(tmp_path, "table")["plans"] if not p["head"]]  # the layers' (the head: its tests)
+    plans = [p for p in report_of(tmp_path, "table")["plans"] if not p["lever"]]  # the layers' (the head: its tests)
     found = [p["config"] for p in plans if not p["combination"]]
     assert found, "no plan found"
     return found, [p["config"] for p in plans if p["combination"]]
@@ -310,10 +310,10 @@ def test_every_plan_and_level_1_train_as_plain_pytorch(tmp_path, eager_losses, a
         on = {p["config"] for p in report["plans"] if p["enabled"] and not p["combination"]}
         assert report["optimizer_enabled"] and on
         if flags[0] == "--memory_opt_level":
-            assert on == {p["config"] for p in report["plans"] if not p["combination"] and not p["head"]}
+            assert on == {p["config"] for p in report["plans"] if not p["combination"] and not p["lever"]}
         elif flags[1] in combined:  # a chain: its ops are on (which sets are the best for their time is measured)
             ops = {f"{name}+:1:-1" for name in flags[1][: -len("+:1:-1")].split("+")}
-            rows = {p["config"] for p in report["plans"] if not p["combination"] and not p["head"]}
+            rows = {p["config"] for p in report["plans"] if not p["combination"] and not p["lever"]}
             assert on == ops & rows, (flags, on, ops)  # a chain's links that keep nothing themselves have no row
         elif "," not in flags[1]:
             assert on == {flags[1]}

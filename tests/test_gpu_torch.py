@@ -37,7 +37,7 @@ def _report(out):
 def _found(out):
     """Every plan the first step found on this device (run with an unknown request, so nothing is applied)."""
     _train(out, "--memory_opt_backend", "torch", "--memory_opt_config", "Nothing+:1:-1", dropout=0.1, steps=1)
-    return sorted(p["config"] for p in _report(out)["plans"] if not p.get("head"))  # the layers' plans
+    return sorted(p["config"] for p in _report(out)["plans"] if not p.get("lever"))  # the layers' plans
 
 
 @needs_cuda
@@ -145,7 +145,7 @@ def test_cuda_loss_lever_trains_as_the_models_own_head(tmp_path, precision):
     head = four.memopt_handle.profile.head
     assert head is not None and head.ran == "Loss+:1:-1@chunks4", four.memopt_handle.profile.head_problem
     assert head.option("") is not None or "" in head.why_not  # the whole head run, or said why not
-    rows = [p for p in _report(tmp_path / "four")["plans"] if p.get("head")]
+    rows = [p for p in _report(tmp_path / "four")["plans"] if p.get("lever") == "loss"]
     assert rows and any(p["enabled"] and p["config"] == "Loss+:1:-1@chunks4" for p in rows)
 
 

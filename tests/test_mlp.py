@@ -11,6 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import optimum_memopt
 from optimum_memopt.backends.torch.levers import mlp
 from optimum_memopt.backends.torch.levers.mlp import default_tiles, mlp_of, parse, tiled
+from optimum_memopt.plans import PlanReport
 
 pytestmark = pytest.mark.torch_backend
 
@@ -202,6 +203,18 @@ def test_its_rows_are_measured_after_step_one():
     assert rows["MLP+:1:-1@tiles2"].saving_bytes > 0  # one tile's intermediates at a time
     assert any(n.startswith("the layers' MLPs (`MLP+` rows)") for n in report.notes), report.notes
     assert "MLP+:1:-1@tiles2" in report.requested
+    # the rows are the MLP lever's: neither the layers' kept bytes nor the head's saving count them
+    assert all(p.lever == "mlp" for p in rows.values())
+    without = PlanReport.from_dict(
+        {**report.to_dict(), "plans": [p for p in report.to_dict()["plans"] if not p["lever"]]}
+    )
+    assert report.head_saving_mb() == 0.0 and report.saving_mb(enabled_only=True) == without.saving_mb(True) > 0
+    # a report written when every lever's row said `head` is read with each row's own lever
+    old = report.to_dict()
+    for row in old["plans"]:
+        row["head"] = bool(row.pop("lever"))
+    again = PlanReport.from_dict(old)
+    assert [p.lever for p in again.plans] == [p.lever for p in report.plans] and again.head_saving_mb() == 0.0
 
 
 def _lora_run(plans, dropout: float, caplog=None):

@@ -26,7 +26,7 @@ import json
 import os
 from typing import Optional
 
-from ..plans import PlanReport, lever_syntax
+from ..plans import HEAD_LEVER, PlanReport, lever_syntax
 from .base import MetricsCallback, PlanLog, atomic_write, current_model, logger, show, verbose
 
 
@@ -135,7 +135,7 @@ class PlanStatsCallback(MetricsCallback):
                 "memopt/available_saving_mb": report.saving_mb(enabled_only=False),
             }
         )
-        if any(p.head for p in report.plans):  # the head's ways were measured (`Loss+` rows)
+        if any(p.lever == HEAD_LEVER for p in report.plans):  # the head's ways were measured (`Loss+` rows)
             self._pending["memopt/planned_head_saving_mb"] = report.head_saving_mb()
 
 

@@ -139,7 +139,7 @@ class Stash(Lever):
                     frequency=1,
                     saving_bytes=saving,
                     recompute_seconds=c.cost,
-                    head=True,
+                    lever=self.name,
                     **(drop([c]) if drop is not None else {}),
                 )
             )

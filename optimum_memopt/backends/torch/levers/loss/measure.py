@@ -229,7 +229,7 @@ def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:
                 applied_count=int(on),
                 applied_saving_bytes=float(saving if on else 0),
                 recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
-                head=True,
+                lever=SYNTAX.name,
                 **(drop([_choice(option.plan, ran.held_bytes - option.held_bytes)]) if drop is not None else {}),
             )
         )

@@ -6,10 +6,10 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .....plans import LeverSyntax
+from .....plans import HEAD_LEVER, LeverSyntax
 
 SYNTAX = LeverSyntax(
-    name="loss",
+    name=HEAD_LEVER,
     plan="Loss+",
     what="the head and loss",
     layers=False,

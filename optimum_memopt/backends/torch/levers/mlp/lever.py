@@ -258,7 +258,7 @@ class TiledMLP(Lever):
                     applied_count=len(applied),
                     applied_saving_bytes=float(saving * len(applied)),
                     recompute_seconds=max(0.0, option.seconds - measured.options[1].seconds) * measured.layers,
-                    head=True,
+                    lever=self.name,
                 )
             )
         return out
