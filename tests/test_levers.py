@@ -19,7 +19,7 @@ from helpers import tiny_decoder
 
 from optimum_memopt.backends.torch import levers as levers_registry
 from optimum_memopt.backends.torch.decide.budget import LeverChoice, fit, predict
-from optimum_memopt.backends.torch.measure.profile import HEAD_SEGMENT
+from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE
 from optimum_memopt.plans import PlanError, parse_inline, parse_plans
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -127,10 +127,7 @@ def test_the_solver_searches_the_product_of_the_levers_options_and_prices_overla
     q = freed_bytes(profile, whole())
     base = 10 << 20
     mem = memory_of([base + 1000] * L, base + 3 * sum(q), [base + 4000] * L, base)
-    heads = [
-        LeverChoice("loss"),
-        LeverChoice("loss", "chunks4", "Loss+:1:-1@chunks4", ((HEAD_SEGMENT, sum(q)),), 0.004),
-    ]
+    heads = [LeverChoice("loss"), LeverChoice("loss", "chunks4", "Loss+:1:-1@chunks4", ((HEAD_PLACE, sum(q)),), 0.004)]
     stashes = [
         LeverChoice("stash"),
         # hidden: its copy takes less than the compute it overlaps

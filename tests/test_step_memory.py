@@ -50,6 +50,13 @@ def test_the_picture_draws_solver_json_and_goes_to_tensorboard(tmp_path):
     ax = figure.axes[0]
     segments = data["memory"]["segments"]
     assert [b.get_height() for b in ax.patches] == [s["peak_mb"] for s in segments]
+    # each stretch labelled from its place; a file written before segments carried one, from its name, the same
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels[0] == "L0 fwd" and "head+loss" in labels and "L0 bwd" in labels and labels[-1] == "optimizer"
+    older = json.loads(json.dumps(data))
+    for s in older["memory"]["segments"]:
+        del s["place"]
+    assert [t.get_text() for t in draw_step_memory(older).axes[0].get_xticklabels()] == labels
     lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
     assert lines["predicted with the choice"] == [p["peak_mb"] for p in data["fits"][-1]["predicted_segments"]]
     assert lines[f"budget {budget:,.1f} MiB"] == [data["budget_mb"]] * 2 and round(data["budget_mb"], 1) == budget

@@ -18,12 +18,21 @@ from helpers import tiny_decoder as decoder
 from torch_engine import engine, keep, pair, step
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
-from optimum_memopt.backends.torch.decide.budget import LeverChoice, fit, fit_share, freed_bytes, plan_entries, predict
+from optimum_memopt.backends.torch.decide.budget import (
+    LeverChoice,
+    as_kept,
+    fit,
+    fit_share,
+    freed_bytes,
+    merged,
+    plan_entries,
+    predict,
+)
 from optimum_memopt.backends.torch.decide.planner import MARGIN, BudgetPlanner
 from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
 from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
 from optimum_memopt.backends.torch.measure.graph import saved_bytes
-from optimum_memopt.backends.torch.measure.profile import HEAD_SEGMENT, Segment, StepMemory
+from optimum_memopt.backends.torch.measure.profile import AFTER_PLACE, HEAD_PLACE, Place, Segment, StepMemory
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 from optimum_memopt.memory import MIB
 from optimum_memopt.plans import PlanError, parse_inline
@@ -53,10 +62,10 @@ def whole(n=L):
 
 def memory_of(fwd, head, bwd, after):
     """A measured step: fwd[i] and bwd[i] the peaks in layer i's forward and backward."""
-    segs = [Segment(f"layer {i} forward", i + 1, 0, p) for i, p in enumerate(fwd)]
-    segs.append(Segment("after the layers: head and loss, forward and backward", len(fwd), 0, head))
-    segs += [Segment(f"layer {i} backward", i, 0, bwd[i]) for i in reversed(range(len(bwd)))]
-    segs.append(Segment("after backward: the optimizer step and the next batch", 0, 0, after))
+    segs = [Segment(Place.forward(i), i + 1, 0, p) for i, p in enumerate(fwd)]
+    segs.append(Segment(HEAD_PLACE, len(fwd), 0, head))
+    segs += [Segment(Place.backward(i), i, 0, bwd[i]) for i in reversed(range(len(bwd)))]
+    segs.append(Segment(AFTER_PLACE, 0, 0, after))
     return StepMemory("cpu", segs, 0, "test")
 
 
@@ -185,7 +194,7 @@ def test_the_head_is_chosen_with_the_layers_in_one_solve(profile, share):
 
 def head(plan: str, less: int = 0, seconds: float = 0.0) -> LeverChoice:
     """A way of running the head as the loss lever offers it (`levers.loss.choices`): in the head's segment."""
-    return LeverChoice("loss", plan.partition("@")[2] if plan else None, plan, ((HEAD_SEGMENT, less),) if less else (),
+    return LeverChoice("loss", plan.partition("@")[2] if plan else None, plan, ((HEAD_PLACE, less),) if less else (),
                        seconds)  # fmt: skip
 
 
@@ -844,9 +853,9 @@ def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_w
     per_layer = candidates(profile)
     q = freed_bytes(profile, whole())
     base, k = 10 << 20, 100  # k: the stretches' figures apart by more than a message's 0.1 MiB
-    segs = [Segment(f"layer {i} forward", i + 1, 0, base + 900 * k, parts=(("", base + 100 * k), ("mlp forward", base + 900 * k)))
+    segs = [Segment(Place.forward(i), i + 1, 0, base + 900 * k, parts=(("", base + 100 * k), ("mlp forward", base + 900 * k)))
             for i in range(L)]  # fmt: skip
-    segs.append(Segment(HEAD_SEGMENT, L, 0, base + 500 * k))
+    segs.append(Segment(HEAD_PLACE, L, 0, base + 500 * k))
     for i in reversed(range(L)):
         parts = (
             ("", base),
@@ -854,13 +863,13 @@ def test_a_lever_inside_the_layers_moves_its_stretches_only_and_is_chosen_over_w
             ("mlp forward", base + 6000 * k),
             ("after mlp backward", base + 3000 * k),
         )
-        segs.append(Segment(f"layer {i} backward", i, 0, base + 6000 * k, parts=parts))
-    segs.append(Segment("after backward: the optimizer step and the next batch", 0, 0, base))
+        segs.append(Segment(Place.backward(i), i, 0, base + 6000 * k, parts=parts))
+    segs.append(Segment(AFTER_PLACE, 0, 0, base))
     mem = StepMemory("cpu", segs, 0, "test")
 
     def tiles(layers, seconds):
-        parts = tuple((f"layer {i} backward", "mlp forward", 5000 * k) for i in layers)
-        parts += tuple((f"layer {i} forward", "mlp forward", 400 * k) for i in layers)
+        parts = tuple((Place.backward(i), "mlp forward", 5000 * k) for i in layers)
+        parts += tuple((Place.forward(i), "mlp forward", 400 * k) for i in layers)
         return LeverChoice("mlp", "x", "MLP+", seconds=seconds, less_parts=parts, recomputed=tuple(layers))
 
     one = tiles([L - 1], 0.001)
@@ -927,3 +936,20 @@ def test_the_step_after_the_last_check_is_counted_only_up_to_its_first_layer():
     planner = getattr(model, "_memopt_recompute").planner
     assert planner.stage == "done" and len(planner.verified) == 1
     assert [m > 0 for m in modes] == [True, True, False, False], modes  # step one, the check; not the two after
+
+
+def test_a_segment_is_a_place_in_the_step_named_in_words_for_messages_only():
+    """A lever's bytes held less are by place in the step: they move the same place read on any process (steps of
+    several merged), and no other (a layer's backward is not the backward of a layer whose number starts alike);
+    `str` is what messages and files say."""
+    at = Place.backward(1)
+    tiles = LeverChoice("mlp", "x", "MLP+", less=((at, 7),), less_parts=((at, "mlp forward", 5),))
+    assert tiles.less_in(at) == tiles.less_in(at.on_rank(1)) == 7
+    assert tiles.less_in(Place.backward(10)) == tiles.less_in(Place.forward(1)) == tiles.less_in(HEAD_PLACE) == 0
+    assert tiles.less_in_part(at.on_rank(0), "mlp forward") == 5 and tiles.less_in_part(at, "mlp backward") == 0
+    assert str(at.on_rank(1)) == "layer 1 backward on rank 1" and str(Place.forward(0)) == "layer 0 forward"
+    assert str(HEAD_PLACE) == "after the layers: head and loss, forward and backward"
+    assert str(AFTER_PLACE) == "after backward: the optimizer step and the next batch"
+    merged_ = merged([as_kept(memory_of([5], 6, [7], 1), [0])] * 2, [0])
+    assert [s.place for s in merged_.segments][:2] == [Place.forward(0).on_rank(0), HEAD_PLACE.on_rank(0)]
+    assert [s.name for s in merged_.segments][-1] == "after backward: the optimizer step and the next batch on rank 1"

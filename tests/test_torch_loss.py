@@ -530,11 +530,17 @@ def test_each_ways_bound_is_above_what_it_holds(arch, autocast):
     """The bound a way of running the head is admitted by (`measure`: what the last way run held and what each more
     row can add, 25% higher) is never below what it then holds: Llama and Gemma 2 (soft-capped), fp32 and bf16."""
     from optimum_memopt.backends.torch.levers.loss import measure
-    from optimum_memopt.backends.torch.measure.profile import LayerProfile, ModelProfile, Segment, StepMemory
+    from optimum_memopt.backends.torch.measure.profile import (
+        AFTER_PLACE,
+        LayerProfile,
+        ModelProfile,
+        Segment,
+        StepMemory,
+    )
 
     layer = LayerProfile(shape=(4, 64, 32))
     profile = ModelProfile([layer], autocast=autocast)
-    profile.memory = StepMemory("cpu", [Segment("room", 0, 0, 1 << 40)], 0, "")  # room for every way
+    profile.memory = StepMemory("cpu", [Segment(AFTER_PLACE, 0, 0, 1 << 40)], 0, "")  # room for every way
     measured = measure(ChunkedLoss(causal_lm(decoder(arch)), None, say=lambda text: None), profile)
     assert [o.plan for o in measured.options] == [""] + [f"Loss+:1:-1@chunks{c}" for c in (2, 4, 8)]
     for option in measured.options:

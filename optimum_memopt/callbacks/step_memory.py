@@ -19,8 +19,16 @@ logger = logging.getLogger(__name__)
 IMAGE_TAG = "memopt/step_memory"
 
 
-def _short(name: str) -> str:
-    """A segment's name as an axis label: `layer 3 forward` -> `L3 fwd`."""
+def _short(segment: dict) -> str:
+    """A segment as an axis label, from its place (`layer 3 forward` -> `L3 fwd`); a file written before segments
+    carried their place, from its name."""
+    place = segment.get("place")
+    if place is not None:
+        kind, layer = place["kind"], place["layer"]
+        if layer is not None:
+            return f"L{layer} {'fwd' if kind == 'forward' else 'bwd'}"
+        return {"head": "head+loss", "after": "optimizer"}.get(kind, kind)
+    name = segment["name"]
     match = re.fullmatch(r"layer (\d+) (forward|backward)", name)
     if match:
         return f"L{match.group(1)} {'fwd' if match.group(2) == 'forward' else 'bwd'}"
@@ -32,9 +40,16 @@ def _short(name: str) -> str:
 
 
 def _rank0(points: List[dict], processes: int) -> List[dict]:
-    """Several processes' segments are named per rank (`... on rank 1`): rank 0's, as measured there."""
+    """Several processes' segments are placed per rank: rank 0's, as measured there, named as its own step names
+    them (a file written before segments carried their place: by the name's `... on rank 0`)."""
     if processes <= 1:
         return points
+    if all("place" in p for p in points):
+        return [
+            dict(p, name=p["name"][: -len(" on rank 0")], place=dict(p["place"], rank=None))
+            for p in points
+            if p["place"]["rank"] == 0
+        ]
     return [dict(p, name=p["name"][: -len(" on rank 0")]) for p in points if p["name"].endswith(" on rank 0")]
 
 
@@ -61,7 +76,7 @@ def draw_step_memory(data: dict, path: Optional[str] = None):
         measured = data["verified"][-1]["measured_peak_mb"]
         ax.axhline(measured, color="#2ca02c", linestyle=":", label=f"measured after the choice {measured:,.1f} MiB")
     ax.set_xticks(x)
-    ax.set_xticklabels([_short(s["name"]) for s in segments], rotation=45, ha="right", fontsize=8)
+    ax.set_xticklabels([_short(s) for s in segments], rotation=45, ha="right", fontsize=8)
     ax.set_ylabel(f"MiB ({'allocated' if memory['device'] == 'cuda' else 'in use at the allocator'})")
     plans = "recompute nothing" if fit is None or not fit.get("config") else "the choice, per layer"
     ax.set_title(f"The step's memory ({memory['device']}): step one with every layer recomputed whole, and {plans}")

@@ -6,7 +6,7 @@ layer's input off the compute's path) overlaps the compute, and its options say 
 Its mechanism is real but changes nothing a step computes: a forward pre-hook on each layer it acts in counts the
 calls and the input bytes it would copy. Its measurement after step one reads each layer's input shape and op time
 from the profile and times one copy of a tensor of that shape. Its options offer the bytes of the layers' inputs as
-held less in the segments after the layers' forward (what an offload would take off the device), with the copy's
+held less in the segment after the layers' forward (what an offload would take off the device), with the copy's
 time as overlapped work hidden under the layers' op time. It proves the protocol's plumbing (grammar, policy, solver,
 table, install and removal) and the solver's pricing of overlapped work; it frees nothing (it is not offload).
 """
@@ -20,6 +20,7 @@ import torch
 from optimum_memopt.backends.torch.apply.layers import find_layers
 from optimum_memopt.backends.torch.decide.budget import LeverChoice
 from optimum_memopt.backends.torch.levers.protocol import Lever
+from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE
 from optimum_memopt.plans import FoundPlan, LeverSyntax
 
 SYNTAX = LeverSyntax(
@@ -32,7 +33,7 @@ SYNTAX = LeverSyntax(
     default="one copy in flight",
     examples=("Stash+:1:-1", "Stash+:1:-1@0-1:copies2"),
 )
-AFTER_FORWARD = "after the layers"  # the segments an offload of the layers' inputs would hold less in
+AFTER_FORWARD = HEAD_PLACE  # the segment after the layers' forward, where an offload of their inputs holds less
 
 
 def parse(option: str, n_layers: int):

@@ -39,6 +39,7 @@ from .apply.layers import STATE, find_layers, run_order_problem
 from .measure import dropout
 from .measure.attention import CudaKernels, on_cuda
 from .measure.op_costs import OpCosts, clock_for
+from .measure.profile import Place
 from .measure.storages import StorageCount, block_bytes
 from .nested import tensors_in
 
@@ -405,7 +406,7 @@ def _marks(model, layers, count: PartsCount):
 
     def forward_starts(index, module, args):
         if not _torch_api.in_backward() and torch.is_grad_enabled():
-            count.phase, count.where = ACTIVATIONS, f"layer {index} forward"
+            count.phase, count.where = ACTIVATIONS, str(Place.forward(index))
 
     def forward_ends(index, module, args, out):
         if _torch_api.in_backward() or not torch.is_grad_enabled():
@@ -417,7 +418,7 @@ def _marks(model, layers, count: PartsCount):
             count.phase, count.where = HEAD, "the head and loss"
 
     def backward_reached(index, grad):
-        count.phase, count.where = ACTIVATIONS, f"layer {index} backward"
+        count.phase, count.where = ACTIVATIONS, str(Place.backward(index))
         return grad
 
     for index, layer in enumerate(layers):

@@ -28,7 +28,7 @@ from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
 from ....plans import PlanEntry, layer_selector, lever_syntax, parse_plans
 from ..measure.graph import effect, saved_bytes, whole_layer
-from ..measure.profile import ModelProfile, Segment, StepMemory
+from ..measure.profile import ModelProfile, Place, Segment, StepMemory
 from ..policy import LAYER, OPS, RecomputePolicy
 from .solver import KEEP, Candidate, candidates, choose, policy_of
 
@@ -81,10 +81,10 @@ def segment_peaks(
     extra: int = 0,
     levers: Sequence["LeverChoice"] = (),
 ) -> List[tuple]:
-    """Each segment's predicted peak (`predict`'s terms) with `freed` bytes freed per layer: (name, bytes)."""
+    """Each segment's predicted peak (`predict`'s terms) with `freed` bytes freed per layer: (place, bytes)."""
     last = len(memory.segments) - 1
     return [
-        (seg.name, _moved(seg, measured_freed, freed, levers) + (extra if k < last else 0))
+        (seg.place, _moved(seg, measured_freed, freed, levers) + (extra if k < last else 0))
         for k, seg in enumerate(memory.segments)
     ]
 
@@ -117,11 +117,11 @@ def _moved(
     seg: Segment, measured_freed: Sequence[int], freed: Sequence[int], levers: Sequence["LeverChoice"] = ()
 ) -> int:
     held = seg.held
-    by = sum(measured_freed[:held]) - sum(freed[:held]) - sum(c.less_in(seg.name) for c in levers)
+    by = sum(measured_freed[:held]) - sum(freed[:held]) - sum(c.less_in(seg.place) for c in levers)
     if not seg.parts:
         return seg.peak_bytes + by
     # marked inside (`StepWatch.inside`): the highest of its stretches, each moved by what the levers hold less there
-    return max(peak - sum(c.less_in_part(seg.name, tag) for c in levers) for tag, peak in seg.parts) + by
+    return max(peak - sum(c.less_in_part(seg.place, tag) for c in levers) for tag, peak in seg.parts) + by
 
 
 def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -> StepMemory:
@@ -142,10 +142,9 @@ def merged(kept: Sequence[StepMemory], measured_freed: Sequence[int]) -> StepMem
     and a budget met on it is met on each. Segments are named with their rank where there are several."""
     segments = []
     for rank, memory in enumerate(kept):
-        on = f" on rank {rank}" if len(kept) > 1 else ""
         for s in memory.segments:
             back = sum(measured_freed[: s.held])
-            segments.append(s.shifted(-back, s.name + on))
+            segments.append(s.shifted(-back, s.place.on_rank(rank) if len(kept) > 1 else None))
     first = kept[0]
     return StepMemory(first.device, segments, first.start_bytes, first.how)
 
@@ -157,41 +156,43 @@ class LeverChoice:
 
     `option` is what the policy holds for it (`RecomputePolicy.levers`: "chunks8"; "" its default), None the lever
     off; `plan` its entry in the plan grammar ("" off). `less`: the bytes it holds less than the measured step's
-    option, by segment (a prefix of the segments' names: the head's segment, a layer's backward); negative where it
-    holds more. `seconds`: what it adds to a step on the compute's path, above the lever's fastest option (a
-    constant apart: the least total time is the same). Work that overlaps compute (a copy on a stream of its own,
-    as an offload's) is `overlap_seconds`, hidden under `window_seconds` of the step's compute: only what it runs
-    past the window costs (`cost`). `returned`: what its forward returns that a caller may keep through the whole
-    step (the model's own head's logits, in a loop that keeps `outputs`), counted held in every segment but the
-    last. `less_parts`: the bytes it holds less in a stretch of a segment marked inside (`profile.Segment.parts`),
-    as (segment prefix, the stretch's mark, bytes): a lever acting inside a layer (the tiled MLP) lowers the stretches
-    its module runs in, and a segment's peak is the highest of its stretches so moved. `recomputed`: the layers the
-    option needs recomputed whole (the tiled MLP is weighed there only: in a layer kept, what its saves hold less
-    would show in every later segment, which no stretch's reading says)."""
+    option, by segment (its `profile.Place` in the step, whichever process read it: the head's segment, a layer's
+    backward); negative where it holds more. `seconds`: what it adds to a step on the compute's path, above the
+    lever's fastest option (a constant apart: the least total time is the same). Work that overlaps compute (a copy
+    on a stream of its own, as an offload's) is `overlap_seconds`, hidden under `window_seconds` of the step's
+    compute: only what it runs past the window costs (`cost`). `returned`: what its forward returns that a caller
+    may keep through the whole step (the model's own head's logits, in a loop that keeps `outputs`), counted held
+    in every segment but the last. `less_parts`: the bytes it holds less in a stretch of a segment marked inside
+    (`profile.Segment.parts`), as (the segment's place, the stretch's mark, bytes): a lever acting inside a layer
+    (the tiled MLP) lowers the stretches its module runs in, and a segment's peak is the highest of its stretches
+    so moved. `recomputed`: the layers the option needs recomputed whole (the tiled MLP is weighed there only: in a
+    layer kept, what its saves hold less would show in every later segment, which no stretch's reading says)."""
 
     lever: str
     option: Optional[str] = None
     plan: str = ""
-    less: Tuple[Tuple[str, int], ...] = ()
+    less: Tuple[Tuple[Place, int], ...] = ()
     seconds: float = 0.0
     returned: int = 0
     overlap_seconds: float = 0.0
     window_seconds: float = 0.0
-    less_parts: Tuple[Tuple[str, str, int], ...] = ()
+    less_parts: Tuple[Tuple[Place, str, int], ...] = ()
     recomputed: Tuple[int, ...] = ()
 
-    def less_in(self, segment: str) -> int:
-        """What this option holds less than the measured step's in the segment named `segment`."""
-        return sum(b for prefix, b in self.less if segment.startswith(prefix))
+    def less_in(self, place: Place) -> int:
+        """What this option holds less than the measured step's in the segment at `place` (on any process)."""
+        at = place.in_step()
+        return sum(b for where, b in self.less if where == at)
 
-    def less_in_part(self, segment: str, part: str) -> int:
-        """What this option holds less than the measured step's in the stretch `part` of the segment `segment`."""
-        return sum(b for prefix, tag, b in self.less_parts if tag == part and segment.startswith(prefix))
+    def less_in_part(self, place: Place, part: str) -> int:
+        """What this option holds less than the measured step's in the stretch `part` of the segment at `place`."""
+        at = place.in_step()
+        return sum(b for where, tag, b in self.less_parts if tag == part and where == at)
 
     def less_mb(self) -> Dict[str, float]:
         """What it holds less by segment (and stretch, "segment: stretch"), in MiB: solver.json's figures."""
-        out = {prefix: b / MIB for prefix, b in self.less}
-        out.update({f"{prefix}: {tag}": b / MIB for prefix, tag, b in self.less_parts})
+        out = {str(where): b / MIB for where, b in self.less}
+        out.update({f"{where}: {tag}": b / MIB for where, tag, b in self.less_parts})
         return out
 
     @property
@@ -214,7 +215,7 @@ class Fit:
     floor: Prediction  # the least peak recompute reaches (each layer freeing the most it can)
     choice: Optional[List[Candidate]] = None  # None: nothing fits (`why_not`)
     predicted: Optional[Prediction] = None
-    segments: List[tuple] = field(default_factory=list)  # (segment, its predicted peak in bytes) with the choice
+    segments: List[tuple] = field(default_factory=list)  # (its place, its predicted peak in bytes) with the choice
     why_not: str = ""
     share: Optional[float] = None  # the budget as a share of `activation_bytes` (`fit_share`), else None
     activation_bytes: int = 0  # what the layers keep for backward with nothing recomputed
@@ -253,7 +254,10 @@ class Fit:
             "levers_freed_mb": ({c.lever: c.less_mb() for c in self.levers} if self.choice else None),
             "predicted_peak_mb": self.predicted.peak_mb if self.predicted else None,
             "predicted_peak_in": self.predicted.where if self.predicted else None,
-            "predicted_segments": [{"name": name, "peak_mb": value / MIB} for name, value in self.segments],
+            "predicted_segments": [
+                {"name": str(where), "place": where.as_dict(), "peak_mb": value / MIB}
+                for where, value in self.segments
+            ],
             "freed_mb": self.freed / MIB,
             "recompute_ms": self.recompute_seconds * 1000,
             "floor_mb": self.floor.peak_mb,
@@ -334,12 +338,12 @@ def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, levers: S
             where = (
                 "where no other layer's tensors are held and its own are all back for its backward, whatever its "
                 "policy"
-                if seg.name.startswith("layer")
+                if seg.place.layer is not None
                 else "where no layer's tensors are held"
             )
             return needs, (
                 f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB "
-                f"{'in ' if seg.name.startswith('layer') else ''}{seg.name}, {where}: recompute cannot lower it"
+                f"{'in ' if seg.place.layer is not None else ''}{seg.name}, {where}: recompute cannot lower it"
             )
         needs[seg.held - 1] = max(needs[seg.held - 1], need)
     return needs, None

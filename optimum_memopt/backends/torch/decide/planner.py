@@ -698,6 +698,7 @@ class BudgetPlanner:
                 "segments": [
                     {
                         "name": s.name,
+                        "place": s.place.as_dict(),
                         "layers_held": s.held,
                         "start_mb": s.start_bytes / MIB,
                         "peak_mb": s.peak_bytes / MIB,

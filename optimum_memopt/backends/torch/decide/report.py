@@ -7,7 +7,7 @@ from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
 from ....plans import FoundPlan, PlanReport, Unmatched, lever_named, match_requests
 from ..measure.graph import effect, frontier
-from ..measure.profile import ROUTING, ModelProfile
+from ..measure.profile import HEAD, ROUTING, ModelProfile
 from ..policy import LAYER, OPS, LayerPolicy, RecomputePolicy
 from .budget import LeverChoice, freed_bytes, predict, predict_range
 
@@ -178,7 +178,7 @@ def _where_the_peak_is(policy: RecomputePolicy, profile: ModelProfile) -> str:
     q = freed_bytes(profile, policy)
     peak = memory.peak
     whole = predict(memory, q, freed_bytes(profile, RecomputePolicy([LayerPolicy(LAYER)] * len(q))))
-    head = next((s for s in memory.segments if s.name.startswith("after the layers")), None)
+    head = next((s for s in memory.segments if s.place.kind == HEAD), None)
     held = ""
     if head is not None:
         added = (head.peak_bytes - head.start_bytes) / MIB

@@ -2,7 +2,7 @@
 from tensors kept anyway or not, and why not), the op time each plan would cost to recompute, and the layer's
 own op time (what recomputing the whole layer costs). The plan table and, later, the solver read it. Pure data."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from .graph import LayerGraph
@@ -43,6 +43,51 @@ class LayerProfile:
         return sum(self.recomputable.values()) + sum(self.not_recomputable.values())
 
 
+FORWARD, BACKWARD, HEAD, AFTER = "forward", "backward", "head", "after"  # the kinds of place in a step
+_IN_WORDS = {
+    HEAD: "after the layers: head and loss, forward and backward",
+    AFTER: "after backward: the optimizer step and the next batch",
+}
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where in a training step a segment of it is read: a layer's forward or backward (`layer`, its index in the
+    layer list), the head and its loss after the layers (`HEAD`), or after backward, the optimizer step and the next
+    batch (`AFTER`); `rank`, the process it was read on where several processes' steps are put side by side
+    (`budget.merged`), else None. Compared as values (`in_step` leaves the process out); `str` names it in words,
+    for messages and files only."""
+
+    kind: str
+    layer: Optional[int] = None
+    rank: Optional[int] = None
+
+    @classmethod
+    def forward(cls, layer: int) -> "Place":
+        return cls(FORWARD, layer)
+
+    @classmethod
+    def backward(cls, layer: int) -> "Place":
+        return cls(BACKWARD, layer)
+
+    def in_step(self) -> "Place":
+        """The place in the step, whichever process read it."""
+        return replace(self, rank=None) if self.rank is not None else self
+
+    def on_rank(self, rank: int) -> "Place":
+        return replace(self, rank=rank)
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "layer": self.layer, "rank": self.rank}
+
+    def __str__(self) -> str:
+        words = _IN_WORDS.get(self.kind) or f"layer {self.layer} {self.kind}"
+        return words if self.rank is None else f"{words} on rank {self.rank}"
+
+
+HEAD_PLACE, AFTER_PLACE = Place(HEAD), Place(AFTER)
+
+
 @dataclass
 class Segment:
     """A stretch of the measured step between two of its marks (a layer's forward or backward starting, the layers'
@@ -52,7 +97,7 @@ class Segment:
     That holds as an upper bound for a step measured with every layer recomputed whole (`planner`), where the whole
     forward comes back at once."""
 
-    name: str
+    place: Place
     held: int  # the first `held` layers' kept tensors are held here
     start_bytes: int  # the reading as it began
     peak_bytes: int  # the highest reading in it (`StepMemory.how`)
@@ -62,10 +107,15 @@ class Segment:
     # stretch from the segment's start); empty where nothing marked inside it or the peak counter is not reset
     parts: Tuple[Tuple[str, int], ...] = ()
 
-    def shifted(self, by: int, name: Optional[str] = None) -> "Segment":
-        """The segment with every reading of its peak moved by `by` bytes (and renamed to `name`)."""
+    @property
+    def name(self) -> str:
+        """Where it is, in words (messages and files)."""
+        return str(self.place)
+
+    def shifted(self, by: int, place: Optional[Place] = None) -> "Segment":
+        """The segment with every reading of its peak moved by `by` bytes (and placed at `place`)."""
         parts = tuple((tag, peak + by) for tag, peak in self.parts)
-        return Segment(name or self.name, self.held, self.start_bytes, self.peak_bytes + by, self.own, parts)
+        return Segment(place or self.place, self.held, self.start_bytes, self.peak_bytes + by, self.own, parts)
 
 
 @dataclass
@@ -80,9 +130,6 @@ class StepMemory:
     @property
     def peak(self) -> Segment:
         return max(self.segments, key=lambda s: s.peak_bytes)
-
-
-HEAD_SEGMENT = "after the layers: head and loss, forward and backward"  # the step's segment the head runs in
 
 
 @dataclass

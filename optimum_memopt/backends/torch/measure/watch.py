@@ -36,12 +36,10 @@ from ....memory import MIB, MemoryMeter
 from .. import _torch_api
 from ..nested import tensors_in
 from .live import CountOps, LiveCount, live_count
-from .profile import HEAD_SEGMENT, Segment, StepMemory
+from .profile import AFTER_PLACE, HEAD_PLACE, Place, Segment, StepMemory
 from .storages import counting, watch_resizes
 
 logger = logging.getLogger(__name__)
-
-AFTER_SEGMENT = "after backward: the optimizer step and the next batch"  # the last: no layer's kept tensors in it
 
 
 def first_grad_tensor(output) -> Optional[torch.Tensor]:
@@ -63,7 +61,7 @@ class StepWatch:
         self.segments: List[Segment] = []
         self.start_bytes: Optional[int] = None
         self.problem: Optional[str] = None
-        self._open: Optional[Tuple[str, int, int, Optional[int]]] = None  # (name, held, start bytes, own layer)
+        self._open: Optional[Tuple[Place, int, int, Optional[int]]] = None  # (place, held, start bytes, own layer)
         self._stage = "waiting"  # -> forward -> head -> backward -> after -> done
         self._last = -1
         self._parts: List[Tuple[str, int]] = []  # the open segment's stretches between inner marks, closed so far
@@ -88,17 +86,17 @@ class StepWatch:
         peak = int(round((r.peak_mb or 0.0) * MIB)) if self.resets else current
         return current, max(peak, current)
 
-    def _mark(self, name: Optional[str], held: int = 0, own: Optional[int] = None) -> int:
+    def _mark(self, place: Optional[Place], held: int = 0, own: Optional[int] = None) -> int:
         current, peak = self._read()
         if self._open is not None:
             opened, opened_held, start, opened_own = self._open
             parts = tuple(self._parts + [(self._part, max(peak, current))]) if self._parts else ()
-            after = self._after_most if opened == AFTER_SEGMENT else 0  # a later micro-batch's readings left out
+            after = self._after_most if opened == AFTER_PLACE else 0  # a later micro-batch's readings left out
             most = max([peak, start, current, after] + [p for _, p in parts])
             self.segments.append(Segment(opened, opened_held, start, most, opened_own, parts))
         if self.resets:
             self.meter.reset_peak()
-        self._open = (name, held, current, own) if name is not None else None
+        self._open = (place, held, current, own) if place is not None else None
         self._parts, self._part = [], ""
         return current
 
@@ -140,7 +138,7 @@ class StepWatch:
         if (self._stage, index) == ("waiting", first) or (
             self._stage == "forward" and index == self._next(self._last, 1)
         ):
-            current = self._mark(f"layer {index} forward", index + 1, index)
+            current = self._mark(Place.forward(index), index + 1, index)
             if index == first:
                 self.start_bytes = current
             self._stage, self._last = "forward", index
@@ -151,7 +149,7 @@ class StepWatch:
 
     def forward_done(self) -> None:
         if self._stage == "forward-last":
-            self._mark(HEAD_SEGMENT, self.layers)
+            self._mark(HEAD_PLACE, self.layers)
             self._stage = "head"
 
     def layer_backward(self, index: int, grad: Optional[torch.Tensor] = None) -> None:
@@ -166,7 +164,7 @@ class StepWatch:
         if grad is not None and hasattr(self.meter, "see"):
             self.meter.see(grad)
         if self._stage in ("head", "backward") and index == expected:
-            self._mark(f"layer {index} backward", index, index)
+            self._mark(Place.backward(index), index, index)
             self._stage, self._last = "backward", index
         elif self._stage not in ("after", "micro", "done"):
             self._wrong(f"layer {index}'s backward where layer {expected}'s was due")
@@ -178,7 +176,7 @@ class StepWatch:
             self._stage = "after"
             return
         if self._stage == "backward" and self._last == self.running[0]:
-            self._mark(AFTER_SEGMENT, 0)
+            self._mark(AFTER_PLACE, 0)
             self._stage = "after"
 
     def close(self) -> Optional[StepMemory]:

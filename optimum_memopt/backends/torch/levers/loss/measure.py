@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .....memory import MIB
 from .....plans import FoundPlan
 from ...decide.budget import LeverChoice
-from ...measure.profile import HEAD_SEGMENT
+from ...measure.profile import HEAD_PLACE
 from ..protocol import sharded
 from .chunks import chunk_losses
 from .option import SYNTAX, Chunking, candidate_chunks, plan_of
@@ -203,7 +203,7 @@ def choices(head: Optional[HeadMeasure], ran: str = "") -> List[LeverChoice]:
 def _choice(plan: str, less: int = 0, seconds: float = 0.0, returned: int = 0) -> LeverChoice:
     """The `LeverChoice` of the head run as `plan` ("": the model's own head)."""
     option = plan.partition("@")[2] if plan else None
-    return LeverChoice(SYNTAX.name, option, plan, ((HEAD_SEGMENT, less),) if less else (), seconds, returned)
+    return LeverChoice(SYNTAX.name, option, plan, ((HEAD_PLACE, less),) if less else (), seconds, returned)
 
 
 def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:

@@ -14,6 +14,7 @@ from .....plans import FoundPlan
 from ... import _torch_api
 from ...apply.layers import distinct, find_layers
 from ...decide.budget import LeverChoice
+from ...measure.profile import Place
 from ..protocol import Lever
 from .measure import measure
 from .option import SYNTAX, default_tiles, option_of, parse
@@ -226,10 +227,10 @@ class TiledMLP(Lever):
             a, b = measured.options[now], measured.options[then]
             forward = b.checkpointed_bytes - a.checkpointed_bytes  # what it holds less than the measured count
             backward = b.held_bytes - a.held_bytes
-            parts.append((f"layer {i} forward", f"{MARK} forward", forward))
+            parts.append((Place.forward(i), f"{MARK} forward", forward))
             recomputes = _stretches(memory, i)
             for tag in (f"{MARK} forward", f"after {MARK} forward") if recomputes else (f"{MARK} backward",):
-                parts.append((f"layer {i} backward", tag, backward))
+                parts.append((Place.backward(i), tag, backward))
         seconds = sum(max(0.0, measured.options[c].seconds - base.seconds) for c in tiling.values())
         option = option_of({i: c for i, c in tiling.items()}, len(self.layers)) if tiling else None
         plan = "" if option is None else ",".join(str(e) for e in SYNTAX.entries(option))
@@ -317,17 +318,12 @@ MARK = "mlp"  # the name the MLPs' stretches are marked by inside a layer's segm
 
 def _own_backward_peak(memory, index: int) -> int:
     """The peak of layer `index`'s own backward in the step as measured (0 where it has no segment)."""
-    name = f"layer {index} backward"
-    return max((s.peak_bytes for s in memory.segments if s.name == name or s.name.startswith(name + " ")), default=0)
+    at = Place.backward(index)
+    return max((s.peak_bytes for s in memory.segments if s.place.in_step() == at), default=0)
 
 
 def _stretches(memory, index: int) -> bool:
     """Whether layer `index`'s backward recomputed its MLP in the step as measured (a stretch "mlp forward" in it):
     the MLP's backward is then that stretch and the next; else (its saves kept) the stretch "mlp backward"."""
-    name = f"layer {index} backward"
-    return any(
-        tag == f"{MARK} forward"
-        for s in memory.segments
-        if s.name == name or s.name.startswith(name + " ")
-        for tag, _ in s.parts
-    )
+    at = Place.backward(index)
+    return any(tag == f"{MARK} forward" for s in memory.segments if s.place.in_step() == at for tag, _ in s.parts)
