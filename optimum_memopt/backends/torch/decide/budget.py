@@ -19,6 +19,7 @@ gradient accumulation, before gradients are held across micro-batches; the calle
 start (what is held there that was not at step one's) and adds the gradients' bytes under accumulation. Pure.
 """
 
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -179,15 +180,27 @@ class LeverChoice:
     less_parts: Tuple[Tuple[Place, str, int], ...] = ()
     recomputed: Tuple[int, ...] = ()
 
+    @functools.cached_property
+    def _less_at(self) -> Dict[Place, int]:
+        out: Dict[Place, int] = {}
+        for where, b in self.less:
+            out[where] = out.get(where, 0) + b
+        return out
+
+    @functools.cached_property
+    def _less_parts_at(self) -> Dict[Tuple[Place, str], int]:
+        out: Dict[Tuple[Place, str], int] = {}
+        for where, tag, b in self.less_parts:
+            out[where, tag] = out.get((where, tag), 0) + b
+        return out
+
     def less_in(self, place: Place) -> int:
         """What this option holds less than the measured step's in the segment at `place` (on any process)."""
-        at = place.in_step()
-        return sum(b for where, b in self.less if where == at)
+        return self._less_at.get(place.in_step(), 0) if self.less else 0
 
     def less_in_part(self, place: Place, part: str) -> int:
         """What this option holds less than the measured step's in the stretch `part` of the segment at `place`."""
-        at = place.in_step()
-        return sum(b for where, tag, b in self.less_parts if tag == part and where == at)
+        return self._less_parts_at.get((place.in_step(), part), 0) if self.less_parts else 0
 
     def less_mb(self) -> Dict[str, float]:
         """What it holds less by segment (and stretch, "segment: stretch"), in MiB: solver.json's figures."""
