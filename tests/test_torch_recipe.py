@@ -16,12 +16,19 @@ def three_ops(block, x):
     return F.gelu(x @ block.w) @ block.w.t()  # mm, gelu, mm: the GELU output is kept by the second mm
 
 
-def test_a_planned_output_is_recomputed_bitwise(recomputed):
-    plain, planned = pair(three_ops)
+def trained_as_plain(fn, plan: str):
+    """A stack running `fn` under a plan on `plan`, one step beside the plain stack's: the gradients equal bitwise;
+    the planned stack and its engine state, for more steps and what its profile says."""
+    plain, planned = pair(fn)
     x = torch.randn(4, 8)
-    state = engine(planned, ops("Gelu"))
+    state = engine(planned, ops(plan))
     got, want = step(planned, x), step(plain, x)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    return plain, planned, x, state
+
+
+def test_a_planned_output_is_recomputed_bitwise(recomputed):
+    plain, planned, x, state = trained_as_plain(three_ops, "Gelu")
     assert recomputed == ["gelu"]
     assert state.profile.layers[0].applied == {"Gelu": 4 * 8 * 4}
     # a second step (not profiled) recomputes again and still matches
@@ -245,10 +252,6 @@ def test_an_output_after_a_none_is_recomputed_as_the_one_saved(recomputed):
         s, _, c = torch.ops.memopt_test.sin_none_cos(x @ block.w)
         return s @ block.w
 
-    plain, planned = pair(none_between)
-    x = torch.randn(4, 8)
-    state = engine(planned, ops("sin_none_cos"))
-    got, want = step(planned, x), step(plain, x)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    state = trained_as_plain(none_between, "sin_none_cos")[3]
     assert recomputed == ["sin_none_cos"]
     assert state.profile.layers[0].applied == {"sin_none_cos": 4 * 8 * 4 * 2}
