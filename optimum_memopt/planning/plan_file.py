@@ -250,7 +250,7 @@ def write(path: str, step: PlannedStep, *, choice: str, peak_mb: float, peak_at:
             "lora": step.lora,
             "fsdp": step.fsdp,
             "ddp": step.ddp,
-        },  # fmt: skip
+        },
         "budget_mb": budget_mb,
         "workspaces_mb": workspaces_mb,
         "configurations": [{"name": "auto", "choice": choice, "peak_mb": peak_mb, "peak_at": peak_at}],

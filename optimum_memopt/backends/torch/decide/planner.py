@@ -289,7 +289,9 @@ class BudgetPlanner:
     def _keep(self, fit: Fit, held: int, libraries: int, shape: Optional[tuple]) -> str:
         """The dry run's choice handed to `Start.keep_plan`, as `memopt-plan --json` writes it: its step's peak for a
         process holding nothing else but the workspaces made for it (what this process held outside the step taken
-        out, as a run from the file puts its own back in), and the batch's shape. Returns where it went and how a run
+        out, as a run from the file puts its own back in; workspaces this process made before are taken out with the
+        rest, and the file's figure is that much lower, which the run from it counts back with what it holds), and
+        the batch's shape. Returns where it went and how a run
         starts from it, said with the choice; a batch whose shape cannot be read is not kept (the file plans one)."""
         if shape is None:
             self.detail("memory_opt_config auto: the dry run's choice is not kept: the batch's shape was not read")
