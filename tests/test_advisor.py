@@ -107,7 +107,7 @@ def test_noise_level_extra_time_counts_as_no_cost(tmp_path):
 @pytest.mark.both_stacks  # probes the backend of each stack
 # -- real runs of the recipe ----------------------------------------------------------------------
 @pytest.mark.slow
-def test_probe_choose_verify_and_batch_search_for_real(tmp_path):
+def test_probe_choose_and_verify_for_real(tmp_path):
     lines = []
     report = probe(PROBED, batch_size=16, steps=3, max_plans=2, levels=(1,), progress=lines.append)
     assert any("[probe 1/" in line for line in lines)
@@ -134,10 +134,37 @@ def test_probe_choose_verify_and_batch_search_for_real(tmp_path):
     assert choice.verified is not None and choice.verified.ok, choice.reason
     assert choice.verified.peak_mb <= budget < base.peak_mb and (choice.config or choice.level), choice.reason
 
-    found, tried = max_batch_size(
-        TINY, memory_flags(True), budget_mb=1e6, start=4, steps=3, limit=8, progress=lines.append
-    )
-    assert found == 8 and sorted(tried) == [4, 8]
+
+def test_the_batch_search_doubles_then_bisects_to_within_an_eighth_of_the_largest_batch_that_fits():
+    # each trial is a whole run (the probe above holds a real child at a batch size given); here a runner whose peak is
+    # 10 + 3 MiB a row, out of memory from 40 rows on, shows which batches the search tries and what it answers
+    calls = []
+
+    def runner(argv, label, flags, batch, steps, timeout):
+        calls.append(batch)
+        if batch >= 40:
+            return Measurement(label, list(flags), batch, False, oom=True, error="CUDA out of memory")
+        return Measurement(label, list(flags), batch, True, peak_mb=10.0 + 3.0 * batch, step_time_s=1.0)
+
+    lines = []
+    # 100 MiB holds 30 rows: 4, 8, 16 fit, 32 is over, then 24, 28, 30 (within 16 // 8 = 2 of 32)
+    found, tried = max_batch_size(["x.py"], [], budget_mb=100, start=4, runner=runner, progress=lines.append)
+    assert found == 30 and calls == [4, 8, 16, 32, 24, 28, 30] and sorted(tried) == sorted(calls)
+    assert "[batch search] batch 32: peak 106.0 MiB, over budget" in lines
+    # out of memory stops the doubling as a missed budget does: 32 fits, 64 fails, then 48 and 40 fail, 36 fits
+    calls.clear()
+    assert max_batch_size(["x.py"], [], budget_mb=1e6, start=4, runner=runner, progress=lines.append)[0] == 36
+    assert calls == [4, 8, 16, 32, 64, 48, 40, 36]
+    assert "[batch search] batch 64: failed (out of memory)" in lines
+    # a start over the budget halves first: 64 and 32 miss, 16 fits, then up to 30 again
+    calls.clear()
+    assert max_batch_size(["x.py"], [], budget_mb=100, start=64, runner=runner, progress=lines.append)[0] == 30
+    assert calls == [64, 32, 16, 24, 28, 30]
+    # the limit stops the doubling; nothing that fits answers None
+    calls.clear()
+    assert max_batch_size(["x.py"], [], budget_mb=1e6, start=4, limit=8, runner=runner, progress=lines.append)[0] == 8
+    assert calls == [4, 8]
+    assert max_batch_size(["x.py"], [], budget_mb=5, start=4, runner=runner, progress=lines.append)[0] is None
 
 
 @pytest.mark.slow
