@@ -159,15 +159,9 @@ class MemoptHandle:
         self.remove()
 
 
-def attach(
-    backend: Backend, model: nn.Module, settings: WrapSettings, config: MemoryOptConfig, steps_reported: bool
-) -> MemoptHandle:
+def attach(backend: Backend, model: nn.Module, settings: WrapSettings, config: MemoryOptConfig) -> MemoptHandle:
     """Wrap `model` with `backend` under validated `settings`: the one path of `optimize_memory` and the Trainer."""
-    wrapped = backend.wrap(model, settings)
-    state = getattr(wrapped, "_memopt_recompute", None)
-    if state is not None:
-        state.steps_reported = steps_reported
-    return MemoptHandle(backend, wrapped, settings, config)
+    return MemoptHandle(backend, backend.wrap(model, settings), settings, config)
 
 
 def optimize_memory(
@@ -228,9 +222,11 @@ def optimize_memory(
         )
     # `auto`'s step one runs every layer recomputed whole, as the Trainer's does: the least memory any choice needs
     level = 1 if config.auto else config.level
-    settings = WrapSettings(entries=config.enabled_entries, level=level, budget=budget)
+    settings = WrapSettings(
+        entries=config.enabled_entries, level=level, budget=budget, steps_reported=bool(reports_steps)
+    )
     try:
-        return attach(backend, model, settings, config, steps_reported=bool(reports_steps))
+        return attach(backend, model, settings, config)
     except ValueError as e:
         raise ValueError(_as_keywords(str(e))) from None
 

@@ -389,7 +389,7 @@ class MemoptTrainerMixin(OrtTrainerParts):
         from .api import attach
 
         # the one path of `optimum_memopt.optimize_memory`; the Trainer reports each optimizer step (`step_done`)
-        self.memopt_handle = attach(backend, inner, self.memopt_wrap_settings(), self.args.memory_opt, True)
+        self.memopt_handle = attach(backend, inner, self.memopt_wrap_settings(), self.args.memory_opt)
         wrapped = self.memopt_handle.model
         if self.is_world_process_zero():
             logger.info(

@@ -43,11 +43,11 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 # deciding what to recompute (what any plan would do, the solver, the planner, the table); beside them the words the
 # three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
 JOBS = {
-    "apply": {"engine", "hooks", "recipe", "checkpoint", "tracking", "layers", "routing"},
+    "apply": {"engine", "clock", "recorder", "hooks", "recipe", "checkpoint", "tracking", "layers", "routing"},
     "measure": {"watch", "profile", "graph", "aside", "ways", "storages", "live", "op_costs", "attention", "dropout"},
     "decide": {"solver", "budget", "planner", "report", "from_plan"},
 }
-SHARED = {"names", "rule", "policy", "nested"}
+SHARED = {"names", "rule", "policy", "nested", "steps"}
 # the fake step drives the whole backend (wrapped, stepped, planned) on fake tensors: glue, as the backend is
 GLUE = {"backend", "__init__", "_torch_api", "ranks", "fake_step"}
 # Levers beyond a layer's recompute, above the three jobs: the protocol, and a package each (its option, its

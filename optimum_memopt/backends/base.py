@@ -98,6 +98,9 @@ class WrapSettings:
     reset_peaks: bool = True  # False: CUDA's peak counter is the Trainer's (`--skip_memory_metrics false`)
     label_smoothing: float = 0.0  # the Trainer's `label_smoothing_factor` (a loss computed in the forward applies it)
     loss_reader: Optional[str] = None  # what computes the loss from the logits outside the model (`compute_loss_func`)
+    # the trainer says where each optimizer step ends (`Backend.step_done`: the Trainer hook, a loop passing
+    # `reports_steps=True`); False: a loop of one's own that does not, where each backward ends a step
+    steps_reported: bool = True
 
 
 class Backend:

@@ -84,19 +84,6 @@ def _build_levers(model: nn.Module, settings: WrapSettings, policy: RecomputePol
     return built, why_not
 
 
-def _take_off(state) -> None:
-    """Everything a wrap installed, taken off: the layers' forwards and the step readings' hooks, every lever beyond
-    the layers, the watch's and the planner's meters (their sampler threads)."""
-    state.uninstall()
-    for lever in state.levers.values():
-        lever.remove()
-    state.levers = {}
-    meters = {id(m): m for m in (getattr(state.watch, "meter", None), getattr(state.planner, "meter", None)) if m}
-    for meter in meters.values():
-        meter.close()
-    state.watch = None
-
-
 class TorchBackend(Backend):
     name = "torch"
     title = "the torch backend"
@@ -180,20 +167,13 @@ class TorchBackend(Backend):
                 twin = twin_of(model)
             except Exception as e:  # said with the choice: step one then measures with every layer recomputed
                 no_twin = f"the model could not be copied onto the meta device for it ({type(e).__name__}: {e})"
-        model = self.apply_policy(model, policy)
-        state = getattr(model, STATE)
-        state.levers, state.lever_problems = _build_levers(model, settings, policy)
-        for lever in state.levers.values():  # the stretches a lever acts in inside the layers, read apart
-            for module, name in lever.marks():
-                state.mark_inside(module, name)
-        state.reset_peaks = settings.reset_peaks
-        state.steps_reported = True  # the trainer hook calls `step_done` after each optimizer step
+        planner = None
         if settings.budget is not None:
             from .decide.planner import BudgetPlanner, Start
 
             b = settings.budget
             start = Start(b.plan_file, twin, b.instruments, no_twin, b.grad_accum, b.autocast, b.ddp, b.keep_plan)
-            state.planner = BudgetPlanner(
+            planner = BudgetPlanner(
                 None if b.budget_mb is None else int(b.budget_mb * MIB),
                 share=b.share,
                 say=b.say,
@@ -204,6 +184,20 @@ class TorchBackend(Backend):
                 given_mb=b.budget_mb,
                 start=start,
             )
+        self._take_off(model)  # a model wrapped before, by this trainer or another, starts clean
+        levers, lever_problems = _build_levers(model, settings, policy)
+        state = self.apply_policy(
+            model,
+            policy,
+            levers=levers,
+            lever_problems=lever_problems,
+            planner=planner,
+            steps_reported=settings.steps_reported,
+            reset_peaks=settings.reset_peaks,
+        )
+        for lever in levers.values():  # the stretches a lever acts in inside the layers, read apart
+            for module, name in lever.marks():
+                state.mark_inside(module, name)
         return model
 
     def on_optimizer_ready(self, optimizer, args, deepspeed: bool) -> Optional[str]:
@@ -214,7 +208,7 @@ class TorchBackend(Backend):
             for state in list(self._mine):
                 start = state.planner.start if state.planner is not None else None
                 if start is not None and (start.twin is not None or start.plan_file is not None):
-                    state.optimizer = optimizer
+                    state.planner.optimizer_ready(optimizer)
         return None
 
     def auto_choice(self, wrapped: nn.Module) -> Optional[dict]:
@@ -230,26 +224,30 @@ class TorchBackend(Backend):
     def unwrap(self, wrapped: nn.Module) -> nn.Module:
         """The model as it was before `wrap`: its layers' forwards and the step readings' hooks taken off, the state
         dropped (a budget planner's meter closed)."""
-        state = vars(wrapped).pop(STATE, None)
-        if state is not None:
-            _take_off(state)
-            self._mine.discard(state)
+        self._take_off(wrapped)
         return wrapped
 
-    def apply_policy(self, model: nn.Module, policy: RecomputePolicy) -> nn.Module:
-        """Install `policy` on the model's layers (a model wrapped before, by this trainer or another, starts clean:
-        every lever and meter the earlier wrap installed is taken off first)."""
+    def _take_off(self, model: nn.Module) -> None:
+        """What a wrap of `model` installed, by this backend or another's, taken off (`RecomputeState.take_off`)."""
         from .apply.engine import RecomputeState
 
         previous = vars(model).pop(STATE, None)
         if isinstance(previous, RecomputeState):
-            _take_off(previous)
+            previous.take_off()
             self._mine.discard(previous)
-        state = RecomputeState(distinct(find_layers(model)), policy, model)
+
+    def apply_policy(self, model: nn.Module, policy: RecomputePolicy, **parts):
+        """Install `policy` on the model's layers (a model wrapped before starts clean: every lever and meter the
+        earlier wrap installed is taken off first); `parts`: the rest of the engine (`RecomputeState`'s keywords: the
+        levers, the planner, how steps are reported). Returns the engine's state."""
+        from .apply.engine import RecomputeState
+
+        self._take_off(model)
+        state = RecomputeState(distinct(find_layers(model)), policy, model, **parts)
         state.install()
         setattr(model, STATE, state)
         self._mine.add(state)
-        return model
+        return state
 
     def find(self, model) -> Optional[nn.Module]:
         """The model this backend wrapped, inside DDP / DeepSpeed wrappers; a model another trainer's backend

@@ -522,7 +522,7 @@ def layer_order(model, layers, forward: Callable[[], object]) -> Optional[List[i
     finally:
         for h in hooks:
             h.remove()
-    problem = run_order_problem(calls, layers, type(model).__name__)
+    problem = run_order_problem(calls, [type(layer).__name__ for layer in layers], type(model).__name__)
     if problem is not None:
         raise LayerOrderError(problem)
     return calls if calls and len(calls) < len(layers) else None
@@ -650,8 +650,6 @@ def run(
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if backend and not checkpointing:
             handle = instruments.wrap(model, plans, level, budget_mb)
-            if batch is not None and handle.planner is not None:
-                handle.planner.alone = True  # a run's own step, in one of its processes: no collective
         layers = handle.layers if handle is not None else find_layers(model)
         vocab = spec.config.get_text_config().vocab_size if batch is None else 0
 
@@ -674,7 +672,7 @@ def run(
                 running = layer_order(model, layers, forward)
             finally:
                 count.aside -= 1
-            getattr(model, STATE).running = running
+            getattr(model, STATE).run_over(running)
             if running_into is not None:  # known before the steps, which may raise (`auto` finding nothing fits)
                 running_into.append(running)
         if mesh is not None:
@@ -691,10 +689,13 @@ def run(
         step_peaks, step_parts = [], []
         planner = handle.planner if handle is not None and plans == "auto" else None
         if planner is not None:  # each choice checked by a step of its own (`BudgetPlanner.search`)
-            planner.search = True
-            if spec.grad_accum > 1:  # held across micro-batches: a later one holds them (as the Trainer says a run's)
-                planner.grad_bytes = sum(_local_bytes(p) for p in params)
-            planner.peaked_where = lambda: step_parts[-1][1].partition(", ")[2] if step_parts else ""  # the mark
+            planner.driven_by_a_dry_run(
+                # a run's own step, in one of its processes: no collective
+                alone=batch is not None,
+                # held across micro-batches: a later one holds them (as the Trainer says a run's)
+                grad_bytes=sum(_local_bytes(p) for p in params) if spec.grad_accum > 1 else 0,
+                peaked_where=lambda: step_parts[-1][1].partition(", ")[2] if step_parts else "",  # the mark
+            )
         try:
             step = 0
             while True:

@@ -102,13 +102,13 @@ def whole_layers_flag(indexes: List[int], n_layers: int) -> str:
     return f"`--memory_opt_config 'Layer+:1:-1@{'+'.join(map(str, indexes))}'`"
 
 
-def run_order_problem(calls: List[int], layers: List[nn.Module], owner: str) -> Optional[str]:
-    """Why a step that ran the layer list's `layers` in the order `calls` (their indices, one per layer forward) cannot
-    be measured layer by layer (the watch follows a step's layers in the list's order, once each; some may be left
-    out); None where it can."""
+def run_order_problem(calls: List[int], kinds: List[str], owner: str) -> Optional[str]:
+    """Why a step that ran the layer list's layers (`kinds`: each one's class name) in the order `calls` (their
+    indices, one per layer forward) cannot be measured layer by layer (the watch follows a step's layers in the list's
+    order, once each; some may be left out); None where it can."""
 
     def names(ks) -> str:
-        return ", ".join(f"{k} ({type(layers[k]).__name__})" for k in ks)
+        return ", ".join(f"{k} ({kinds[k]})" for k in ks)
 
     again = sorted({k for k in calls if calls.count(k) > 1})
     if again:

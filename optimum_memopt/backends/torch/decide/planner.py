@@ -33,6 +33,7 @@ from ..measure.live import held_outside, make_library_workspaces, meter_for
 from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
+from ..steps import Orders, StepStart
 from .budget import (
     Fit,
     Prediction,
@@ -147,6 +148,8 @@ class BudgetPlanner:
         self.tried: List[tuple] = []  # (the choice, its step's measured peak in bytes), in the order checked
         self.searched: Optional[Fit] = None  # the search's answer, its `predicted` the peak its step measured
         self.peaked_where: Callable[[], str] = lambda: ""  # where the step a check read peaked (the dry run's)
+        self.optimizer = None  # the trainer's, where it says (`optimizer_ready`), for step one's dry run
+        self._policy = None  # the choice the step about to run runs (`Orders.policy`), set by `_run`
 
     @property
     def waits_for_step_one(self) -> bool:
@@ -169,8 +172,23 @@ class BudgetPlanner:
             return f"`--activation_memory_budget {self.share:g}`"
         return f"`--memory_budget_mb {self.budget_mb if self.given_mb is None else self.given_mb:g}`"
 
-    def arm(self, state, device: str) -> None:
-        """Watch the step about to start (step one) on `device` ('cuda' or 'cpu')."""
+    def optimizer_ready(self, optimizer) -> None:
+        """The trainer's optimizer, for step one's dry run to train with one like it and for what the process holds
+        outside the step to leave its state out; let go of once step one started (`before_step_one`)."""
+        self.optimizer = optimizer
+
+    def driven_by_a_dry_run(self, alone: bool, grad_bytes: int, peaked_where: Callable[[], str]) -> None:
+        """A dry run drives this planner (`fake_step.run`), whose steps count what the card would to the byte: each
+        choice is checked by a step of its own (`search`). `alone`: it is a run's own step, dry-run in one of its
+        processes (no collective); `grad_bytes`: the gradients held across micro-batches (0 without accumulation);
+        `peaked_where()`: where the step a check read peaked."""
+        self.search, self.alone, self.peaked_where = True, alone, peaked_where
+        if grad_bytes:
+            self.grad_bytes = grad_bytes
+
+    def arm(self, step: StepStart) -> StepWatch:
+        """The watch for the step about to start (step one) on `step.device` ('cuda' or 'cpu')."""
+        device = step.device
         if device not in READABLE_DEVICES:
             raise RuntimeError(
                 f"`--memory_opt_config auto` reads memory on {' and '.join(READABLE_DEVICES)}, and this run's layers "
@@ -180,42 +198,50 @@ class BudgetPlanner:
         self.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`): one unit
         self.device = device
         resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
-        self.watch = state.watch = StepWatch(len(state.layers), self.meter, resets, state.running)
+        self.watch = StepWatch(step.n_layers, self.meter, resets, step.running)
         self.stage = Stage.MEASURE
+        return self.watch
 
     def _current(self) -> int:
         return int(round((self.meter.read().current_mb or 0.0) * MIB))
 
-    def at_step_start(self, state, device: str) -> None:
+    def at_step_start(self, step: StepStart) -> Orders:
         """Called by the engine as the first layer's forward starts the run's first step and each step after one
         ended (`RecomputeState.step_done`). The step about to run is measured (step one, then each check): the
         process's garbage is collected first, so that nothing an earlier computation left in a reference cycle is
         freed by chance inside it, which would lower its readings and the prediction made from them."""
         if self.stage is not Stage.DONE:
             gc.collect()
+        watch = None
         if self.stage == Stage.START:
-            self.arm(state, device)
+            watch = self.arm(step)
         elif self.stage == Stage.MEASURE:
-            self._choose(state)
+            self._choose(step)
         elif self.stage == Stage.VERIFY:
-            self._verify(state)
+            self._verify(step)
+        return Orders(watch=watch, policy=self._chosen())
 
-    def before_step_one(self, state, model, args, kwargs) -> None:
+    def _chosen(self):
+        """The choice made since the last orders, for the step about to run (None: none)."""
+        policy, self._policy = self._policy, None
+        return policy
+
+    def before_step_one(self, step: StepStart, model, args, kwargs) -> Optional[Orders]:
         """At the first training forward of `model`, before any of it runs: the choice from a dry run of this step,
         which step one then runs (`from_plan`), with what the process holds on the device outside the step counted
         from its start (`live.held_outside`: every reading of the step counts it); where there is none, why, in the
         plan's file, and step one measures with every layer recomputed whole. Once, on rank 0 (the others wait for
         its choice, which every rank runs: a dry run on each would cost every process its CPU time for nothing)."""
         twin, self.start.twin = self.start.twin, None
-        optimizer, state.optimizer = getattr(state, "optimizer", None), None  # not kept past the dry run
+        optimizer, self.optimizer = self.optimizer, None  # not kept past the dry run
         if self.start.plan_file is not None:
-            self._from_plan_file(state, model, args, kwargs, optimizer)
-            return
+            self._from_plan_file(step, model, args, kwargs, optimizer)
+            return Orders(policy=self._chosen())
         why = self.start.no_dry_run
         if why is None and self.budget_bytes is None:
-            return
+            return None
         if why is None and twin is None:
-            return
+            return None
         if why is None and optimizer is None:
             why = "the run's optimizer is not known here (a loop of one's own)"
         fit, dry, held, libraries, running = None, None, 0, 0, None
@@ -265,13 +291,11 @@ class BudgetPlanner:
         fit, why, running = ranks.from_rank0((fit if why is None else None, why, running))
         if isinstance(why, Refusal):  # every rank stops, before step one
             raise RuntimeError(why.text)
-        if running is not None:  # step one is measured over the layers the step runs
-            state.running = running
         if fit is None:
             self.detail(f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}")
-            return
+            return Orders(running=running)  # step one is measured over the layers the step runs
         self.planned = fit
-        self._run(state, fit)
+        self._run(fit)
         config = f"`--memory_opt_config {fit.config()}`" if fit.config() else "to recompute nothing"
         took = f" in {dry.seconds:,.1f} s" if dry is not None else ""
         outside = f", with {held / MIB:,.1f} MiB the process held outside the step" if held >= MIB / 10 else ""
@@ -285,6 +309,7 @@ class BudgetPlanner:
             f"{self.budget_mb:,.1f} MiB: predicted peak {fit.predicted.peak_mb:,.1f} MiB ({fit.predicted.where}"
             f"{outside}); step one runs it and is measured to check it{kept}"
         )
+        return Orders(policy=self._chosen(), running=running)
 
     def _keep(self, fit: Fit, held: int, libraries: int, shape: Optional[tuple]) -> str:
         """The dry run's choice handed to `Start.keep_plan`, as `memopt-plan --json` writes it: its step's peak for a
@@ -321,7 +346,7 @@ class BudgetPlanner:
         libraries = make_library_workspaces(device)
         return device, held_outside(model, (args, kwargs), device, optimizer, self.start.ddp), libraries
 
-    def _from_plan_file(self, state, model, args, kwargs, optimizer) -> None:
+    def _from_plan_file(self, step: StepStart, model, args, kwargs, optimizer) -> None:
         """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
         before step one, where the batch is not the file's (a longer sequence holds more than the file planned). The
         figure said is the file's with what this process holds outside the step in place of the workspaces the file
@@ -352,9 +377,9 @@ class BudgetPlanner:
             plan.least_mb is not None
         ) else predicted  # fmt: skip
         self.planned_choice = f"the choice of {flag}"
-        fit = fit_of_plans(plan.choice, len(state.layers), self.budget_bytes, predicted, least)
+        fit = fit_of_plans(plan.choice, step.n_layers, self.budget_bytes, predicted, least)
         self.planned = fit
-        self._run(state, fit)
+        self._run(fit)
         outside = ""
         if held >= MIB / 10 or plan.workspaces_mb:
             files = plan.workspaces_mb
@@ -371,13 +396,13 @@ class BudgetPlanner:
             f"it and is measured to check it{shorter}"
         )
 
-    def _choose(self, state, budget_bytes: Optional[int] = None) -> None:
+    def _choose(self, step: StepStart, budget_bytes: Optional[int] = None) -> None:
         if self.solved is None:
-            self._gather(state)
+            self._gather(step)
         result = None
         if self.ranks.rank == 0:
             try:
-                result = self._confirmed(state, budget_bytes) or self._fit(state, budget_bytes)
+                result = self._confirmed(step, budget_bytes) or self._fit(step, budget_bytes)
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.ranks.from_rank0(result)
@@ -388,7 +413,7 @@ class BudgetPlanner:
         self.fits.append(result)
         self._write()
         if result.choice is None:
-            unweighed = [why for lever in state.levers.values() if (why := lever.unweighed(state.profile))]
+            unweighed = [why for lever in step.levers.values() if (why := lever.unweighed(step.profile))]
             untried = ""
             if unweighed:
                 untried = (
@@ -403,15 +428,15 @@ class BudgetPlanner:
                 + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
                 + untried
             )
-        self._run(state, result)
+        self._run(result)
         self.say(self._said(result))
-        self.detail(self._describe(result, state))
+        self.detail(self._describe(result, step))
         if self.watch.resets:
             self.meter.reset_peak()
         self._start = self._current()
         self.stage = Stage.VERIFY
 
-    def _confirmed(self, state, budget_bytes: Optional[int]) -> Optional[Fit]:
+    def _confirmed(self, step: StepStart, budget_bytes: Optional[int]) -> Optional[Fit]:
         """The dry run's choice, which step one ran, kept where step one's own memory with what later steps hold more
         fits the budget (`source` says so); else None, and the solver chooses from step one as after a step measured
         with every layer recomputed (a profile measured under another policy than the floor predicts a layer's own
@@ -428,7 +453,7 @@ class BudgetPlanner:
             )
             return None
         if self.start.plan_file is not None:  # what the file's choice frees and costs, as step one's profile offers it
-            offered = matched(planned, state.profile, self.levers)
+            offered = matched(planned, step.profile, self.levers)
             if offered is None:
                 self._why_replanned = (
                     f"step one's profile does not offer every configuration of {self.planned_choice} (a layer "
@@ -442,25 +467,22 @@ class BudgetPlanner:
             segments=segment_peaks(self.solved, mine, mine),
         )  # fmt: skip
 
-    @staticmethod
-    def _run(state, result: Fit) -> None:
-        """The engine runs `result`'s choice from this forward on."""
-        policy = result.policy()
-        state.set_policy(policy)
-        for name, lever in state.levers.items():  # each lever's option, chosen with the layers' (measured aside)
-            lever.run_as(policy.levers.get(name))
+    def _run(self, result: Fit) -> None:
+        """`result`'s choice runs from the step about to start on: the layers' plans and each lever's option, chosen
+        with them (`Orders.policy`)."""
+        self._policy = result.policy()
 
-    def _gather(self, state) -> None:
+    def _gather(self, step: StepStart) -> None:
         """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""
-        memory = state.profile.memory if state.profile is not None else None
+        memory = step.profile.memory if step.profile is not None else None
         mine = None
         if memory is None:
-            why = (state.profile.memory_problem if state.profile is not None else None) or "no step one recorded"
+            why = (step.profile.memory_problem if step.profile is not None else None) or "no step one recorded"
         else:
             self.memory = memory
             self.extra = self._current() - memory.start_bytes + self.grad_bytes
-            self.measured_policy = state.policy
-            self.measured_freed = freed_bytes(state.profile, state.policy)
+            self.measured_policy = step.policy
+            self.measured_freed = freed_bytes(step.profile, step.policy)
             mine, why = as_kept(memory, self.measured_freed, self.extra), None
         everyone = self.ranks.gather((mine, why))
         missing = [(rank, why) for rank, (kept, why) in enumerate(everyone) if kept is None]
@@ -472,24 +494,24 @@ class BudgetPlanner:
                 f"script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
             )
         self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
-        self.per_layer = candidates(state.profile)
-        self.layer_lists = list(state.layer_lists)
-        self.levers = {name: lever.choices(state.profile, state.policy) for name, lever in state.levers.items()}
-        ran = [lever.plan() for lever in state.levers.values() if lever.plan()]
+        self.per_layer = candidates(step.profile)
+        self.layer_lists = list(step.layer_lists)
+        self.levers = {name: lever.choices(step.profile, step.policy) for name, lever in step.levers.items()}
+        ran = [lever.plan() for lever in step.levers.values() if lever.plan()]
         self._levers_ran = f", with {', '.join(ran)}" if ran else ""
 
-    def _fit(self, state, budget_bytes: Optional[int]) -> Fit:
+    def _fit(self, step: StepStart, budget_bytes: Optional[int]) -> Fit:
         if self.share is not None:
-            return fit_share(state.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
+            return fit_share(step.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
         return fit(
-            state.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, list(self.levers.values())
+            step.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, list(self.levers.values())
         )
 
-    def _describe(self, result: Fit, state) -> str:
+    def _describe(self, result: Fit, step: StepStart) -> str:
         again = " (again)" if len(self.fits) > 1 else ""
         config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
-        shape = "x".join(map(str, state.profile.shape)) or "?"
+        shape = "x".join(map(str, step.profile.shape)) or "?"
         ranks = self.ranks.size
         if self.planned is not None:
             ran = f"{self.planned_choice}, `--memory_opt_config {self.planned.config()}`"
@@ -548,7 +570,7 @@ class BudgetPlanner:
             return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
         return f"Under {self.budget_mb:,.1f} MiB"
 
-    def _verify(self, state) -> None:
+    def _verify(self, step: StepStart) -> None:
         mine = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)), self._start)
         peaks = self.ranks.gather(mine)
         peak = max(peaks)
@@ -578,7 +600,7 @@ class BudgetPlanner:
             f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
         if self.search and self.budget_bytes is not None:
-            self._search(state, result, peak)
+            self._search(step, result, peak)
             return
         over_budget = self.budget_bytes is not None and peak > self.budget_bytes  # every rank saw the same peaks
         if over_budget:
@@ -591,14 +613,14 @@ class BudgetPlanner:
                     f"its prediction and {MARGIN:.1%} of it as margin"
                     + (", no lower than the least peak recompute reaches" if lowered < floor.peak_bytes else "")
                 )
-                self._choose(state, max(lowered, floor.peak_bytes))
+                self._choose(step, max(lowered, floor.peak_bytes))
                 return
             if result.predicted.peak_bytes > floor.peak_bytes:
                 self._why_lower = (
                     f"the least peak recompute reaches: the choice for a lowered budget missed again, by "
                     f"{over:,.1f} MiB"
                 )
-                self._choose(state, floor.peak_bytes)
+                self._choose(step, floor.peak_bytes)
                 return
             self._write()
             self.stage = Stage.DONE
@@ -613,7 +635,7 @@ class BudgetPlanner:
             )
         self._finish()
 
-    def _search(self, state, result: Fit, peak: int) -> None:
+    def _search(self, step: StepStart, result: Fit, peak: int) -> None:
         """A dry run's next choice after a check that measured `peak` for `result` (exact: a dry run's step counts
         what the card's counter reads). The solver's predictions rest on step one, measured with every layer
         recomputed whole and the head in chunks, and stand above what a choice that keeps more holds (a layer's own
@@ -632,12 +654,12 @@ class BudgetPlanner:
         else:
             following = max(given - (peak - budget) - int(MARGIN * budget), result.floor.peak_bytes)
         if following is not None and following != given and len(self.tried) < SEARCH_CHECKS:
-            candidate = self._fit(state, following)
+            candidate = self._fit(step, following)
             checked = {f.config() for f, _ in self.tried}
             if candidate.choice is not None and candidate.config() not in checked:
                 self.fits.append(candidate)
                 self._write()
-                self._run(state, candidate)
+                self._run(candidate)
                 if self.watch.resets:
                     self.meter.reset_peak()
                 self._start = self._current()
@@ -649,7 +671,7 @@ class BudgetPlanner:
             best, measured = min(self.tried, key=lambda fp: fp[1])
         where = self.peaked_where() or best.predicted.where
         self.searched = replace(best, predicted=Prediction(measured, where))
-        self._run(state, best)
+        self._run(best)
         self._finish()
 
     def _finish(self) -> None:

@@ -1,0 +1,33 @@
+"""What the engine and `auto`'s planner say to each other at a step's boundary, one way each.
+
+The engine (`apply.engine.RecomputeState`) tells the planner a step starts (`StepStart`: what it knows then, read
+only) and before the run's first training forward; the planner answers with `Orders`, which the engine carries out
+before the step's first layer runs. The planner writes no field of the engine's, and changes the layers' policy and
+the levers' options only through `Orders`, at a step's start (tests/test_torch_budget.py holds a run's choices)."""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .policy import RecomputePolicy
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """The engine's word that a training step starts (or, before the run's first, that its first forward comes)."""
+
+    device: str  # the layers' device kind ("cuda", "cpu")
+    n_layers: int
+    running: Optional[List[int]]  # the layers a step runs, where it leaves some of the list out; None: every layer
+    profile: object  # step one's `ModelProfile`, None before it ended
+    policy: RecomputePolicy  # what the layers ran under in the step before
+    levers: Dict[str, object]  # the levers beyond the layers on the model (`levers.protocol.Lever`), by name
+    layer_lists: List[str]  # where the layers come from several lists, one line a list (`apply.layers.towers`)
+
+
+@dataclass(frozen=True)
+class Orders:
+    """What the planner asks of the engine for the step about to run; None: as before."""
+
+    watch: object = None  # a `measure.watch.StepWatch` the step is watched with
+    policy: Optional[RecomputePolicy] = None  # the layers' plans and the levers' options (`policy.levers`)
+    running: Optional[List[int]] = None  # the layers the step runs (a dry run of it found some left out)
