@@ -23,7 +23,7 @@ import gc
 import json
 import logging
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable, Dict, List, Optional
 
@@ -91,9 +91,91 @@ class Start:
     autocast: Optional[str] = None
     ddp: int = 1
     keep_plan: Optional[Callable[..., Optional[str]]] = None
+    optimizer: object = None  # the trainer's, once it says (`BudgetPlanner.optimizer_ready`); let go of at step one
+
+
+@dataclass(frozen=True)
+class Ask:
+    """The budget as the user asked it: a peak in bytes, or at most a share of the layers' activations (one of them);
+    `given_mb`: `--memory_budget_mb` as the user wrote it, quoted in messages (1e-09 is not 0)."""
+
+    budget_bytes: Optional[int]
+    share: Optional[float] = None
+    given_mb: Optional[float] = None
+
+    @property
+    def budget_mb(self) -> Optional[float]:
+        return None if self.budget_bytes is None else self.budget_bytes / MIB
+
+    @property
+    def flag(self) -> str:
+        """The budget as the user gave it, as a flag."""
+        if self.share is not None:
+            return f"`--activation_memory_budget {self.share:g}`"
+        return f"`--memory_budget_mb {self.budget_mb if self.given_mb is None else self.given_mb:g}`"
+
+
+@dataclass
+class Reading:
+    """The device's readings, from step one's start: its meter (CUDA's counter, or the CPU's tensor storages counted:
+    one unit), the watch of step one, the processes choosing together, and what the device held as the step being
+    checked started. `resets`: whether the device's peak counter may be reset (False: CUDA's is the Trainer's)."""
+
+    resets: bool = True
+    meter: Optional[MemoryMeter] = None
+    watch: Optional[StepWatch] = None
+    ranks: Optional[Ranks] = None  # where any process group is up, every process's step one in one choice
+    device: Optional[str] = None
+    start_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class StepOne:
+    """What step one measured, on every rank, with what later steps hold more (`BudgetPlanner._gather`): what the
+    solver chooses from."""
+
+    memory: StepMemory  # this process's step one, by segment
+    extra: int  # what later steps hold that step one did not (the optimizer's state; gradients across micro-batches)
+    policy: object  # the `RecomputePolicy` step one ran under
+    freed: list  # bytes that policy freed per layer
+    solved: StepMemory  # every rank's step one in one (`budget.merged`): what `fit` reads
+    per_layer: list  # each layer's candidates (`solver.candidates`)
+    levers: Dict[str, list]  # each lever's options (`budget.LeverChoice`), from what it measured after step one
+    layer_lists: List[str]  # where the layers come from several lists (a VLM's towers), one line a list
+    levers_ran: str  # the levers step one ran, as plans (said with the choice)
+
+
+@dataclass
+class Choices:
+    """Each choice in the order made (`fits`) with its check (`verified`), and step one's own where it ran one
+    (`planned`: a dry run's, a plan file's)."""
+
+    fits: List[Fit] = field(default_factory=list)
+    verified: List[dict] = field(default_factory=list)
+    planned: Optional[Fit] = None
+    planned_choice: str = "the dry run's choice"  # what step one runs, in the messages
+    why_lower: str = ""  # why a re-plan solves for less than the budget (said with its choice)
+    why_replanned: str = ""  # why step one did not confirm the planned choice (said with the solver's)
+    pending: object = None  # the `RecomputePolicy` the step about to start runs (`Orders.policy`), set by `_run`
+
+
+@dataclass
+class Search:
+    """A dry run driving the planner (`fake_step`), whose steps count what the card would to the byte: each choice is
+    checked by a step of its own, and the budget the solver is given moved by what the check measured, until the
+    least recompute whose step fits is found (`BudgetPlanner._search`); its figure is the step's, not a prediction's.
+    `alone`: choose for this process alone whatever group is up (a dry run of a run's own step)."""
+
+    alone: bool
+    peaked_where: Callable[[], str]  # where the step a check read peaked
+    tried: List[tuple] = field(default_factory=list)  # (the choice, its step's measured peak in bytes), in order
+    searched: Optional[Fit] = None  # the answer, its `predicted` the peak its step measured
 
 
 class BudgetPlanner:
+    """`auto` in one process (the module's docstring): told where steps start (`at_step_start`), it answers with
+    the engine's orders for the step (`steps.Orders`), and writes no other object's fields."""
+
     search_checks = SEARCH_CHECKS  # what a dry run driving the search reads (`fake_step.run`)
 
     def __init__(
@@ -110,46 +192,17 @@ class BudgetPlanner:
     ):
         if (budget_bytes is None) == (share is None):
             raise ValueError("a budget planner takes a peak in bytes or a share of the activations, one of them")
-        self.budget_bytes = None if budget_bytes is None else int(budget_bytes)
-        self.given_mb = given_mb  # `--memory_budget_mb` as the user wrote it, quoted in messages (1e-09 is not 0)
-        self.share = share  # keep at most this share of the layers' activations (`fit_share`), instead of a peak
+        self.ask = Ask(None if budget_bytes is None else int(budget_bytes), share, given_mb)
         self.say = say  # the choice and its check, a line each
         self.detail = detail  # the figures behind a choice, in words (a file and the verbose log: `PlanLog`)
-        self.out_dir = out_dir
+        self.out_dir = out_dir  # where solver.json goes
         self.grad_bytes = grad_bytes  # held across micro-batches under gradient accumulation (0 without)
-        self.meter: Optional[MemoryMeter] = None  # on the device the layers run on, from step one
-        self.resets = resets
-        self.stage = Stage.START
-        self.memory: Optional[StepMemory] = None
-        self.fits: List[Fit] = []
-        self.extra = 0  # what later steps hold that step one did not, read at step two's start
-        self.per_layer: list = []  # each layer's candidates, from step one
-        # where the layers come from several lists (a VLM's towers), one line a list (`apply.layers.towers`)
-        self.layer_lists: List[str] = []
-        # each lever's options, from what it measured after step one (`budget.LeverChoice`), by lever
-        self.levers: Dict[str, list] = {}
-        self._why_lower = ""  # why a re-plan solves for less than the budget (said with its choice)
-        self._levers_ran = ""  # the levers step one ran, as plans (said with the choice)
-        self.measured_freed: list = []  # bytes step one's policy (whole layers) freed per layer
-        self.verified: List[dict] = []
-        self.watch: Optional[StepWatch] = None
-        self.ranks: Optional[Ranks] = None  # from step one's start, where any process group is up
-        self.alone = False  # True: choose for this process alone whatever group is up (a dry run of a run's own step)
         self.start = start or Start()  # how step one starts (its twin let go once its dry run ran)
-        self.planned: Optional[Fit] = None  # step one's choice, where it ran one (a dry run's, a plan file's)
-        self.planned_choice = "the dry run's choice"  # what step one runs, in the messages
-        self._why_replanned = ""  # why step one did not confirm the dry run's choice (said with the solver's)
-        self.solved: Optional[StepMemory] = None  # every rank's step one in one (`budget.merged`): what fits read
-        self.device: Optional[str] = None  # the layers' device, from step one
-        # a dry run (`fake_step`), whose steps count what the card would to the byte: each choice is checked by
-        # a step of its own, and the budget the solver is given moved by what the check measured, until the least
-        # recompute whose step fits is found (`_search`); its figure is the step's, not a prediction's
-        self.search = False
-        self.tried: List[tuple] = []  # (the choice, its step's measured peak in bytes), in the order checked
-        self.searched: Optional[Fit] = None  # the search's answer, its `predicted` the peak its step measured
-        self.peaked_where: Callable[[], str] = lambda: ""  # where the step a check read peaked (the dry run's)
-        self.optimizer = None  # the trainer's, where it says (`optimizer_ready`), for step one's dry run
-        self._policy = None  # the choice the step about to run runs (`Orders.policy`), set by `_run`
+        self.stage = Stage.START
+        self.reading = Reading(resets)
+        self.step_one: Optional[StepOne] = None  # from step two's start
+        self.choices = Choices()
+        self.search: Optional[Search] = None  # where a dry run drives the planner (`driven_by_a_dry_run`)
 
     @property
     def waits_for_step_one(self) -> bool:
@@ -161,30 +214,81 @@ class BudgetPlanner:
         """Whether the choice was checked: no step is measured any more."""
         return self.stage is Stage.DONE
 
+    # -- read from outside: the budget, the choices, step one ---------------------------------------------------------
+    @property
+    def budget_bytes(self) -> Optional[int]:
+        return self.ask.budget_bytes
+
     @property
     def budget_mb(self) -> Optional[float]:
-        return None if self.budget_bytes is None else self.budget_bytes / MIB
+        return self.ask.budget_mb
 
     @property
     def asked(self) -> str:
         """The budget as the user gave it."""
-        if self.share is not None:
-            return f"`--activation_memory_budget {self.share:g}`"
-        return f"`--memory_budget_mb {self.budget_mb if self.given_mb is None else self.given_mb:g}`"
+        return self.ask.flag
+
+    @property
+    def fits(self) -> List[Fit]:
+        return self.choices.fits
+
+    @property
+    def verified(self) -> List[dict]:
+        return self.choices.verified
+
+    @property
+    def planned(self) -> Optional[Fit]:
+        return self.choices.planned
+
+    @property
+    def searched(self) -> Optional[Fit]:
+        return self.search.searched if self.search is not None else None
+
+    @property
+    def meter(self) -> Optional[MemoryMeter]:
+        return self.reading.meter
+
+    @property
+    def device(self) -> Optional[str]:
+        return self.reading.device
+
+    @property
+    def memory(self) -> Optional[StepMemory]:
+        return self.step_one.memory if self.step_one is not None else None
+
+    @property
+    def solved(self) -> Optional[StepMemory]:
+        return self.step_one.solved if self.step_one is not None else None
+
+    @property
+    def per_layer(self) -> list:
+        return self.step_one.per_layer if self.step_one is not None else []
+
+    @property
+    def levers(self) -> Dict[str, list]:
+        return self.step_one.levers if self.step_one is not None else {}
+
+    @property
+    def measured_policy(self):
+        return self.step_one.policy if self.step_one is not None else None
 
     def optimizer_ready(self, optimizer) -> None:
         """The trainer's optimizer, for step one's dry run to train with one like it and for what the process holds
         outside the step to leave its state out; let go of once step one started (`before_step_one`)."""
-        self.optimizer = optimizer
+        self.start.optimizer = optimizer
 
     def driven_by_a_dry_run(self, alone: bool, grad_bytes: int, peaked_where: Callable[[], str]) -> None:
         """A dry run drives this planner (`fake_step.run`), whose steps count what the card would to the byte: each
         choice is checked by a step of its own (`search`). `alone`: it is a run's own step, dry-run in one of its
         processes (no collective); `grad_bytes`: the gradients held across micro-batches (0 without accumulation);
         `peaked_where()`: where the step a check read peaked."""
-        self.search, self.alone, self.peaked_where = True, alone, peaked_where
+        self.search = Search(alone, peaked_where)
         if grad_bytes:
             self.grad_bytes = grad_bytes
+
+    def _alone(self) -> bool:
+        """Whether this process chooses alone whatever group is up (a dry run of a run's own step)."""
+        return self.search is not None and self.search.alone
 
     def arm(self, step: StepStart) -> StepWatch:
         """The watch for the step about to start (step one) on `step.device` ('cuda' or 'cpu')."""
@@ -194,16 +298,16 @@ class BudgetPlanner:
                 f"`--memory_opt_config auto` reads memory on {' and '.join(READABLE_DEVICES)}, and this run's layers "
                 f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
             )
-        self.ranks = Ranks(alone=self.alone)
-        self.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`): one unit
-        self.device = device
-        resets = self.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's counter is shared
-        self.watch = StepWatch(step.n_layers, self.meter, resets, step.running)
+        self.reading.ranks = Ranks(alone=self._alone())
+        self.reading.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`)
+        self.reading.device = device
+        resets = self.reading.resets or device == "cpu"  # the CPU's sampler is the meter's own; CUDA's is shared
+        self.reading.watch = StepWatch(step.n_layers, self.reading.meter, resets, step.running)
         self.stage = Stage.MEASURE
-        return self.watch
+        return self.reading.watch
 
     def _current(self) -> int:
-        return int(round((self.meter.read().current_mb or 0.0) * MIB))
+        return int(round((self.reading.meter.read().current_mb or 0.0) * MIB))
 
     def at_step_start(self, step: StepStart) -> Orders:
         """Called by the engine as the first layer's forward starts the run's first step and each step after one
@@ -223,7 +327,7 @@ class BudgetPlanner:
 
     def _chosen(self):
         """The choice made since the last orders, for the step about to run (None: none)."""
-        policy, self._policy = self._policy, None
+        policy, self.choices.pending = self.choices.pending, None
         return policy
 
     def before_step_one(self, step: StepStart, model, args, kwargs) -> Optional[Orders]:
@@ -233,7 +337,7 @@ class BudgetPlanner:
         plan's file, and step one measures with every layer recomputed whole. Once, on rank 0 (the others wait for
         its choice, which every rank runs: a dry run on each would cost every process its CPU time for nothing)."""
         twin, self.start.twin = self.start.twin, None
-        optimizer, self.optimizer = self.optimizer, None  # not kept past the dry run
+        optimizer, self.start.optimizer = self.start.optimizer, None  # not kept past the dry run
         if self.start.plan_file is not None:
             self._from_plan_file(step, model, args, kwargs, optimizer)
             return Orders(policy=self._chosen())
@@ -245,7 +349,7 @@ class BudgetPlanner:
         if why is None and optimizer is None:
             why = "the run's optimizer is not known here (a loop of one's own)"
         fit, dry, held, libraries, running = None, None, 0, 0, None
-        ranks = Ranks(alone=self.alone)
+        ranks = Ranks(alone=self._alone())
         if why is None and ranks.rank == 0:
             from .from_plan import LayerOrderError, dry_run_choice
 
@@ -294,7 +398,7 @@ class BudgetPlanner:
         if fit is None:
             self.detail(f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}")
             return Orders(running=running)  # step one is measured over the layers the step runs
-        self.planned = fit
+        self.choices.planned = fit
         self._run(fit)
         config = f"`--memory_opt_config {fit.config()}`" if fit.config() else "to recompute nothing"
         took = f" in {dry.seconds:,.1f} s" if dry is not None else ""
@@ -322,7 +426,7 @@ class BudgetPlanner:
             self.detail("memory_opt_config auto: the dry run's choice is not kept: the batch's shape was not read")
             return ""
         peak_mb = (fit.predicted.peak_bytes - held + libraries) / MIB
-        budget = self.given_mb if self.given_mb is not None else self.budget_mb
+        budget = self.ask.given_mb if self.ask.given_mb is not None else self.budget_mb
         try:
             path = self.start.keep_plan(
                 choice=fit.config(), peak_mb=peak_mb, peak_at=fit.predicted.where, budget_mb=budget,
@@ -376,9 +480,9 @@ class BudgetPlanner:
         least = Prediction(int(round(plan.least_mb * MIB)), "the least any row of the plan file reaches") if (
             plan.least_mb is not None
         ) else predicted  # fmt: skip
-        self.planned_choice = f"the choice of {flag}"
+        self.choices.planned_choice = f"the choice of {flag}"
         fit = fit_of_plans(plan.choice, step.n_layers, self.budget_bytes, predicted, least)
-        self.planned = fit
+        self.choices.planned = fit
         self._run(fit)
         outside = ""
         if held >= MIB / 10 or plan.workspaces_mb:
@@ -397,20 +501,20 @@ class BudgetPlanner:
         )
 
     def _choose(self, step: StepStart, budget_bytes: Optional[int] = None) -> None:
-        if self.solved is None:
+        if self.step_one is None:
             self._gather(step)
         result = None
-        if self.ranks.rank == 0:
+        if self.reading.ranks.rank == 0:
             try:
                 result = self._confirmed(step, budget_bytes) or self._fit(step, budget_bytes)
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
-        result = self.ranks.from_rank0(result)
+        result = self.reading.ranks.from_rank0(result)
         if isinstance(result, Exception):
-            if self.ranks.rank == 0:
+            if self.reading.ranks.rank == 0:
                 raise result
             raise RuntimeError(f"`--memory_opt_config auto`: rank 0 could not choose: {result}")
-        self.fits.append(result)
+        self.choices.fits.append(result)
         self._write()
         if result.choice is None:
             unweighed = [why for lever in step.levers.values() if (why := lever.unweighed(step.profile))]
@@ -431,9 +535,9 @@ class BudgetPlanner:
         self._run(result)
         self.say(self._said(result))
         self.detail(self._describe(result, step))
-        if self.watch.resets:
-            self.meter.reset_peak()
-        self._start = self._current()
+        if self.reading.watch.resets:
+            self.reading.meter.reset_peak()
+        self.reading.start_bytes = self._current()
         self.stage = Stage.VERIFY
 
     def _confirmed(self, step: StepStart, budget_bytes: Optional[int]) -> Optional[Fit]:
@@ -441,88 +545,92 @@ class BudgetPlanner:
         fits the budget (`source` says so); else None, and the solver chooses from step one as after a step measured
         with every layer recomputed (a profile measured under another policy than the floor predicts a layer's own
         segments less surely: `budget.predict_range`, so the choice it ran is kept where it can be)."""
-        planned = self.planned
-        if planned is None or self.fits or budget_bytes is not None or self.budget_bytes is None:
+        planned = self.choices.planned
+        if planned is None or self.choices.fits or budget_bytes is not None or self.budget_bytes is None:
             return None
-        mine = self.measured_freed
-        real = predict(self.solved, mine, mine)
+        mine = self.step_one.freed
+        real = predict(self.step_one.solved, mine, mine)
         if real.peak_bytes > self.budget_bytes:
-            self._why_replanned = (
-                f"step one, running {self.planned_choice}, reads {real.peak_mb:,.1f} MiB ({real.where}) with what "
-                f"later steps hold more, over the budget: the solver chose again from it"
+            self.choices.why_replanned = (
+                f"step one, running {self.choices.planned_choice}, reads {real.peak_mb:,.1f} MiB ({real.where}) with "
+                f"what later steps hold more, over the budget: the solver chose again from it"
             )
             return None
         if self.start.plan_file is not None:  # what the file's choice frees and costs, as step one's profile offers it
-            offered = matched(planned, step.profile, self.levers)
+            offered = matched(planned, step.profile, self.step_one.levers)
             if offered is None:
-                self._why_replanned = (
-                    f"step one's profile does not offer every configuration of {self.planned_choice} (a layer "
+                self.choices.why_replanned = (
+                    f"step one's profile does not offer every configuration of {self.choices.planned_choice} (a layer "
                     f"without a graph, or a lever's option it does not offer): the solver chose again from step one"
                 )
                 return None
             planned = offered
-        source = f"{self.planned_choice}, which step one ran and confirms"
+        source = f"{self.choices.planned_choice}, which step one ran and confirms"
         return replace(
             planned, budget_bytes=self.budget_bytes, measured=real, predicted=real, source=source,
-            segments=segment_peaks(self.solved, mine, mine),
+            segments=segment_peaks(self.step_one.solved, mine, mine),
         )  # fmt: skip
 
     def _run(self, result: Fit) -> None:
         """`result`'s choice runs from the step about to start on: the layers' plans and each lever's option, chosen
         with them (`Orders.policy`)."""
-        self._policy = result.policy()
+        self.choices.pending = result.policy()
 
     def _gather(self, step: StepStart) -> None:
         """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""
         memory = step.profile.memory if step.profile is not None else None
-        mine = None
+        mine, extra, freed = None, 0, []
         if memory is None:
             why = (step.profile.memory_problem if step.profile is not None else None) or "no step one recorded"
         else:
-            self.memory = memory
-            self.extra = self._current() - memory.start_bytes + self.grad_bytes
-            self.measured_policy = step.policy
-            self.measured_freed = freed_bytes(step.profile, step.policy)
-            mine, why = as_kept(memory, self.measured_freed, self.extra), None
-        everyone = self.ranks.gather((mine, why))
+            extra = self._current() - memory.start_bytes + self.grad_bytes
+            freed = freed_bytes(step.profile, step.policy)
+            mine, why = as_kept(memory, freed, extra), None
+        everyone = self.reading.ranks.gather((mine, why))
         missing = [(rank, why) for rank, (kept, why) in enumerate(everyone) if kept is None]
         if missing:
-            where = "; ".join((f"rank {rank}: " if self.ranks.size > 1 else "") + str(why) for rank, why in missing)
+            several = self.reading.ranks.size > 1
+            where = "; ".join((f"rank {rank}: " if several else "") + str(why) for rank, why in missing)
             raise RuntimeError(
                 f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: {where}; choose "
                 f"plans with `memopt-probe --budget_mb MIB -- SCRIPT ...` (fresh runs of the "
                 f"script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
             )
-        self.solved = merged([kept for kept, _ in everyone], self.measured_freed)
-        self.per_layer = candidates(step.profile)
-        self.layer_lists = list(step.layer_lists)
-        self.levers = {name: lever.choices(step.profile, step.policy) for name, lever in step.levers.items()}
         ran = [lever.plan() for lever in step.levers.values() if lever.plan()]
-        self._levers_ran = f", with {', '.join(ran)}" if ran else ""
-
-    def _fit(self, step: StepStart, budget_bytes: Optional[int]) -> Fit:
-        if self.share is not None:
-            return fit_share(step.profile, self.solved, self.share, self.measured_policy, 0, self.per_layer)
-        budget = self.budget_bytes if budget_bytes is None else budget_bytes
-        return fit(
-            step.profile, self.solved, budget, self.measured_policy, 0, self.per_layer, list(self.levers.values())
+        self.step_one = StepOne(
+            memory=memory,
+            extra=extra,
+            policy=step.policy,
+            freed=freed,
+            solved=merged([kept for kept, _ in everyone], freed),
+            per_layer=candidates(step.profile),
+            levers={name: lever.choices(step.profile, step.policy) for name, lever in step.levers.items()},
+            layer_lists=list(step.layer_lists),
+            levers_ran=f", with {', '.join(ran)}" if ran else "",
         )
 
+    def _fit(self, step: StepStart, budget_bytes: Optional[int]) -> Fit:
+        one = self.step_one
+        if self.ask.share is not None:
+            return fit_share(step.profile, one.solved, self.ask.share, one.policy, 0, one.per_layer)
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, list(one.levers.values()))
+
     def _describe(self, result: Fit, step: StepStart) -> str:
-        again = " (again)" if len(self.fits) > 1 else ""
+        again = " (again)" if len(self.choices.fits) > 1 else ""
         config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
         shape = "x".join(map(str, step.profile.shape)) or "?"
-        ranks = self.ranks.size
-        if self.planned is not None:
-            ran = f"{self.planned_choice}, `--memory_opt_config {self.planned.config()}`"
+        ranks = self.reading.ranks.size
+        if self.choices.planned is not None:
+            ran = f"{self.choices.planned_choice}, `--memory_opt_config {self.choices.planned.config()}`"
         else:
-            ran = f"every layer recomputed whole{self._levers_ran}"
+            ran = f"every layer recomputed whole{self.step_one.levers_ran}"
         chose = "the choice kept is" if result.source else "the solver chose"
         return (
             f"memory_opt_config auto{again}: step one ({ran}, first input "
             f"{shape}) peaked at "
-            f"{self.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
-            f"({self.memory.peak.name}); later steps hold {self.extra / MIB:+,.1f} MiB more "
+            f"{self.step_one.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
+            f"({self.step_one.memory.peak.name}); later steps hold {self.step_one.extra / MIB:+,.1f} MiB more "
             f"(made in step one and kept: the optimizer's state, buffers the math libraries and engines made once"
             f"{'; gradients across micro-batches' if self.grad_bytes else ''}). "
             f"{self._under(result)}{f' on each of the {ranks} processes' if ranks > 1 else ''} {chose} "
@@ -535,25 +643,26 @@ class BudgetPlanner:
 
     def _said(self, result: Fit) -> str:
         """The choice in one line: what runs, its predicted peak and where, against the budget."""
-        again = " (again)" if len(self.fits) > 1 else ""
+        again = " (again)" if len(self.choices.fits) > 1 else ""
         config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
-        everyone = f" for all {self.ranks.size} processes" if self.ranks.size > 1 else ""
+        everyone = f" for all {self.reading.ranks.size} processes" if self.reading.ranks.size > 1 else ""
         if result.share is not None:
             against = (
                 f"keeping at most {result.share:.0%} of the {result.activation_bytes / MIB:,.1f} MiB the layers keep "
                 f"for backward with nothing recomputed"
             )
-        elif result.budget_bytes != self.budget_bytes and self._why_lower:
-            against = f"under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
+        elif result.budget_bytes != self.budget_bytes and self.choices.why_lower:
+            against = f"under {result.budget_bytes / MIB:,.1f} MiB ({self.choices.why_lower})"
         else:
             against = f"under the budget of {self.budget_mb:,.1f} MiB"
         if result.source:  # the dry run's choice, which step one ran: its own figure with what later steps hold
             return (
-                f"memory_opt_config auto: step one ran {self.planned_choice}{everyone} and keeps it, {against}: "
+                f"memory_opt_config auto: step one ran {self.choices.planned_choice}{everyone} and keeps it, "
+                f"{against}: "
                 f"predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}) from step one's own "
                 f"memory and what later steps hold more"
             )
-        why = f" ({self._why_replanned})" if self._why_replanned and len(self.fits) == 1 else ""
+        why = f" ({self.choices.why_replanned})" if self.choices.why_replanned and len(self.choices.fits) == 1 else ""
         return (
             f"memory_opt_config auto{again}: the solver chose {config}{everyone}"
             f", {against}: predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
@@ -566,17 +675,17 @@ class BudgetPlanner:
                 f"Keeping at most {result.share:.0%} of the {result.activation_bytes / MIB:,.1f} MiB the layers keep "
                 f"for backward with nothing recomputed,"
             )
-        if result.budget_bytes != self.budget_bytes and self._why_lower:
-            return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self._why_lower})"
+        if result.budget_bytes != self.budget_bytes and self.choices.why_lower:
+            return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self.choices.why_lower})"
         return f"Under {self.budget_mb:,.1f} MiB"
 
     def _verify(self, step: StepStart) -> None:
-        mine = max(int(round((self.meter.read().peak_mb or 0.0) * MIB)), self._start)
-        peaks = self.ranks.gather(mine)
+        mine = max(int(round((self.reading.meter.read().peak_mb or 0.0) * MIB)), self.reading.start_bytes)
+        peaks = self.reading.ranks.gather(mine)
         peak = max(peaks)
-        result = self.fits[-1]
+        result = self.choices.fits[-1]
         predicted = result.predicted.peak_bytes
-        self.verified.append(
+        self.choices.verified.append(
             {"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB}
             | ({"measured_peak_mb_by_rank": [p / MIB for p in peaks]} if len(peaks) > 1 else {})
         )
@@ -586,7 +695,9 @@ class BudgetPlanner:
         else:
             verdict = f"{'within' if peak <= self.budget_bytes else 'over'} the budget of {self.budget_mb:,.1f} MiB"
         what = (
-            "the step after the choice" if self.watch.resets else "training so far (CUDA's counter is the Trainer's)"
+            "the step after the choice"
+            if self.reading.watch.resets
+            else "training so far (CUDA's counter is the Trainer's)"
         )
         where = ""
         if len(peaks) > 1:
@@ -599,16 +710,16 @@ class BudgetPlanner:
             f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted "
             f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
         )
-        if self.search and self.budget_bytes is not None:
+        if self.search is not None and self.budget_bytes is not None:
             self._search(step, result, peak)
             return
         over_budget = self.budget_bytes is not None and peak > self.budget_bytes  # every rank saw the same peaks
         if over_budget:
             over = (peak - predicted) / MIB
             floor = result.floor
-            if len(self.fits) == 1:
+            if len(self.choices.fits) == 1:
                 lowered = self.budget_bytes - (peak - predicted) - int(MARGIN * self.budget_bytes)
-                self._why_lower = (
+                self.choices.why_lower = (
                     f"the budget of {self.budget_mb:,.1f} MiB lowered by the {over:,.1f} MiB the check measured over "
                     f"its prediction and {MARGIN:.1%} of it as margin"
                     + (", no lower than the least peak recompute reaches" if lowered < floor.peak_bytes else "")
@@ -616,7 +727,7 @@ class BudgetPlanner:
                 self._choose(step, max(lowered, floor.peak_bytes))
                 return
             if result.predicted.peak_bytes > floor.peak_bytes:
-                self._why_lower = (
+                self.choices.why_lower = (
                     f"the least peak recompute reaches: the choice for a lowered budget missed again, by "
                     f"{over:,.1f} MiB"
                 )
@@ -624,7 +735,7 @@ class BudgetPlanner:
                 return
             self._write()
             self.stage = Stage.DONE
-            self.meter.close()
+            self.reading.meter.close()
             raise RuntimeError(
                 f"`--memory_opt_config auto` cannot keep {self.asked}: with the most recompute it has (`--memory_opt_"
                 f"config {result.config()}`, predicted {predicted / MIB:,.1f} MiB), the step measured "
@@ -646,73 +757,76 @@ class BudgetPlanner:
         `SEARCH_CHECKS` were checked. The answer (`searched`) is the least recompute whose step fitted, its figure
         the one that step measured (where none fitted, the least peak measured, over the budget: the caller says
         nothing fits); the step after the last check runs it."""
-        self.tried.append((result, peak))
+        self.search.tried.append((result, peak))
         budget = self.budget_bytes
         given = result.budget_bytes
         if peak <= budget:
             following = given + (budget - peak) if result.recompute_seconds > 0 else None
         else:
             following = max(given - (peak - budget) - int(MARGIN * budget), result.floor.peak_bytes)
-        if following is not None and following != given and len(self.tried) < SEARCH_CHECKS:
+        if following is not None and following != given and len(self.search.tried) < SEARCH_CHECKS:
             candidate = self._fit(step, following)
-            checked = {f.config() for f, _ in self.tried}
+            checked = {f.config() for f, _ in self.search.tried}
             if candidate.choice is not None and candidate.config() not in checked:
-                self.fits.append(candidate)
+                self.choices.fits.append(candidate)
                 self._write()
                 self._run(candidate)
-                if self.watch.resets:
-                    self.meter.reset_peak()
-                self._start = self._current()
+                if self.reading.watch.resets:
+                    self.reading.meter.reset_peak()
+                self.reading.start_bytes = self._current()
                 return  # checked by the next step, as the first choice was
-        within = [(f, p) for f, p in self.tried if p <= budget]
+        within = [(f, p) for f, p in self.search.tried if p <= budget]
         if within:
             best, measured = min(within, key=lambda fp: (fp[0].recompute_seconds, fp[1]))
         else:
-            best, measured = min(self.tried, key=lambda fp: fp[1])
-        where = self.peaked_where() or best.predicted.where
-        self.searched = replace(best, predicted=Prediction(measured, where))
+            best, measured = min(self.search.tried, key=lambda fp: fp[1])
+        where = self.search.peaked_where() or best.predicted.where
+        self.search.searched = replace(best, predicted=Prediction(measured, where))
         self._run(best)
         self._finish()
 
     def _finish(self) -> None:
         self._write()
         self.stage = Stage.DONE
-        self.meter.close()
+        self.reading.meter.close()
 
     def summary(self) -> Optional[dict]:
         """The last choice and its check (`Backend.auto_choice`); None before one was made."""
-        if not self.fits or self.fits[-1].choice is None:
+        if not self.choices.fits or self.choices.fits[-1].choice is None:
             return None
-        last = self.searched or self.fits[-1]  # a dry run's search: its answer, measured by the step that checked it
+        fits, verified = self.choices.fits, self.choices.verified
+        last = self.searched or fits[-1]  # a dry run's search: its answer, measured by the step that checked it
         if self.searched is not None:
             measured = self.searched.predicted.peak_mb
         else:
-            measured = self.verified[-1]["measured_peak_mb"] if len(self.verified) == len(self.fits) else None
+            measured = verified[-1]["measured_peak_mb"] if len(verified) == len(fits) else None
         return {
             "config": last.config(),
             "predicted_peak_mb": last.predicted.peak_mb,
             "recompute_ms": last.recompute_seconds * 1000,
             "measured_peak_mb": measured,
-            "choices": len(self.fits),
+            "choices": len(self.choices.fits),
             # the dry run's figure for the choice step one ran, said before it (None: step one measured instead)
-            "dry_run_peak_mb": self.planned.predicted.peak_mb if self.planned is not None else None,
+            "dry_run_peak_mb": self.choices.planned.predicted.peak_mb if self.choices.planned is not None else None,
             "checks": [  # every choice with its check, in order (a re-plan after a miss)
                 {
                     "config": f.config(),
                     "predicted_peak_mb": f.predicted.peak_mb,
                     "measured_peak_mb": v["measured_peak_mb"],
                 }
-                for f, v in zip(self.fits, self.verified)
+                for f, v in zip(self.choices.fits, self.choices.verified)
                 if f.predicted is not None
             ],
         }
 
     def solver_data(self) -> dict:
         """The solver's figures: what `memory_auto/solver.json` holds (and the step-memory picture draws)."""
+        one = self.step_one
         return {
             "budget_mb": self.budget_mb,
-            "activation_memory_budget": self.share,
-            "processes": self.ranks.size if self.ranks is not None else 1,  # rank 0 chose for all of them
+            "activation_memory_budget": self.ask.share,
+            # rank 0 chose for all of them
+            "processes": self.reading.ranks.size if self.reading.ranks is not None else 1,
             "memory": None
             if self.memory is None
             else {
@@ -730,9 +844,9 @@ class BudgetPlanner:
                     for s in self.memory.segments
                 ],
             },
-            "layer_lists": self.layer_lists,
-            "later_steps_hold_more_mb": self.extra / MIB,
-            "step_one_freed_mb": [q / MIB for q in self.measured_freed],  # per layer, by its policy
+            "layer_lists": one.layer_lists if one is not None else [],
+            "later_steps_hold_more_mb": (one.extra if one is not None else 0) / MIB,
+            "step_one_freed_mb": [q / MIB for q in (one.freed if one is not None else [])],  # per layer, its policy
             "candidates": [
                 [{"config": c.label, "freed_mb": c.freed_bytes / MIB, "recompute_ms": c.seconds * 1000} for c in opts]
                 for opts in self.per_layer
@@ -741,8 +855,8 @@ class BudgetPlanner:
                 name: [{"config": c.label, "freed_mb": c.less_mb(), "recompute_ms": c.cost * 1000} for c in options]
                 for name, options in self.levers.items()
             },
-            "fits": [f.as_dict() for f in self.fits],
-            "verified": self.verified,
+            "fits": [f.as_dict() for f in self.choices.fits],
+            "verified": self.choices.verified,
         }
 
     def _write(self) -> None:

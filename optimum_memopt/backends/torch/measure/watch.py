@@ -10,8 +10,8 @@ forward, then backward in reverse; a model that runs its layers otherwise (twice
 own in the list, those that did not run holding none.
 Micro-batches after the first (gradient accumulation) are no segment's: each runs the layers as the first did,
 holding the gradients the first made, which the planner adds to every segment but the last (`budget`'s `extra`), so a
-policy moves them as it moves the first's; read into the last segment, they stood as a floor no recompute could
-lower (a choice under accumulation was refused 24 MiB above the one a single micro-batch reached, issue 53). The
+policy moves them as it moves the first's (read into the last segment instead, they would stand as a floor no
+recompute lowers: tests/test_auto_dry_run.py, the floor under gradient accumulation is one micro-batch's). The
 optimizer step falls in the last segment, which holds no layer's kept tensors: what it read between the first
 micro-batch's backward and the next's forward, and after the last one's.
 
