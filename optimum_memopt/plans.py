@@ -53,6 +53,39 @@ class PlanError(ValueError):
 
 
 @dataclass(frozen=True)
+class LeverPart:
+    """One part of a lever's option, as one plan entry asks for it: the layers it acts in (None: its whole scope,
+    every layer, or the model for a lever acting once a model) and its parameter as data (`word`, `number`: chunks, 8;
+    None: the lever's default). `str()`: the entry's text after `@`, for messages ("0-7:tiles4")."""
+
+    layers: Optional[Tuple[int, ...]] = None
+    word: Optional[str] = None
+    number: Optional[int] = None
+
+    def __str__(self) -> str:
+        layers = layer_selector(self.layers) if self.layers else ""
+        parameter = f"{self.word}{self.number}" if self.word else ""
+        return ":".join(part for part in (layers, parameter) if part)
+
+
+@dataclass(frozen=True)
+class LeverOption:
+    """What a policy holds for one lever (`RecomputePolicy.levers`): its parts, one for each plan entry that asked
+    for it, in order. `LeverOption()`: the lever at its default on its whole scope (the bare `Loss+:1:-1`). Data, read
+    by the lever; its text (`str()`, "0:tiles2;1-3:tiles4") and its plan entries (`LeverSyntax.entries`) are for the
+    edges alone: messages, logs, files (tests/test_plans.py round-trips every form)."""
+
+    parts: Tuple[LeverPart, ...] = (LeverPart(),)
+
+    def __str__(self) -> str:
+        return ";".join(str(p) for p in self.parts)
+
+    def joined(self, other: "LeverOption") -> "LeverOption":
+        """This option and `other`'s parts after it (two entries of one lever)."""
+        return LeverOption(self.parts + other.parts)
+
+
+@dataclass(frozen=True)
 class LeverSyntax:
     """How a plan entry names a lever beyond the layers' op plans. Each lever declares its own (the torch backend's
     `levers/`), in a registry registered with this module (`register_levers`); this module reads them by plan name
@@ -73,25 +106,34 @@ class LeverSyntax:
         quoted_ = [repr(e) for e in self.examples]
         return ", ".join(quoted_[:-1]) + f" or {quoted_[-1]}" if len(quoted_) > 1 else quoted_[0]
 
-    def option(self, entry: "PlanEntry", n_layers: Optional[int] = None) -> str:
-        """What a policy holds for this lever from `entry` (an entry of this lever's): its parameter ("chunks8", ""
-        for its default), after the layers it names where it acts in layers ("0-3:tiles4"; a count resolved to
-        layers with `n_layers`)."""
-        if not self.layers:
-            return entry.parameter
-        layers = entry.layers
-        if not layers and entry.apply_count != -1 and n_layers is not None:
-            layers = layer_selector(entry.select(n_layers))
-        return ":".join(part for part in (layers, entry.parameter) if part)
+    def option(self, entry: "PlanEntry", n_layers: int) -> LeverOption:
+        """What a policy holds for this lever from `entry` (an entry of this lever's, checked by the grammar): its
+        parameter as a word and a number (none: its default), and, where it acts in layers, the layers it names in a
+        model of `n_layers` (a count or a selector resolved; none named: every layer)."""
+        layers = None
+        if self.layers and (entry.layers or entry.apply_count != -1):
+            layers = tuple(entry.select(n_layers))
+        m = _PARAMETER_RE.match(entry.parameter) if entry.parameter else None
+        word, number = (m.group(1).lower(), int(m.group(2))) if m is not None else (None, None)
+        return LeverOption((LeverPart(layers, word, number),))
 
-    def entry(self, option: str) -> "PlanEntry":
-        """The entry that asks for `option` (one entry's: `option`'s inverse): `Loss+:1:-1@chunks8`,
-        `MLP+:1:-1@0-3:tiles4`."""
-        return parse_entry(f"{self.plan}:1:-1@{option}" if option else f"{self.plan}:1:-1")
+    def entries(self, option: LeverOption) -> List["PlanEntry"]:
+        """The plan entries that ask for `option` (its inverse: `option(entry)` of each gives its parts back), one a
+        part: `Loss+:1:-1@chunks8`, `MLP+:1:-1@0-3:tiles4`."""
+        return [
+            PlanEntry(
+                self.plan,
+                1,
+                -1,
+                layers=layer_selector(p.layers) if p.layers else "",
+                parameter=f"{p.word}{p.number}" if p.word else "",
+            )
+            for p in option.parts
+        ]
 
-    def entries(self, option: str) -> List["PlanEntry"]:
-        """The entries that ask for `option`, one per part where a policy joined several (`0:tiles2;1:tiles4`)."""
-        return [self.entry(part) for part in option.split(";")] if option else [self.entry("")]
+    def plan_of(self, option: Optional[LeverOption]) -> str:
+        """`option` as plans ("Loss+:1:-1@chunks8"; its entries joined by commas), "" for None (the lever off)."""
+        return "" if option is None else ",".join(str(e) for e in self.entries(option))
 
     def parameter_problem(self, parameter: str) -> Optional[str]:
         """What is wrong with `parameter` for this lever, or None."""

@@ -20,7 +20,7 @@ from helpers import tiny_decoder
 from optimum_memopt.backends.torch import levers as levers_registry
 from optimum_memopt.backends.torch.decide.budget import LeverChoice, fit, predict
 from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE
-from optimum_memopt.plans import PlanError, parse_inline, parse_plans
+from optimum_memopt.plans import LeverOption, LeverPart, PlanError, parse_inline, parse_plans
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PKG = os.path.join(os.path.dirname(HERE), "optimum_memopt")
@@ -99,11 +99,18 @@ def test_the_policy_holds_each_lever_as_its_name_and_option(stash):
     from optimum_memopt.backends.torch.policy import RecomputePolicy
 
     policy = RecomputePolicy.from_plans(parse_plans("Layer+:1:-1@0,Stash+:1:2@copies4,Loss+:1:-1@chunks8"), 0, 4)
-    assert policy.levers == {"stash": "0-1:copies4", "loss": "chunks8"}  # a count resolved to its layers
+    # each option as data: a count resolved to its layers, the parameter a word and a number
+    assert policy.levers == {
+        "stash": LeverOption((LeverPart((0, 1), "copies", 4),)),
+        "loss": LeverOption((LeverPart(None, "chunks", 8),)),
+    }
+    assert {name: str(o) for name, o in policy.levers.items()} == {"stash": "0-1:copies4", "loss": "chunks8"}
     assert [p.mode for p in policy.layers] == ["layer", "keep", "keep", "keep"] and not policy.requests[1:]
     two = RecomputePolicy.from_plans(parse_plans("Stash+:1:-1@0:copies2,Stash+:1:-1@2-3"), 0, 4)
-    assert two.levers == {"stash": "0:copies2;2-3"}
-    assert str(stash.SYNTAX.entry("0-1:copies4")) == "Stash+:1:-1@0-1:copies4"
+    assert two.levers == {"stash": LeverOption((LeverPart((0,), "copies", 2), LeverPart((2, 3))))}
+    assert str(two.levers["stash"]) == "0:copies2;2-3"
+    assert stash.SYNTAX.plan_of(policy.levers["stash"]) == "Stash+:1:-1@0-1:copies4"
+    assert stash.SYNTAX.plan_of(two.levers["stash"]) == "Stash+:1:-1@0:copies2,Stash+:1:-1@2-3"
 
 
 # -- the solver ----------------------------------------------------------------------------------------------------
@@ -127,13 +134,15 @@ def test_the_solver_searches_the_product_of_the_levers_options_and_prices_overla
     q = freed_bytes(profile, whole())
     base = 10 << 20
     mem = memory_of([base + 1000] * L, base + 3 * sum(q), [base + 4000] * L, base)
-    heads = [LeverChoice("loss"), LeverChoice("loss", "chunks4", "Loss+:1:-1@chunks4", ((HEAD_PLACE, sum(q)),), 0.004)]
+    chunks4 = LeverOption((LeverPart(None, "chunks", 4),))
+    heads = [LeverChoice("loss"), LeverChoice("loss", chunks4, "Loss+:1:-1@chunks4", ((HEAD_PLACE, sum(q)),), 0.004)]
     stashes = [
         LeverChoice("stash"),
         # hidden: its copy takes less than the compute it overlaps
-        LeverChoice("stash", "", "Stash+:1:-1", (("after the layers", sum(q)),), 0.0, 0, 0.001, 0.003),
+        LeverChoice("stash", LeverOption(), "Stash+:1:-1", (("after the layers", sum(q)),), 0.0, 0, 0.001, 0.003),
         # past its window by 0.002 s
-        LeverChoice("stash", "0:copies2", "Stash+:1:-1@0:copies2", (("after the layers", 2 * sum(q)),), 0.0, 0, 0.005, 0.003),
+        LeverChoice("stash", LeverOption((LeverPart((0,), "copies", 2),)), "Stash+:1:-1@0:copies2",
+                    (("after the layers", 2 * sum(q)),), 0.0, 0, 0.005, 0.003),
     ]  # fmt: skip
     assert [c.cost for c in stashes] == [0.0, 0.0, pytest.approx(0.002)]
     plain = predict(mem, q, [0] * L).peak_bytes
@@ -168,7 +177,8 @@ def test_a_lever_is_built_installed_reported_and_removed_whole(stash):
     plain_hooks = [len(layer._forward_pre_hooks) for layer in model.model.layers]
     handle = optimum_memopt.optimize_memory(model, "Layer+:1:-1@0,Stash+:1:-1@1:copies2", reports_steps=True)
     lever = handle.levers["stash"]
-    assert lever.option == "1:copies2" and handle.policy.levers == {"stash": "1:copies2"}
+    assert lever.option == LeverOption((LeverPart((1,), "copies", 2),)) and str(lever.option) == "1:copies2"
+    assert handle.policy.levers == {"stash": lever.option}
     torch.manual_seed(0)
     for _ in range(2):
         ids = torch.randint(0, 128, (2, 16))

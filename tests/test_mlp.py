@@ -73,7 +73,7 @@ def test_the_tiled_mlp_trains_as_the_plain_model(kind):
     same_training(plain, ours)
     handle = ours[3]
     lever = handle.levers["mlp"]
-    assert [lever.tiles_at(i) for i in range(2)] == [4, 4] and handle.policy.levers == {"mlp": "tiles4"}
+    assert [lever.tiles_at(i) for i in range(2)] == [4, 4] and str(handle.policy.levers["mlp"]) == "tiles4"
 
 
 def test_a_tiled_mlp_is_exact_row_by_row():
@@ -187,9 +187,15 @@ def test_an_mlp_taking_more_than_the_hidden_states_is_refused_with_the_reason():
 
 
 def test_the_tiling_grammar():
-    from optimum_memopt.plans import PlanError, parse_inline
+    from optimum_memopt.backends.torch.policy import RecomputePolicy
+    from optimum_memopt.plans import LeverOption, LeverPart, PlanError, parse_inline, parse_plans
 
-    assert parse("0-1:tiles4;3", 4) == {0: 4, 1: 4, 3: None} and parse("", 2) == {0: None, 1: None}
+    # the entries' layers and tile counts, as data; `option_of` writes a tiling back as the same option
+    option = RecomputePolicy.from_plans(parse_plans("MLP+:1:-1@0-1:tiles4,MLP+:1:-1@3"), 0, 4).levers["mlp"]
+    assert option == LeverOption((LeverPart((0, 1), "tiles", 4), LeverPart((3,))))
+    assert str(option) == "0-1:tiles4;3" and parse(option, 4) == {0: 4, 1: 4, 3: None}
+    assert mlp.option_of(parse(option, 4), 4) == option and parse(LeverOption(), 2) == {0: None, 1: None}
+    assert mlp.option_of({0: 2, 1: 2}, 2) == LeverOption((LeverPart(None, "tiles", 2),))
     assert str(parse_inline("mlp+:1:-1@0-7:Tiles4")[0]) == "MLP+:1:-1@0-7:tiles4"
     with pytest.raises(PlanError, match=r"tiling 'tokens1024'; expected 'tilesN' \(N tiles of tokens\)"):
         parse_inline("MLP+:1:-1@tokens1024")
@@ -281,7 +287,7 @@ def test_entries_on_layers_apart_give_each_its_own_tile_count():
     model = model_of("llama")
     handle = optimum_memopt.optimize_memory(model, "MLP+:1:-1@0:tiles2,MLP+:1:-1@1:tiles4", reports_steps=True)
     lever = handle.levers["mlp"]
-    assert (lever.tiles_at(0), lever.tiles_at(1)) == (2, 4) and handle.policy.levers == {"mlp": "0:tiles2;1:tiles4"}
+    assert (lever.tiles_at(0), lever.tiles_at(1)) == (2, 4) and str(handle.policy.levers["mlp"]) == "0:tiles2;1:tiles4"
     for _ in range(2):
         ids = torch.randint(0, VOCAB, (2, SEQ))
         model(input_ids=ids, labels=ids).loss.backward()

@@ -327,6 +327,31 @@ def test_the_head_and_loss_plan_reads_and_round_trips():
 
 
 @pytest.mark.parametrize(
+    "plans, texts",
+    [
+        ("Loss+:1:-1", {"loss": ""}),
+        ("loss+:1:-1@Chunks8", {"loss": "chunks8"}),
+        ("Loss+:1:-1@tokens1024", {"loss": "tokens1024"}),
+        ("MLP+:1:-1@tiles4", {"mlp": "tiles4"}),
+        ("MLP+:1:2@tiles2", {"mlp": "0-1:tiles2"}),  # a count: its layers
+        ("MLP+:1:-1@every2:tiles2,MLP+:1:-1@1", {"mlp": "0+2+4+6:tiles2;1"}),
+        ("Layer+:1:-1,Loss+:1:-1@chunks2,MLP+:1:-1@0-3+6", {"loss": "chunks2", "mlp": "0-3+6"}),
+    ],
+)
+def test_a_levers_option_is_data_and_its_plans_read_back_to_it(plans, texts):
+    """What a policy holds for a lever is data (`LeverOption`: its layers, its parameter as a word and a number); its
+    text and its plans are written at the edges only, and the plans read back to the same option."""
+    from optimum_memopt.backends.torch.policy import RecomputePolicy
+    from optimum_memopt.plans import LeverOption, lever_named
+
+    levers = RecomputePolicy.from_plans(parse_entries(plans), 0, 8).levers
+    assert all(isinstance(o, LeverOption) for o in levers.values())
+    assert {name: str(o) for name, o in levers.items()} == texts
+    written = ",".join(lever_named(name).plan_of(o) for name, o in levers.items())
+    assert RecomputePolicy.from_plans(parse_entries(written), 0, 8).levers == levers
+
+
+@pytest.mark.parametrize(
     "value, fragment",
     [
         ("Loss+:1:4", "apply count 4; a model has one head, so `Loss+` takes -1"),

@@ -35,7 +35,7 @@ from optimum_memopt.backends.torch.measure.graph import saved_bytes
 from optimum_memopt.backends.torch.measure.profile import AFTER_PLACE, HEAD_PLACE, Place, Segment, StepMemory
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 from optimum_memopt.memory import MIB
-from optimum_memopt.plans import PlanError, parse_inline
+from optimum_memopt.plans import PlanError, parse_inline, parse_plans
 from optimum_memopt.plans import layer_selector as selector
 
 pytestmark = pytest.mark.torch_backend
@@ -182,7 +182,7 @@ def test_the_head_is_chosen_with_the_layers_in_one_solve(profile, share):
     chosen = result.lever("loss")
     if chosen.plan:
         assert result.config().endswith("," + chosen.plan) or result.config() == chosen.plan
-        assert result.policy().levers["loss"] == chosen.plan.partition("@")[2]
+        assert result.policy().levers["loss"] == chosen.option and str(chosen.option) == chosen.plan.partition("@")[2]
     else:
         assert "Loss+" not in result.config() and "loss" not in result.policy().levers
     if share == 0.0:  # the least any choice reaches needs the head's most
@@ -194,16 +194,16 @@ def test_the_head_is_chosen_with_the_layers_in_one_solve(profile, share):
 
 def head(plan: str, less: int = 0, seconds: float = 0.0) -> LeverChoice:
     """A way of running the head as the loss lever offers it (`levers.loss.choices`): in the head's segment."""
-    return LeverChoice("loss", plan.partition("@")[2] if plan else None, plan, ((HEAD_PLACE, less),) if less else (),
-                       seconds)  # fmt: skip
+    option = RecomputePolicy.from_plans(parse_plans(plan), 0, 1).levers["loss"] if plan else None
+    return LeverChoice("loss", option, plan, ((HEAD_PLACE, less),) if less else (), seconds)
 
 
 def test_the_heads_ways_are_weighed_by_bytes_against_the_one_the_step_ran_and_by_time_against_the_fastest():
-    from optimum_memopt.backends.torch.levers.loss import HeadMeasure, HeadOption, choices
+    from optimum_memopt.backends.torch.levers.loss import Chunking, HeadMeasure, HeadOption, choices
 
     measured = HeadMeasure(1024, 64, 4096, "Loss+:1:-1@chunks4", [
-        HeadOption("Loss+:1:-1@chunks2", 30, 0.010), HeadOption("Loss+:1:-1@chunks8", 12, 0.013),
-        HeadOption("Loss+:1:-1@chunks4", 20, 0.012),
+        HeadOption(Chunking(chunks=2), 30, 0.010), HeadOption(Chunking(chunks=8), 12, 0.013),
+        HeadOption(Chunking(chunks=4), 20, 0.012),
     ])  # fmt: skip
     got = choices(measured)
     assert got == [
@@ -215,10 +215,10 @@ def test_the_heads_ways_are_weighed_by_bytes_against_the_one_the_step_ran_and_by
     # a way that holds more than the step's, or makes more rows at once, is weighed by its bound; a chunked way is
     # never faster than four thirds of the model's own head
     measured = HeadMeasure(1024, 64, 4096, "Loss+:1:-1@chunks4", [
-        HeadOption("", 40, 0.010, bound_bytes=55, rows=1024),
-        HeadOption("Loss+:1:-1@chunks2", 18, 0.009, bound_bytes=25, rows=512),  # holds less, more rows: its bound
-        HeadOption("Loss+:1:-1@chunks8", 12, 0.020, bound_bytes=14, rows=128),  # less, fewer rows: as measured
-        HeadOption("Loss+:1:-1@chunks4", 20, 0.016, bound_bytes=24, rows=256),
+        HeadOption(None, 40, 0.010, bound_bytes=55, rows=1024),
+        HeadOption(Chunking(chunks=2), 18, 0.009, bound_bytes=25, rows=512),  # holds less, more rows: its bound
+        HeadOption(Chunking(chunks=8), 12, 0.020, bound_bytes=14, rows=128),  # less, fewer rows: as measured
+        HeadOption(Chunking(chunks=4), 20, 0.016, bound_bytes=24, rows=256),
     ])  # fmt: skip
     assert choices(measured) == [
         head("", -35, 0.0),

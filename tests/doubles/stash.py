@@ -21,7 +21,7 @@ from optimum_memopt.backends.torch.apply.layers import find_layers
 from optimum_memopt.backends.torch.decide.budget import LeverChoice
 from optimum_memopt.backends.torch.levers.protocol import Lever
 from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE
-from optimum_memopt.plans import FoundPlan, LeverSyntax
+from optimum_memopt.plans import FoundPlan, LeverOption, LeverPart, LeverSyntax
 
 SYNTAX = LeverSyntax(
     name="stash",
@@ -36,13 +36,13 @@ SYNTAX = LeverSyntax(
 AFTER_FORWARD = HEAD_PLACE  # the segment after the layers' forward, where an offload of their inputs holds less
 
 
-def parse(option: str, n_layers: int):
-    """The layers and the copies an option names (`0-1:copies2`; "" every layer, one copy)."""
-    from optimum_memopt.plans import PlanEntry
-
-    entry = SYNTAX.entry(option) if option else PlanEntry("Stash+")
-    copies = int(entry.parameter[len("copies") :]) if entry.parameter else 1
-    return entry.select(n_layers), copies
+def parse(option: Optional[LeverOption], n_layers: int):
+    """The layers and the copies an option names (its first part: `0-1:copies2`; its default: every layer, one
+    copy); None: no layer."""
+    if option is None:
+        return [], 1
+    part = option.parts[0]
+    return list(part.layers) if part.layers is not None else list(range(n_layers)), part.number or 1
 
 
 class Stash(Lever):
@@ -60,7 +60,7 @@ class Stash(Lever):
 
     def __init__(self, model):
         self.layers = list(find_layers(model))
-        self._option: Optional[str] = None
+        self._option: Optional[LeverOption] = None
         self.handles = []
         self.calls = 0
         self.bytes_seen = 0
@@ -69,7 +69,7 @@ class Stash(Lever):
     def install(self) -> None:
         if self.installed:
             return
-        chosen, _ = parse(self._option or "", len(self.layers))
+        chosen, _ = parse(self._option, len(self.layers))
         for i in chosen:
             self.handles.append(self.layers[i].register_forward_pre_hook(self._seen))
         self.installed = True
@@ -84,14 +84,14 @@ class Stash(Lever):
         self.handles = []
         self.installed = False
 
-    def run_as(self, option: Optional[str]) -> None:
+    def run_as(self, option: Optional[LeverOption]) -> None:
         self.remove()
         self._option = option
         if option is not None:
             self.install()
 
     @property
-    def option(self) -> Optional[str]:
+    def option(self) -> Optional[LeverOption]:
         return self._option if self.installed else None
 
     def after_step_one(self, profile, resets: bool) -> None:
@@ -115,13 +115,13 @@ class Stash(Lever):
             return super().choices(profile)
         n = len(measured["bytes"])
         out = [LeverChoice(self.name, None, "")]
-        for option in ("", f"0-{n - 1}:copies2"):
+        for option in (LeverOption(), LeverOption((LeverPart(tuple(range(n)), "copies", 2),))):
             chosen, copies = parse(option, n)
             out.append(
                 LeverChoice(
                     self.name,
                     option,
-                    str(SYNTAX.entry(option)),
+                    SYNTAX.plan_of(option),
                     ((AFTER_FORWARD, sum(measured["bytes"][i] for i in chosen)),),
                     overlap_seconds=measured["copy_seconds"] * len(chosen) / copies,
                     window_seconds=sum(measured["op_seconds"][i] for i in chosen),

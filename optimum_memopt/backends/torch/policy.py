@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Dict, FrozenSet, List, Sequence, Tuple
 
 from ...plans import LAYER as LAYER_PLAN
-from ...plans import PlanEntry, PlanError, check_named_once, lever_syntax
+from ...plans import LeverOption, PlanEntry, PlanError, check_named_once, lever_syntax
 from .names import VIEW_NAMES, canonical_ops
 
 KEEP, OPS, LAYER = "keep", "ops", "layer"
@@ -98,10 +98,9 @@ class RecomputePolicy:
     layers: List[LayerPolicy]
     requests: List[Request] = field(default_factory=list)
     notes: List[str] = field(default_factory=list)  # what the plans' reader should know (overlaps resolved)
-    # the levers beyond the layers that are on, by name, each with its option (`plans.LeverSyntax.option`: "chunks8";
-    # "" its default; "0-7:tiles4" where it acts in layers, its entries joined by ";"): run by the levers
-    # (`levers/`), not by the engine
-    levers: Dict[str, str] = field(default_factory=dict)
+    # the levers beyond the layers that are on, by name, each with its option as data (`plans.LeverOption`: its
+    # layers and parameter, one part an entry): run by the levers (`levers/`), not by the engine
+    levers: Dict[str, LeverOption] = field(default_factory=dict)
 
     @classmethod
     def from_plans(cls, entries: Sequence[PlanEntry], level: int, n_layers: int) -> "RecomputePolicy":
@@ -115,7 +114,8 @@ class RecomputePolicy:
             if syntax is not None:  # a lever's plan, not a layer's
                 if entry.enabled:
                     option = syntax.option(entry, n_layers)
-                    levers[syntax.name] = ";".join(filter(None, (levers.get(syntax.name), option)))
+                    before = levers.get(syntax.name)
+                    levers[syntax.name] = option if before is None else before.joined(option)
                 continue
             if not entry.enabled:
                 continue

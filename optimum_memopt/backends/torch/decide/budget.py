@@ -27,7 +27,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
-from ....plans import PlanEntry, layer_selector, lever_syntax, parse_plans
+from ....plans import LeverOption, PlanEntry, layer_selector, lever_syntax, parse_plans
 from ..measure.graph import effect, saved_bytes, whole_layer
 from ..measure.profile import ModelProfile, Place, Segment, StepMemory
 from ..policy import LAYER, OPS, RecomputePolicy
@@ -155,22 +155,23 @@ class LeverChoice:
     """One option of a lever beyond the layers (`levers/`), as the solver weighs it: pure data the lever makes from
     what it measured after step one (its `choices`).
 
-    `option` is what the policy holds for it (`RecomputePolicy.levers`: "chunks8"; "" its default), None the lever
-    off; `plan` its entry in the plan grammar ("" off). `less`: the bytes it holds less than the measured step's
-    option, by segment (its `profile.Place` in the step, whichever process read it: the head's segment, a layer's
-    backward); negative where it holds more. `seconds`: what it adds to a step on the compute's path, above the
-    lever's fastest option (a constant apart: the least total time is the same). Work that overlaps compute (a copy
-    on a stream of its own, as an offload's) is `overlap_seconds`, hidden under `window_seconds` of the step's
-    compute: only what it runs past the window costs (`cost`). `returned`: what its forward returns that a caller
-    may keep through the whole step (the model's own head's logits, in a loop that keeps `outputs`), counted held
-    in every segment but the last. `less_parts`: the bytes it holds less in a stretch of a segment marked inside
-    (`profile.Segment.parts`), as (the segment's place, the stretch's mark, bytes): a lever acting inside a layer
-    (the tiled MLP) lowers the stretches its module runs in, and a segment's peak is the highest of its stretches
-    so moved. `recomputed`: the layers the option needs recomputed whole (the tiled MLP is weighed there only: in a
-    layer kept, what its saves hold less would show in every later segment, which no stretch's reading says)."""
+    `option` is what the policy holds for it (`RecomputePolicy.levers`: a `plans.LeverOption`, its parameter and layers
+    as data), None the lever off; `plan` its entries in the plan grammar, for messages and files ("" off). `less`: the
+    bytes it holds less than the measured step's option, by segment (its `profile.Place` in the step, whichever process
+    read it: the head's segment, a layer's backward); negative where it holds more. `seconds`: what it adds to a step
+    on the compute's path, above the lever's fastest option (a constant apart: the least total time is the same). Work
+    that overlaps compute (a copy on a stream of its own, as an offload's) is `overlap_seconds`, hidden under
+    `window_seconds` of the step's compute: only what it runs past the window costs (`cost`). `returned`: what its
+    forward returns that a caller may keep through the whole step (the model's own head's logits, in a loop that keeps
+    `outputs`), counted held in every segment but the last. `less_parts`: the bytes it holds less in a stretch of a
+    segment marked inside (`profile.Segment.parts`), as (the segment's place, the stretch's mark, bytes): a lever
+    acting inside a layer (the tiled MLP) lowers the stretches its module runs in, and a segment's peak is the highest
+    of its stretches so moved. `recomputed`: the layers the option needs recomputed whole (the tiled MLP is weighed
+    there only: in a layer kept, what its saves hold less would show in every later segment, which no stretch's reading
+    says)."""
 
     lever: str
-    option: Optional[str] = None
+    option: Optional[LeverOption] = None
     plan: str = ""
     less: Tuple[Tuple[Place, int], ...] = ()
     seconds: float = 0.0

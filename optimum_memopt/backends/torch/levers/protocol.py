@@ -6,8 +6,9 @@ through this class only:
 
 1. **Its grammar**: `syntax`, a `plans.LeverSyntax` (its name, its plan word, whether it acts in layers, its
    parameter's words). The plan grammar parses every lever's entries alike; the policy holds each lever's option as
-   `{name: option}` (`RecomputePolicy.levers`): its parameter ("chunks8"; "" its default), after the layers it acts
-   in where it acts in layers ("0-7:tiles4"). `syntax.entry(option)` writes an option back as a plan.
+   `{name: option}` (`RecomputePolicy.levers`), a `plans.LeverOption`: its parameter as data (chunks, 8; none: its
+   default) and, where it acts in layers, the layers (0-7), one part an entry. `syntax.plan_of(option)` writes an
+   option back as plans, for messages and files.
 2. **Its mechanism**: `build` on the model being wrapped (where the plans ask for it, or where `auto`'s budget wants
    its options measured; refused with the reason where it cannot run), `install` / `remove` (removal whole: the
    model as it was), `run_as(option)` between steps (the solver's choice), `option` (what runs now).
@@ -28,7 +29,7 @@ The defaults below are a lever that measures nothing and offers only what it run
 
 from typing import Callable, ClassVar, List, Optional, Tuple
 
-from ....plans import FoundPlan, LeverSyntax
+from ....plans import FoundPlan, LeverOption, LeverSyntax
 from ..decide.budget import LeverChoice
 
 
@@ -40,7 +41,9 @@ class Lever:
 
     # -- its mechanism ------------------------------------------------------------------------------------------
     @classmethod
-    def build(cls, model, settings, option: Optional[str], n_layers: int) -> Tuple[Optional["Lever"], Optional[str]]:
+    def build(
+        cls, model, settings, option: Optional[LeverOption], n_layers: int
+    ) -> Tuple[Optional["Lever"], Optional[str]]:
         """The lever on `model` (being wrapped with `settings`, its `n_layers` layers), installed where the plans ask
         for it (`option`: what the policy holds for it, `RecomputePolicy.levers`; None where the plans do not name
         it), or there to be measured for `auto`'s budget; or None, with why not where the table should say it (None:
@@ -55,19 +58,18 @@ class Lever:
         """Take everything the lever put on the model off (the model as it was before `build`)."""
         raise NotImplementedError
 
-    def run_as(self, option: Optional[str]) -> None:
+    def run_as(self, option: Optional[LeverOption]) -> None:
         """Run `option` from the next step on (a policy's option; None: the lever off)."""
         raise NotImplementedError
 
     @property
-    def option(self) -> Optional[str]:
+    def option(self) -> Optional[LeverOption]:
         """The option running now (None: off)."""
         raise NotImplementedError
 
     def plan(self) -> str:
         """The option running now as a plan entry ("" off)."""
-        option = self.option
-        return "" if option is None else ",".join(str(e) for e in self.syntax.entries(option))
+        return self.syntax.plan_of(self.option)
 
     def smooths_labels(self) -> bool:
         """Whether the loss the lever computes applies the Trainer's label smoothing itself."""

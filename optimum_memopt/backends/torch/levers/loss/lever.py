@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .....plans import FoundPlan
+from .....plans import FoundPlan, LeverOption
 from ...decide.budget import LeverChoice
 from ..protocol import Lever
 from .chunks import chunk_losses, smoother_counts_items
@@ -174,7 +174,7 @@ class ChunkedLoss(Lever):
         self.installed = False
 
     @classmethod
-    def build(cls, model, settings, option: Optional[str], n_layers: int):
+    def build(cls, model, settings, option: Optional[LeverOption], n_layers: int):
         """The lever on the model's head (`protocol.Lever.build`): installed where `Loss+` was asked (`option`, its
         chunking), refused with the reason where it cannot run; under `auto` with a budget in MiB, on a causal LM it
         can run on, there to run step one's head in chunks and measure each way after it (the table's `Loss+` rows,
@@ -189,7 +189,7 @@ class ChunkedLoss(Lever):
         if problem is not None:
             if option is not None:
                 raise ValueError(
-                    f"`--memory_opt_config` has {str(SYNTAX.entry(option))!r}, but {problem}; drop `Loss+` to train "
+                    f"`--memory_opt_config` has {SYNTAX.plan_of(option)!r}, but {problem}; drop `Loss+` to train "
                     f"with the head whole"
                 )
             return None, (f"`Loss+` cannot run on it: {problem}" if causal_lm(model) is not None else None)
@@ -204,22 +204,22 @@ class ChunkedLoss(Lever):
             # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
             # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
             # starts (each way measured after step one, where it fits what step one's peak left free)
-            lever.run_as("")
+            lever.run_as(LeverOption())
             return lever, None
-        lever = cls(causal_lm(model), Chunking.from_selector(option))
+        lever = cls(causal_lm(model), Chunking.of(option))
         lever.smoothing = settings.label_smoothing or None
         if lever.trl:
             logger.warning(
                 "`%s`: the model's head is chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own "
                 "forward; it is not chunked twice, and the step's head and loss are what TRL's head makes of them",
-                SYNTAX.entry(option),
+                SYNTAX.plan_of(option),
             )
         lever.install()
         return lever, None
 
     @property
-    def option(self) -> Optional[str]:
-        return self.chunking.selector if self.installed and self.chunking is not None else None
+    def option(self) -> Optional[LeverOption]:
+        return self.chunking.option if self.installed and self.chunking is not None else None
 
     def plan(self) -> str:
         """How the head runs now, as a plan (`Loss+:1:-1@chunks8`; "": the model's own head)."""
@@ -228,10 +228,10 @@ class ChunkedLoss(Lever):
     def smooths_labels(self) -> bool:
         return self.installed and self.smoothing is not None
 
-    def run_as(self, selector: Optional[str]) -> None:
+    def run_as(self, option: Optional[LeverOption]) -> None:
         """Run the head from the next head and loss on (the solver's choice, made between steps or as a step's first
-        layer starts): chunked as `selector` says ("", "chunks8", "tokens1024"), or None: the model's own head."""
-        self.chunking = None if selector is None else Chunking.from_selector(selector)
+        layer starts): chunked as `option` says (`Chunking.of`), or None: the model's own head."""
+        self.chunking = None if option is None else Chunking.of(option)
         if self.chunking is not None:
             self.install()
 
@@ -245,7 +245,7 @@ class ChunkedLoss(Lever):
             profile.levers[self.name] = result
 
     def choices(self, profile, measured=None) -> List[LeverChoice]:
-        return options_of(profile.levers.get(self.name), self.plan())
+        return options_of(profile.levers.get(self.name), self.chunking if self.installed else None)
 
     def rows(self, profile, drop) -> List[FoundPlan]:
         return rows_of(profile.levers.get(self.name), drop)

@@ -27,14 +27,19 @@ BOUND_MARGIN = 0.25  # a way of running the head is run only where its bound, th
 
 @dataclass(frozen=True)
 class HeadOption:
-    """One way to run a causal LM's head and loss, measured aside (`measure`): its plan (`Loss+:1:-1@chunks8`;
-    "" for the model's own head), the most it held above the level it started at, and its seconds."""
+    """One way to run a causal LM's head and loss, measured aside (`measure`): how it chunks the tokens (None: the
+    model's own head), the most it held above the level it started at, and its seconds."""
 
-    plan: str
+    chunking: Optional[Chunking]
     held_bytes: int
     seconds: float
     bound_bytes: int = 0  # the most it was let hold before it ran (what step one's peak left free bounded it by)
     rows: int = 0  # the rows of logits it makes at once (every token for the model's own head); 0: not known
+
+    @property
+    def plan(self) -> str:
+        """The way as a plan, its label in the table and messages (`Loss+:1:-1@chunks8`; "": the model's own head)."""
+        return plan_of(self.chunking)
 
 
 @dataclass
@@ -163,19 +168,17 @@ def measure(lever, profile, resets: bool = True):
         how = plan_of(ran) or "the model's own head"
         return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
     options = [
-        HeadOption(plan_of(way), got.held[way], got.seconds[way], got.bounds[way], rows_of(way))
-        for way in ways
-        if got.ran(way)
+        HeadOption(way, got.held[way], got.seconds[way], got.bounds[way], rows_of(way)) for way in ways if got.ran(way)
     ]
     logits = block_bytes(tokens * vocab * itemsize)
     return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits)
 
 
-def choices(head: Optional[HeadMeasure], ran: str = "") -> List[LeverChoice]:
+def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None) -> List[LeverChoice]:
     """The ways the head and loss can run, as the solver weighs them (`budget.LeverChoice`, in the head's segment):
     the bytes each holds less than the way the step ran, and the seconds it takes more than the fastest way (a
     constant apart from what the step ran: the least total time is the same); where none was measured, the way the
-    step ran (`ran`, its plan) alone.
+    step ran (`ran`, its chunking; None: the model's own head) alone.
 
     The rule (tests/test_torch_budget.py, `test_the_heads_ways_are_weighed_...`): a way that holds more than the
     step's way, or makes more rows of logits at once, is weighed by its bound where that is higher than what it held
@@ -194,16 +197,20 @@ def choices(head: Optional[HeadMeasure], ran: str = "") -> List[LeverChoice]:
 
     return [
         _choice(
-            o.plan, ran_option.held_bytes - held(o), head.seconds(o) - fastest, head.logits_bytes if not o.plan else 0
+            o.chunking,
+            ran_option.held_bytes - held(o),
+            head.seconds(o) - fastest,
+            head.logits_bytes if o.chunking is None else 0,
         )
         for o in head.options
     ]
 
 
-def _choice(plan: str, less: int = 0, seconds: float = 0.0, returned: int = 0) -> LeverChoice:
-    """The `LeverChoice` of the head run as `plan` ("": the model's own head)."""
-    option = plan.partition("@")[2] if plan else None
-    return LeverChoice(SYNTAX.name, option, plan, ((HEAD_PLACE, less),) if less else (), seconds, returned)
+def _choice(chunking: Optional[Chunking], less: int = 0, seconds: float = 0.0, returned: int = 0) -> LeverChoice:
+    """The `LeverChoice` of the head run in `chunking` (None: the model's own head, the lever off)."""
+    option = None if chunking is None else chunking.option
+    where = ((HEAD_PLACE, less),) if less else ()
+    return LeverChoice(SYNTAX.name, option, plan_of(chunking), where, seconds, returned)
 
 
 def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:
@@ -230,7 +237,7 @@ def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:
                 applied_saving_bytes=float(saving if on else 0),
                 recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
                 lever=SYNTAX.name,
-                **(drop([_choice(option.plan, ran.held_bytes - option.held_bytes)]) if drop is not None else {}),
+                **(drop([_choice(option.chunking, ran.held_bytes - option.held_bytes)]) if drop is not None else {}),
             )
         )
     return out

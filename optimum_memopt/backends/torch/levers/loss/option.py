@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import List, Optional
 
-from .....plans import HEAD_LEVER, LeverSyntax
+from .....plans import HEAD_LEVER, LeverOption, LeverPart, LeverSyntax
 
 SYNTAX = LeverSyntax(
     name=HEAD_LEVER,
@@ -30,12 +30,13 @@ class Chunking:
     tokens: Optional[int] = None
 
     @classmethod
-    def from_selector(cls, selector: str) -> "Chunking":
-        """`chunks8`, `tokens1024` or "" (the plan grammar has checked the form)."""
-        if selector.startswith("chunks"):
-            return cls(chunks=int(selector[len("chunks") :]))
-        if selector.startswith("tokens"):
-            return cls(tokens=int(selector[len("tokens") :]))
+    def of(cls, option: LeverOption) -> "Chunking":
+        """The chunking a policy's option asks for (one part: a model has one head; the grammar checked its word)."""
+        (part,) = option.parts
+        if part.word == "chunks":
+            return cls(chunks=part.number)
+        if part.word == "tokens":
+            return cls(tokens=part.number)
         return cls()
 
     def rows(self, n_tokens: int, hidden: int, vocab: int) -> int:
@@ -47,11 +48,13 @@ class Chunking:
         return max(1, math.ceil(n_tokens * hidden / vocab))
 
     @property
-    def selector(self) -> str:
-        """The chunking as the policy holds it (`chunks8`, `tokens1024`; "" the default)."""
+    def option(self) -> LeverOption:
+        """The chunking as a policy holds it (`Chunking.of`'s inverse)."""
         if self.tokens is not None:
-            return f"tokens{self.tokens}"
-        return f"chunks{self.chunks}" if self.chunks is not None else ""
+            return LeverOption((LeverPart(word="tokens", number=self.tokens),))
+        if self.chunks is not None:
+            return LeverOption((LeverPart(word="chunks", number=self.chunks),))
+        return LeverOption()
 
     def describe(self) -> str:
         if self.tokens is not None:
@@ -63,11 +66,7 @@ class Chunking:
 
 def plan_of(chunking: Optional[Chunking]) -> str:
     """`Loss+:1:-1@chunks8` for a chunking, "" for the model's own head."""
-    if chunking is None:
-        return ""
-    if chunking.tokens is not None:
-        return f"Loss+:1:-1@tokens{chunking.tokens}"
-    return f"Loss+:1:-1@chunks{chunking.chunks}" if chunking.chunks is not None else "Loss+:1:-1"
+    return SYNTAX.plan_of(None if chunking is None else chunking.option)
 
 
 def candidate_chunks(tokens: int, hidden: int, vocab: int) -> List[int]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .....memory import MIB
-from .....plans import FoundPlan
+from .....plans import FoundPlan, LeverOption
 from ... import _torch_api
 from ...apply.layers import distinct, find_layers
 from ...decide.budget import LeverChoice
@@ -71,7 +71,7 @@ class TiledMLP(Lever):
     name = SYNTAX.name
 
     @classmethod
-    def build(cls, model, settings, option: Optional[str], n_layers: int):
+    def build(cls, model, settings, option: Optional[LeverOption], n_layers: int):
         """Installed where `MLP+` was asked (`option`: every layer it names must hold an MLP the lever tiles, else
         refused with the reason), and measured after step one (the table's `MLP+` rows); under `auto` with a budget
         in MiB, built off, its MLPs marked in the steps watched and measured after step one, for the solver to weigh
@@ -89,7 +89,7 @@ class TiledMLP(Lever):
         chosen = parse(option, len(lever.layers))
         missing = [i for i in chosen if lever.mlps[i] is None]
         if missing:
-            plans = ",".join(str(e) for e in SYNTAX.entries(option))
+            plans = SYNTAX.plan_of(option)
             raise ValueError(
                 f"`--memory_opt_config` has {plans!r}, but layer {missing[0]} cannot be tiled: "
                 f"{lever.why_not[missing[0]]}; drop `MLP+`, or name the layers it can tile"
@@ -103,7 +103,7 @@ class TiledMLP(Lever):
         self.mlps: List[Optional[nn.Module]] = [m for m, _ in found]
         self.why_not: List[Optional[str]] = [w for _, w in found]
         self.tiles: Dict[int, Optional[int]] = {}  # the layers tiled and each one's count (None: the default)
-        self._option: Optional[str] = None
+        self._option: Optional[LeverOption] = None
         self._put: Dict[int, object] = {}  # layer index -> what the MLP instance's forward was before ours
         self.installed = False
 
@@ -130,7 +130,7 @@ class TiledMLP(Lever):
         self._put = {}
         self.installed = False
 
-    def run_as(self, option: Optional[str]) -> None:
+    def run_as(self, option: Optional[LeverOption]) -> None:
         self.remove()
         self._option = option
         self.tiles = {} if option is None else parse(option, len(self.layers))
@@ -138,7 +138,7 @@ class TiledMLP(Lever):
             self.install()
 
     @property
-    def option(self) -> Optional[str]:
+    def option(self) -> Optional[LeverOption]:
         return self._option if self.installed else None
 
     def tiles_at(self, index: int) -> Optional[int]:
@@ -233,7 +233,7 @@ class TiledMLP(Lever):
                 parts.append((Place.backward(i), tag, backward))
         seconds = sum(max(0.0, measured.options[c].seconds - base.seconds) for c in tiling.values())
         option = option_of({i: c for i, c in tiling.items()}, len(self.layers)) if tiling else None
-        plan = "" if option is None else ",".join(str(e) for e in SYNTAX.entries(option))
+        plan = SYNTAX.plan_of(option)
         # every layer whose MLP runs otherwise than in the step measured stays recomputed whole, one untiled too: a
         # layer kept holds its MLP's saves from its forward to its backward, which no stretch's reading gives (a
         # tiled MLP keeps its tiles' inputs, a whole one its intermediates)

@@ -6,7 +6,7 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
-from .....plans import LeverSyntax, PlanEntry, layer_selector
+from .....plans import LeverOption, LeverPart, LeverSyntax
 
 SYNTAX = LeverSyntax(
     name="mlp",
@@ -36,27 +36,27 @@ def default_tiles(mlp: nn.Module) -> int:
     return max(1, math.ceil(widest / max(1, hidden)))
 
 
-def parse(option: str, n_layers: int) -> Dict[int, Optional[int]]:
-    """The layers an option tiles and each one's tile count (None: the default): "0-7:tiles4;8-9", "" every layer."""
+def parse(option: LeverOption, n_layers: int) -> Dict[int, Optional[int]]:
+    """The layers an option tiles and each one's tile count (None: the default); a part naming no layers names every
+    one; a later part's count wins on a layer an earlier one named."""
     out: Dict[int, Optional[int]] = {}
-    for part in option.split(";") if option else [""]:
-        entry = SYNTAX.entry(part) if part else PlanEntry(SYNTAX.plan)
-        tiles = int(entry.parameter[len("tiles") :]) if entry.parameter else None
-        for i in entry.select(n_layers):
-            out[i] = tiles
+    for part in option.parts:
+        for i in part.layers if part.layers is not None else range(n_layers):
+            out[i] = part.number
     return out
 
 
-def option_of(tiles: Dict[int, Optional[int]], n_layers: int) -> str:
-    """`parse`'s inverse, grouped by tile count ("" for every layer at the default)."""
+def option_of(tiles: Dict[int, Optional[int]], n_layers: int) -> LeverOption:
+    """`parse`'s inverse, a part a tile count in the order of its first layer (no layers named where it tiles every
+    layer)."""
     by_count: Dict[Optional[int], List[int]] = {}
     for i, t in sorted(tiles.items()):
         by_count.setdefault(t, []).append(i)
     parts = []
     for t, layers in sorted(by_count.items(), key=lambda kv: kv[1][0]):
-        where = "" if layers == list(range(n_layers)) else layer_selector(layers)
-        parts.append(":".join(p for p in (where, f"tiles{t}" if t else "") if p))
-    return ";".join(parts)
+        where = None if layers == list(range(n_layers)) else tuple(layers)
+        parts.append(LeverPart(where, "tiles" if t else None, t))
+    return LeverOption(tuple(parts))
 
 
 def tile_counts(tokens: int, default: int) -> List[int]:
