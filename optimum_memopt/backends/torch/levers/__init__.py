@@ -14,6 +14,7 @@ one line in `REGISTERED`: nothing else in the package names a lever (tests/test_
 - `loss`: a causal LM's head and cross-entropy run over chunks of tokens, each chunk's logits recomputed in backward
   (`Loss+`).
 - `mlp`: a decoder layer's MLP run over tiles of tokens, each tile's intermediates recomputed in backward (`MLP+`).
+- `offload`: what a layer saves for backward copied to the host and fetched back ahead of its backward (`Offload+`).
 
 This module stays light: it imports a lever's package only when its plan name is met or the backend builds it.
 """
@@ -26,6 +27,7 @@ from typing import Dict, List, Optional
 REGISTERED: Dict[str, str] = {
     "Loss+": "loss",
     "MLP+": "mlp",
+    "Offload+": "offload",
 }
 # fmt: on
 
