@@ -4,10 +4,11 @@ device's let go of, and fetched back ahead of the backward that needs it.
 
 The rules (tests/test_offload.py):
 
-- Offloaded: the storage of every tensor autograd saves in the layer's training forward (its input above all), but a
-  parameter's (the weights stay where they are) and one on another device than the layer's. A storage saved several
-  times in a layer (views of it) is copied once, and each saved tensor comes back as the same view of its copy
-  (sizes, strides and offset as saved: the backward's kernels see what they would have seen).
+- Offloaded: the storage of every plain tensor autograd saves in the layer's training forward (its input above all), on
+  the layer's device; a parameter (the weights stay where they are), a tensor subclass (FSDP2's DTensor, a dry run's
+  fake tensor: the dry run does not count offload yet) and a sparse tensor stay where they are. A storage saved several
+  times in a layer (views of it) is copied once, and each saved tensor comes back as the same view of its copy (sizes,
+  strides and offset as saved: the backward's kernels see what they would have seen).
 - The copy is a copy: gradients are bitwise those of the run without the lever, dropout included.
 - The device's storage is let go of once its copy is made (on a card, once the copy queued on the side stream ran:
   `record_stream`), unless something else holds it (the layer's output, another layer's input).
@@ -28,7 +29,6 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-from torch import nn
 
 from ... import _torch_api
 
@@ -119,8 +119,8 @@ class Mover:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), _unpack)
 
     def _pack(self, index: int, t: torch.Tensor):
-        if isinstance(t, nn.Parameter) or t.device != self.device or t.layout != torch.strided:
-            return t
+        if type(t) is not torch.Tensor or t.device != self.device or t.layout != torch.strided:
+            return t  # a parameter, a subclass (FSDP2's DTensor, a dry run's fake tensor), another device's, sparse
         storage = t.untyped_storage()
         key = storage.data_ptr()
         copies = self._by_address[index]
