@@ -49,7 +49,7 @@ JOBS = {
 }
 SHARED = {"names", "rule", "policy", "nested", "steps"}
 # the fake step drives the whole backend (wrapped, stepped, planned) on fake tensors: glue, as the backend is
-GLUE = {"backend", "__init__", "_torch_api", "ranks", "fake_step"}
+GLUE = {"backend", "__init__", "needs", "_torch_api", "ranks", "fake_step"}
 # Levers beyond a layer's recompute, above the three jobs: the protocol, and a package each (its option, its
 # mechanism, its measurement on the shared harness `measure.ways`, its rows and options).
 LEVERS = {

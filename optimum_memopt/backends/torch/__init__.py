@@ -23,23 +23,9 @@ from the profile and the policy. docs/DESIGN.md has the reasoning and the figure
 This module stays light (no engine imported): the arguments ask it whether the backend can run.
 """
 
-from typing import Optional
-
-import torch
-from packaging import version
-
-MIN_TORCH = "2.5"
+from .needs import MIN_TORCH, torch_problem
 
 __all__ = ["MIN_TORCH", "torch_problem", "TorchBackend", "RecomputePolicy", "LayerPolicy", "ModelProfile"]
-
-
-def torch_problem() -> Optional[str]:
-    if version.parse(torch.__version__.split("+")[0]) < version.parse(MIN_TORCH):
-        return (
-            f"the torch backend needs torch >= {MIN_TORCH} (installed: {torch.__version__}); install the modern stack "
-            f"with `pip install 'optimum-memopt[torch]'` (or `-c constraints-torch.txt`, see README)"
-        )
-    return None
 
 
 def __getattr__(name):

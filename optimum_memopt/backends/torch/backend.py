@@ -11,8 +11,8 @@ from torch import nn
 from ...memory import MIB
 from ...plans import PlanError, PlanReport, to_inline
 from ..base import Backend, WrapSettings, checkpointing_asked
-from . import torch_problem
 from .apply.layers import STATE, checkpointed_elsewhere, distinct, find_layers, repeated, towers
+from .needs import torch_problem
 from .policy import LayerPolicy, RecomputePolicy, check_requests
 
 logger = logging.getLogger(__name__)
