@@ -30,6 +30,7 @@ def _same_bitwise(plain, ours):
         ("Offload+:1:-1", True),  # every layer, the next fetched ahead
         ("Offload+:1:-1@1:ahead2", True),
         ("silu+:1:-1,Offload+:1:-1", True),  # a layer recomputing an op: what the engine keeps as is goes to the host
+        ("Layer+:1:-1,Offload+:1:-1", True),  # a layer recomputed whole: its input waits on the host
         # beside the other levers, which sum the head's and the MLP weights' gradients chunk by chunk (to rounding)
         ("Layer+:1:-1@0,Offload+:1:-1@1,MLP+:1:-1@1:tiles2,Loss+:1:-1", False),
     ],
@@ -117,7 +118,18 @@ def test_the_lever_comes_off_whole():
     assert [(len(layer._forward_pre_hooks), len(layer._forward_hooks)) for layer in model.model.layers] == hooks
 
 
-def test_its_plans_read_as_data_and_a_layer_recomputed_whole_is_refused_with_what_works():
+def test_a_layer_recomputed_whole_offloads_its_input_alone():
+    model = model_of("llama")
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, "Layer+:1:-1,Offload+:1:-1", reports_steps=True)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    hidden = 2 * 16 * model.config.hidden_size * 4  # each layer's input: the hidden states, fp32
+    assert handle.levers["offload"].mover.moved_bytes == {0: hidden, 1: hidden}
+    handle.remove()
+
+
+def test_its_plans_read_as_data():
     entry = parse_inline("offload+:1:-1@0-3:Ahead2")[0]
     assert str(entry) == "Offload+:1:-1@0-3:ahead2"
     option = offload.SYNTAX.option(entry, 8)
@@ -126,5 +138,3 @@ def test_its_plans_read_as_data_and_a_layer_recomputed_whole_is_refused_with_wha
     assert offload.layers_of(LeverOption(), 2) == {0: 1, 1: 1}  # every layer, one ahead
     with pytest.raises(PlanError, match=r"prefetch 'tiles2'; expected 'aheadN'"):
         parse_inline("Offload+:1:-1@tiles2")
-    with pytest.raises(ValueError, match=r"on layer 1, which the plans recompute whole: its input is held"):
-        optimum_memopt.optimize_memory(model_of("llama"), "Layer+:1:-1,Offload+:1:-1@1")

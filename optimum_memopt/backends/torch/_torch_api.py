@@ -121,6 +121,13 @@ def version(t: torch.Tensor) -> int:
     return t._version
 
 
+def set_version(t: torch.Tensor, value: int) -> None:
+    """Set autograd's version counter of `t` (shared with its views) to `value`: a tensor the offload lever brings
+    back stands for the one saved, at the version it was saved at, which the engine's checks compare (private
+    `torch._C._autograd._unsafe_set_version_counter`, a sequence of tensors and one of versions)."""
+    torch._C._autograd._unsafe_set_version_counter((t,), (value,))
+
+
 def at_backward_end(fn) -> None:
     """Run `fn()` when the backward pass now running ends (private `Variable._execution_engine.queue_callback`, as
     DDP and FSDP use it); call it from a backward hook."""

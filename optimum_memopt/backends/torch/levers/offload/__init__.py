@@ -9,8 +9,9 @@ the copies are copies, each saved tensor back as the view it was; the gradients 
 without the lever, dropout included (tests/test_offload.py).
 
 Combined with the layers' plans: a layer recomputing ops offloads what the engine keeps of it as it is (a recipe's
-inputs stay); a layer recomputed whole is refused for now (the recompute holds its input, which this lever does not
-move yet). With `Loss+` and `MLP+` (a tiled MLP's tile inputs are held by their checkpoints, the rest of the layer
+inputs stay); a layer recomputed whole offloads its input alone (torch's checkpoint saves its inputs as saved
+tensors, through the hooks around it; each comes back at the version it was saved at, which the recompute's checks
+compare). With `Loss+` and `MLP+` (a tiled MLP's tile inputs are held by their checkpoints, the rest of the layer
 offloaded).
 
 Not yet weighed by `auto` nor counted by the dry run (issue 55): name the layers in the plans.

@@ -10,7 +10,6 @@ from .....memory import MIB
 from .....plans import LeverOption
 from ...apply.layers import distinct, find_layers
 from ...measure.watch import first_grad_tensor
-from ...policy import LAYER, RecomputePolicy
 from ..protocol import Lever
 from .mover import Mover
 from .option import SYNTAX, layers_of
@@ -21,30 +20,21 @@ class Offload(Lever):
     forward hook on each chosen layer (`remove` takes them off); in training the pre-hook enters the mover's
     saved-tensor hooks for the layer, the hook leaves them and marks where backward reaches the layer's output, which
     fetches that layer's tensors and those of the layers up to `ahead` before it. The engine's own hooks run inside
-    (a planned op's recipe keeps its inputs; what the engine keeps as it is goes to these hooks)."""
+    (a planned op's recipe keeps its inputs; what the engine keeps as it is goes to these hooks); a layer recomputed
+    whole saves its input through them (torch's checkpoint saves its inputs as saved tensors), and nothing else."""
 
     syntax = SYNTAX
     name = SYNTAX.name
 
     @classmethod
     def build(cls, model, settings, option: Optional[LeverOption], n_layers: int):
-        """Installed where `Offload+` was asked (`option`). Refused with the reason on a layer the plans recompute
-        whole (its input is held by the recompute, which this lever does not move yet). Not weighed by `auto` yet:
-        elsewhere nothing, said in the table's notes."""
+        """Installed where `Offload+` was asked (`option`). Not weighed by `auto` yet: elsewhere nothing, said in the
+        table's notes."""
         if option is None:
             if getattr(settings, "budget", None) is None:
                 return None, None
             return None, "`auto` does not weigh `Offload+` yet: name the layers to offload in the plans"
         lever = cls(model)
-        chosen = layers_of(option, len(lever.layers))
-        policy = RecomputePolicy.from_plans(settings.entries, settings.level, len(lever.layers))
-        whole = [i for i in sorted(chosen) if i < len(policy.layers) and policy.layers[i].mode == LAYER]
-        if whole:
-            raise ValueError(
-                f"`--memory_opt_config` has {SYNTAX.plan_of(option)!r} on layer {whole[0]}, which the plans recompute "
-                f"whole: its input is held by the recompute, which `Offload+` does not move; offload the layers kept "
-                f"or recomputing ops, as in 'Layer+:1:-1@0-3,Offload+:1:-1@4-7'"
-            )
         lever.run_as(option)
         return lever, None
 

@@ -122,6 +122,8 @@ class Mover:
         if type(t) is not torch.Tensor or t.device != self.device or t.layout != torch.strided:
             return t  # a parameter, a subclass (FSDP2's DTensor, a dry run's fake tensor), another device's, sparse
         storage = t.untyped_storage()
+        if storage.nbytes() % t.element_size():
+            return t  # a storage that is not a whole number of this dtype's elements cannot be read back as them
         key = storage.data_ptr()
         copies = self._by_address[index]
         copy = copies.get(key)
@@ -185,5 +187,6 @@ def _unpack(saved) -> torch.Tensor:
         )
     saved.mover.fetch(copy)
     saved.mover.streams.ready(copy.event)
-    out = torch.empty(0, dtype=saved.dtype, device=copy.device)
-    return out.set_(copy.fetched.untyped_storage(), saved.offset, saved.size, saved.stride)
+    out = copy.fetched.view(saved.dtype).as_strided(saved.size, saved.stride, saved.offset)
+    _torch_api.set_version(out, saved.version)  # the tensor saved, as it was: a recompute's checks compare versions
+    return out
