@@ -109,12 +109,12 @@ def test_noise_level_extra_time_counts_as_no_cost(tmp_path):
 @pytest.mark.slow
 def test_probe_choose_and_verify_for_real(tmp_path):
     lines = []
-    report = probe(PROBED, batch_size=16, steps=3, max_plans=2, levels=(1,), progress=lines.append)
+    report = probe(PROBED, batch_size=16, steps=3, max_plans=1, levels=(1,), progress=lines.append)
     assert any("[probe 1/" in line for line in lines)
     base = report.baseline.measurement
     assert base.ok and base.peak_mb > 0 and base.step_time_s > 0 and base.device == "cpu"
     plans = [r for r in report.rows if r.kind == "plan"]
-    assert len(plans) == 2 and all(r.measurement.ok for r in plans)
+    assert len(plans) == 1 and all(r.measurement.ok for r in plans)  # several plans ranked: the tests above
     assert all(r.predicted_saving_mb > 0 for r in plans)  # the backend's figure, from the child's plan report
     level1 = next(r for r in report.rows if r.kind == "level")
     # layer-wise recompute keeps fewer activations than no recompute, measured
