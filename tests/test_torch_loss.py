@@ -586,7 +586,9 @@ def test_auto_chooses_the_heads_chunks_with_the_layers(tmp_path, capsys):
     planner = tight.memopt_handle.planner
     final = planner.fits[-1]
     chosen = final.lever("loss").plan
-    assert chosen in {c.plan for c in planner.levers["loss"]} and final.config().endswith(chosen)
+    # the head's way among the choice's entries (the MLP's tiles may come after it: which layers' recompute and which
+    # levers win is the CPU's clock, op times measured in step one)
+    assert chosen in {c.plan for c in planner.levers["loss"]} and chosen in final.config().split(",")
     assert any(c.freed_bytes for c in final.choice)
     assert all(check["measured_peak_mb"] <= budget for check in planner.verified), planner.verified
     lever = tight.memopt_handle.levers["loss"]
