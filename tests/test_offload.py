@@ -53,7 +53,7 @@ def test_a_layers_saved_storages_wait_on_the_host_between_its_forward_and_its_ba
     loss = model(input_ids=ids, labels=ids).loss
     moved = lever.mover.moved_bytes
     assert list(moved) == [0] and lever.on_host() == moved[0] > 0  # layer 0's, each storage once
-    copies = [ref() for ref in lever.mover._held if ref() is not None]
+    copies = list(lever.mover._copies[0])
     # the device's storage let go of once copied, unless something else holds it (the layer's input, its output)
     gone = sum(c.host.numel() for c in copies if c.source() is None)
     assert gone > moved[0] / 2, (gone, moved)

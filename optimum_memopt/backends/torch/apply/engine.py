@@ -266,7 +266,7 @@ class RecomputeState:
         recorder, planner = self.recorder, self.planner
         if recorder.watch is not None and recorder.watch.backward_ended and not self.steps_reported:
             recorder.close_watch(keep_meter=planner is not None)  # step two of a loop that does not report steps
-        if planner is not None and (ended or planner.waits_for_step_one):
+        if planner is not None and not planner.settled and (ended or planner.waits_for_step_one):
             self._carry_out(planner.at_step_start(self._step_start(device)))
             if not self.measuring():  # its last check read: this step is not
                 recorder.stop_readings()

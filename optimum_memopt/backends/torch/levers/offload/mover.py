@@ -26,7 +26,7 @@ CPU's tests run the path a card runs, copies, order and release included.
 
 import contextlib
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import torch
 
@@ -109,7 +109,6 @@ class Mover:
         # node not yet run), and goes with the last of them
         self._copies: Dict[int, weakref.WeakSet] = {}
         self._by_address: Dict[int, weakref.WeakValueDictionary] = {}
-        self._held: List[weakref.ref] = []  # every copy of this step (what the host holds while it lives)
 
     def saving(self, index: int):
         """The saved-tensor hooks layer `index`'s training forward runs under."""
@@ -145,16 +144,14 @@ class Mover:
             host.copy_(whole, non_blocking=self.streams.cuda)
         copy = _Copy(host, t)
         copy.event = self.streams.copied(whole)
-        self._held.append(weakref.ref(copy))
         return copy
 
     def fetch(self, copy: _Copy) -> None:
         """`copy` brought back to the device (once a step), queued on the side stream."""
         if copy.fetched is not None:
             return
-        self.streams.ready(copy.event)  # its copy out ran before it is read back (on a card: queued in order)
         back = torch.empty(copy.host.numel(), dtype=torch.uint8, device=copy.device)
-        with self.streams.copying():
+        with self.streams.copying():  # on the stream its copy out was queued on: after it
             back.copy_(copy.host, non_blocking=self.streams.cuda)
         copy.event = self.streams.copied(back)
         copy.fetched = back
@@ -168,9 +165,9 @@ class Mover:
                     self.fetch(copy)
 
     def on_host(self) -> int:
-        """The bytes the host holds now for this model's offloaded tensors (its copies still in a graph)."""
-        self._held = [ref for ref in self._held if ref() is not None]
-        return sum(ref().host.numel() for ref in self._held if ref() is not None)
+        """The bytes the host holds now for the copies of each offloaded layer's last forward (0 once its graph is let
+        go of)."""
+        return sum(copy.host.numel() for copies in self._copies.values() for copy in copies)
 
 
 def _unpack(saved) -> torch.Tensor:
