@@ -349,7 +349,11 @@ def test_auto_tiles_the_mlp_where_only_tiles_fit_and_its_prediction_holds():
     assert choice.lever("mlp").option, choice.config()  # tiles: nothing fits without them
     check = planner.verified[-1]
     assert check["measured_peak_mb"] <= budget
-    assert abs(check["measured_peak_mb"] - check["predicted_peak_mb"]) <= 0.01 * check["predicted_peak_mb"], check
+    # where the model's own head is chosen, its logits are counted as a caller's through the step: this loop drops
+    # `outputs` before backward, so it peaks lower by them (which head the solver picks rests on the CPU's clock)
+    dropped = check["predicted_peak_mb"] - check.get("returned_mb", 0.0)
+    assert (check.get("returned_mb", 0.0) > 0) == (choice.lever("loss").option is None), (check, choice.config())
+    assert abs(check["measured_peak_mb"] - dropped) <= 0.01 * dropped, check
     assert handle.levers["mlp"].option == choice.lever("mlp").option  # it runs what was chosen
     tiled_layers = choice.lever("mlp").recomputed
     assert "MLP+" in choice.config() and all(choice.choice[i].whole for i in tiled_layers)  # tiles in whole layers

@@ -687,6 +687,7 @@ class BudgetPlanner:
         predicted = result.predicted.peak_bytes
         self.choices.verified.append(
             {"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB}
+            | ({"returned_mb": result.returned / MIB} if result.returned else {})
             | ({"measured_peak_mb_by_rank": [p / MIB for p in peaks]} if len(peaks) > 1 else {})
         )
         error = (peak - predicted) / predicted * 100 if predicted else 0.0
@@ -706,9 +707,16 @@ class BudgetPlanner:
                 + ", ".join(f"rank {r}: {p / MIB:,.1f}" for r, p in enumerate(peaks))
                 + ")"
             )
+        kept = ""
+        if result.returned:  # the model's own head: its logits counted as the caller's through the step
+            kept = (
+                f"; the prediction counts the {result.returned / MIB:,.1f} MiB of logits the model's own head returns "
+                f"as held through the step, as a loop that keeps `outputs` over backward holds them; one that drops "
+                f"them peaks that much lower"
+            )
         self.say(
             f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted "
-            f"{predicted / MIB:,.1f}, {error:+.1f}%), {verdict}"
+            f"{predicted / MIB:,.1f}, {error:+.1f}%{kept}), {verdict}"
         )
         if self.search is not None and self.budget_bytes is not None:
             self._search(step, result, peak)
