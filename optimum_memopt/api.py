@@ -28,11 +28,17 @@ from typing import Optional, Union
 from torch import nn
 
 from .backends.base import Backend, Budget, WrapSettings
-from .config import BUDGET_FLAG, CONFIG_FLAG, LEVEL_FLAG, SHARE_FLAG, MemoryOptConfig
+from .config import BUDGET_FLAG, CONFIG_FLAG, HOST_FLAG, LEVEL_FLAG, SHARE_FLAG, MemoryOptConfig, check_host_mb
 from .plans import PlanReport
 
 # the flags' names in messages built for the command line, and the keyword each is here
-_KEYWORDS = {CONFIG_FLAG: "plans", LEVEL_FLAG: "level", BUDGET_FLAG: "budget_mb", SHARE_FLAG: "activation_budget"}
+_KEYWORDS = {
+    CONFIG_FLAG: "plans",
+    LEVEL_FLAG: "level",
+    BUDGET_FLAG: "budget_mb",
+    SHARE_FLAG: "activation_budget",
+    HOST_FLAG: "host_memory_mb",
+}
 
 
 class MemoptHandle:
@@ -174,6 +180,7 @@ def optimize_memory(
     output_dir: Optional[str] = None,
     reports_steps: bool = False,
     say=None,
+    host_memory_mb: Optional[float] = None,
 ) -> MemoptHandle:
     """Recompute activations of `model`'s transformer layers in backward instead of keeping them (torch backend).
 
@@ -190,6 +197,8 @@ def optimize_memory(
             one step: gradient accumulation); by default each backward ends a step.
         say: where `auto`'s choice and its check are said, a line each (rank 0); default: printed. The figures
             behind the choice, in words, go to the `optimum_memopt` logger at DEBUG.
+        host_memory_mb: with `"auto"` and `budget_mb`, the host memory (MiB) the layers' offloaded tensors may hold
+            (`Offload+`); default: what the host has available when step one ends.
 
     Returns the handle: `table()`, `report()`, `config`, `auto`, `step_done()`, `remove()` (also a context manager
     that removes it). Errors name the argument, quote the value and show an accepted form.
@@ -204,6 +213,7 @@ def optimize_memory(
             plans=plans, level=level, backend="torch", budget_mb=budget_mb, activation_budget=activation_budget
         )
         check_requests(config.enabled_entries)
+        check_host_mb(host_memory_mb, config)
     except ValueError as e:
         raise ValueError(_as_keywords(str(e))) from None
     backend = get_backend("torch")
@@ -219,6 +229,7 @@ def optimize_memory(
             say=(say or (lambda text: show(_as_keywords(text)))) if rank0 else (lambda text: None),
             detail=(lambda text: logger.debug("%s", _as_keywords(text))) if rank0 else (lambda text: None),
             report_dir=output_dir if rank0 else None,
+            host_mb=None if host_memory_mb is None else float(host_memory_mb),
         )
     # `auto`'s step one runs every layer recomputed whole, as the Trainer's does: the least memory any choice needs
     level = 1 if config.auto else config.level

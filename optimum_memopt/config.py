@@ -23,6 +23,7 @@ CONFIG_FLAG = "--memory_opt_config"
 LEVEL_FLAG = "--memory_opt_level"
 BUDGET_FLAG = "--memory_budget_mb"
 SHARE_FLAG = "--activation_memory_budget"
+HOST_FLAG = "--memory_host_mb"
 BACKENDS = ("ort", "torch")
 BACKEND_FLAG = "--memory_opt_backend"
 LEVELS = {0: "the plans of --memory_opt_config", 1: "layer-wise recompute", 2: "layer-wise recompute with compromise"}
@@ -206,3 +207,22 @@ class MemoryOptConfig:
         d = asdict(self)
         d["entries"] = [str(e) for e in self.entries]
         return d
+
+
+def check_host_mb(host_mb, config: "MemoryOptConfig") -> None:
+    """`--memory_host_mb`: a positive, finite number of MiB, for `auto` under a budget in MiB (what offload's copies
+    may hold on the host); ValueError naming the flag otherwise."""
+    if host_mb is None:
+        return
+    ok = isinstance(host_mb, (int, float)) and not isinstance(host_mb, bool) and math.isfinite(host_mb)
+    if not ok or host_mb <= 0:
+        raise ValueError(
+            f"`{HOST_FLAG}` is {host_mb!r}; expected a positive, finite number of MiB, as in "
+            f"`{CONFIG_FLAG} auto {BUDGET_FLAG} 70000 {HOST_FLAG} 200000`"
+        )
+    if not config.auto or config.budget_mb is None:
+        but = f"the plans are {config.plans!r}" if not config.auto else f"no `{BUDGET_FLAG}` is given"
+        raise ValueError(
+            f"`{HOST_FLAG} {host_mb:g}` is the host memory `{CONFIG_FLAG} auto` may offload to under a budget in "
+            f"MiB, but {but}; add `{CONFIG_FLAG} auto {BUDGET_FLAG} 70000`, or drop `{HOST_FLAG}`"
+        )

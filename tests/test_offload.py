@@ -110,12 +110,23 @@ def test_a_tensor_changed_in_place_after_it_was_saved_is_refused_at_backward_as_
 
 
 def test_the_lever_comes_off_whole():
+    """The lever puts nothing on the layers (the engine runs their forwards through it); once removed, a step copies
+    nothing and the layers are as they were."""
     model = model_of("llama")
+    model.train()
     hooks = [(len(layer._forward_pre_hooks), len(layer._forward_hooks)) for layer in model.model.layers]
     handle = optimum_memopt.optimize_memory(model, "Offload+:1:-1", reports_steps=True)
-    assert [(len(layer._forward_pre_hooks), len(layer._forward_hooks)) for layer in model.model.layers] != hooks
+    lever = handle.levers["offload"]
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+    mover, moved = lever.mover, dict(lever.mover.moved_bytes)
+    assert sorted(moved) == [0, 1] and lever.installed
     handle.remove()
+    assert not lever.installed and lever.option is None
     assert [(len(layer._forward_pre_hooks), len(layer._forward_hooks)) for layer in model.model.layers] == hooks
+    assert all("forward" not in vars(layer) for layer in model.model.layers)
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert lever.mover is mover and mover.moved_bytes == moved and mover.on_host() == 0  # nothing copied
 
 
 def test_a_layer_recomputed_whole_offloads_its_input_alone():
@@ -138,3 +149,97 @@ def test_its_plans_read_as_data():
     assert offload.layers_of(LeverOption(), 2) == {0: 1, 1: 1}  # every layer, one ahead
     with pytest.raises(PlanError, match=r"prefetch 'tiles2'; expected 'aheadN'"):
         parse_inline("Offload+:1:-1@tiles2")
+
+
+# -- in the solve: its options on a step's profile (synthetic: the figures are the test's) --------------------------
+
+
+def _profile(n=4, kept=1000, held=400, seconds=0.01):
+    """`n` layers each keeping `kept` bytes of its own (freed recomputed whole) and holding its input (`held` bytes)
+    for backward, measured with every layer recomputed whole: layer i's forward holds the inputs of layers 0..i and
+    its own working bytes, its backward the inputs of the layers before it and its own tensors back."""
+    from optimum_memopt.backends.torch.measure.graph import LayerGraph, Node
+    from optimum_memopt.backends.torch.measure.profile import (
+        AFTER_PLACE,
+        HEAD_PLACE,
+        LayerProfile,
+        ModelProfile,
+        Place,
+        Segment,
+        StepMemory,
+    )
+
+    layers = []
+    for _ in range(n):
+        graph = LayerGraph([Node("", held, boundary=True), Node("mul", kept, 0, seconds, ((0, True),))], [0, 1])
+        layers.append(LayerProfile(op_seconds=seconds, shape=(1, 8), graph=graph, input_bytes=held,
+                                   arguments_bytes=held + 64))  # fmt: skip
+    base = 10_000
+    segments = [Segment(Place.forward(i), i + 1, 0, base + (i + 1) * held + kept) for i in range(n)]
+    segments.append(Segment(HEAD_PLACE, n, 0, base + n * held + 3000))
+    segments += [Segment(Place.backward(i), i, 0, base + (i + 1) * held + 2 * kept) for i in reversed(range(n))]
+    segments.append(Segment(AFTER_PLACE, 0, 0, base))
+    return ModelProfile(layers, StepMemory("cuda", segments, base, "test"))
+
+
+def _whole(n):
+    from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
+
+    return RecomputePolicy([LayerPolicy(LAYER) for _ in range(n)])
+
+
+def test_its_options_hold_each_layers_input_less_from_its_forward_to_the_backward_ahead_of_it():
+    from optimum_memopt.backends.torch.levers.offload.measure import OffloadMeasure, choices
+    from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE, Place
+
+    profile = _profile()
+    found = choices(profile, OffloadMeasure(link=1e9, link_how="given", host_room=10**9, host_how="given"))
+    assert [c.option for c in found][0] is None and [c.recomputed for c in found[1:]] == [(0,), (0, 1), (0, 1, 2),
+                                                                                        (0, 1, 2, 3)]  # fmt: skip
+    two = found[2]
+    assert two.plan == "Offload+:1:-1@0-1"
+    # layer 0 waits through layers 1-3's forward, the head, and the backward of layers 2-3 (layer 1's fetches it);
+    # layer 1 through layers 2-3's forward, the head, layer 3's backward
+    assert dict(two.less) == {Place.forward(1): 400, Place.forward(2): 800, Place.forward(3): 800, HEAD_PLACE: 800,
+                              Place.backward(2): 400, Place.backward(3): 800}  # fmt: skip
+    # its copies (each input out and back) against the compute they hide under: the next layer's forward, and the
+    # backward (a forward again and its backward) of the layer ahead
+    assert two.overlap_seconds == pytest.approx(4 * 400 / 1e9) and two.window_seconds == pytest.approx(2 * 0.04)
+    assert two.cost == 0.0
+    slow = choices(profile, OffloadMeasure(link=1e3, link_how="given", host_room=10**9, host_how="given"))[2]
+    assert slow.cost == pytest.approx(4 * 400 / 1e3 - 0.08)  # only what runs past the window costs
+    every = found[-1]
+    assert every.plan == "Offload+:1:-1" and every.less_in(Place.backward(3)) == 2 * 400  # layer 2 back in it
+    # an option whose copies the host cannot hold is not offered, and why is said
+    tight = OffloadMeasure(link=1e9, link_how="given", host_room=2 * 464, host_how="`--memory_host_mb`")
+    assert [c.plan for c in choices(profile, tight)] == ["", "Offload+:1:-1@0", "Offload+:1:-1@0-1"]
+    assert len(tight.not_offered) == 2 and "1,392 MiB" not in tight.not_offered[0]
+    assert "Offload+:1:-1@0-2: its copies would hold up to 0 MiB on the host" in tight.not_offered[0]
+
+
+def test_the_solver_offloads_where_it_is_the_least_recompute_that_fits_and_predicts_its_peak():
+    """Off where keeping every layer fits; at the least peak recompute alone reaches, offloading the first layers lets
+    the last one be kept (less recompute than every layer whole); under it, only offload fits."""
+    from optimum_memopt.backends.torch.decide.budget import fit
+    from optimum_memopt.backends.torch.levers.offload.measure import OffloadMeasure, choices
+
+    profile = _profile()
+    measured = _whole(4)
+    options = choices(profile, OffloadMeasure(link=1e9, link_how="given", host_room=10**9, host_how="given"))
+    kept_all = 10_000 + 4 * 400 + 3000 + 4 * 1000  # the head with every layer kept
+    roomy = fit(profile, profile.memory, kept_all, measured, levers=[options])
+    assert roomy.config() == "" and roomy.lever("offload").option is None  # nothing recomputed, nothing copied
+    alone = fit(profile, profile.memory, 0, measured)
+    floor = alone.floor.peak_bytes  # the least recompute reaches: every layer whole
+    assert floor == 10_000 + 4 * 400 + 3000
+    at_floor = fit(profile, profile.memory, floor, measured, levers=[options])
+    assert at_floor.config() == "Layer+:1:-1@0-2,Offload+:1:-1@0-2", at_floor.config()
+    assert at_floor.recompute_seconds < fit(profile, profile.memory, floor, measured).recompute_seconds
+    # the head: layer 3 kept (its 1,000 bytes), the inputs of layers 0-2 on the host
+    assert at_floor.predicted.peak_bytes == floor + 1000 - 3 * 400
+    below = fit(profile, profile.memory, floor - 800, measured, levers=[options])
+    assert fit(profile, profile.memory, floor - 800, measured).choice is None  # recompute alone cannot
+    assert below.choice is not None and below.lever("offload").option is not None, below.why_not
+    assert below.predicted.peak_bytes <= floor - 800 and all(c.whole for c in below.choice[:2])
+    # the least any option reaches: the head with every layer's input on the host
+    assert fit(profile, profile.memory, 0, measured, levers=[options]).floor.peak_bytes == 10_000 + 3000

@@ -56,7 +56,7 @@ LEVERS = {
     "levers": {"__init__", "protocol"},
     "levers/loss": {"__init__", "option", "head_form", "chunks", "lever", "measure"},
     "levers/mlp": {"__init__", "option", "tiles", "lever", "measure"},
-    "levers/offload": {"__init__", "option", "mover", "lever"},
+    "levers/offload": {"__init__", "option", "mover", "lever", "measure"},
 }
 
 

@@ -84,6 +84,9 @@ class Budget:
     # the same step starts without one; called on rank 0 with the choice and the step's batch, returns the path
     # (`planning.plan_file.keeper`); None: not kept
     keep_plan: Optional[Callable[..., Optional[str]]] = None
+    # the host memory an offload's copies may hold, in MiB (`--memory_host_mb`); None: what the host has available
+    # when step one ends (`/proc/meminfo`'s MemAvailable)
+    host_mb: Optional[float] = None
 
 
 @dataclass

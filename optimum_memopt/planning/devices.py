@@ -1,5 +1,7 @@
 """The devices a plan is made for: each card's memory and its rates, as NVIDIA's data sheets give them (dense, no
-sparsity: BF16/FP16 tensor-core FLOP/s with FP32 accumulation, FP32 FLOP/s without tensor cores, memory bandwidth).
+sparsity: BF16/FP16 tensor-core FLOP/s with FP32 accumulation, FP32 FLOP/s without tensor cores, memory bandwidth),
+and the link to the host's memory the card sits on (its PCIe generation at x16, one way: what an offload's copies
+run at, at best).
 
 What a step can hold on a card is less than its memory: the CUDA context takes some, with what an op holds inside
 itself (`CONTEXT_GIB`, a round figure: about 0.5 GiB for the context on an H100, and an attention backward's or a
@@ -24,6 +26,9 @@ FRAGMENTATION = 0.05
 WORKSPACES_MIB = 65.0  # cuBLAS's, the forward's thread and autograd's: measured on an H200 (docs/GPU.md)
 
 
+PCIE4, PCIE5 = 32e9, 64e9  # PCIe 4.0 and 5.0 at x16, bytes/s each way (64 and 128 GB/s both ways together)
+
+
 @dataclass(frozen=True)
 class Device:
     name: str
@@ -32,6 +37,8 @@ class Device:
     flops_fp32: float  # FP32 FLOP/s (no TF32: PyTorch's matmuls run in full FP32 unless TF32 is allowed)
     bandwidth: float  # memory bandwidth, bytes/s
     capability: Tuple[int, int] = (9, 0)  # CUDA compute capability: which attention kernels it runs (`attention`)
+    host_link: float = PCIE4  # bytes/s each way between the card and the host's memory (PCIe x16, its data sheet's)
+    host_link_name: str = "PCIe 4.0 x16"
 
     @property
     def budget_mb(self) -> float:
@@ -50,8 +57,8 @@ T = 1e12
 DEVICES: Dict[str, Device] = {
     d.name: d
     for d in (
-        Device("H100-80GB", 80, 989.4 * T, 66.9 * T, 3.35e12, (9, 0)),  # H100 SXM5
-        Device("H200", 141, 989.4 * T, 66.9 * T, 4.8e12, (9, 0)),  # H200 SXM
+        Device("H100-80GB", 80, 989.4 * T, 66.9 * T, 3.35e12, (9, 0), PCIE5, "PCIe 5.0 x16"),  # H100 SXM5
+        Device("H200", 141, 989.4 * T, 66.9 * T, 4.8e12, (9, 0), PCIE5, "PCIe 5.0 x16"),  # H200 SXM
         Device("A100-80GB", 80, 312 * T, 19.5 * T, 2.039e12, (8, 0)),  # A100 SXM4 80GB
         Device("A100-40GB", 40, 312 * T, 19.5 * T, 1.555e12, (8, 0)),  # A100 SXM4 40GB
         Device("L40S", 48, 362.05 * T, 91.6 * T, 0.864e12, (8, 9)),

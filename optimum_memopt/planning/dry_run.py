@@ -10,14 +10,15 @@ from ..backends.torch.fake_step import NOT_SEEN, OPTIMIZERS, PARTS, DryRun, Inst
 from .devices import DEFAULT_DEVICE, DEVICES
 
 
-def _wrap(model, plans, level, budget_mb):
+def _wrap(model, plans, level, budget_mb, host_mb=None):
     """The backend on a dry run's model as `optimize_memory` puts it on a training loop's: steps reported by the
-    driver, nothing said (the dry run's caller says what it found)."""
+    driver, nothing said (the dry run's caller says what it found); `host_mb`: what `auto` may offload to the host."""
     import optimum_memopt
 
     return optimum_memopt.optimize_memory(
-        model, plans, level=level, budget_mb=budget_mb, reports_steps=True, say=lambda text: None
-    )
+        model, plans, level=level, budget_mb=budget_mb, reports_steps=True, say=lambda text: None,
+        host_memory_mb=host_mb if plans == "auto" and budget_mb is not None else None,
+    )  # fmt: skip
 
 
 def instruments(cost_device=None) -> Instruments:

@@ -172,7 +172,17 @@ class TorchBackend(Backend):
             from .decide.planner import BudgetPlanner, Start
 
             b = settings.budget
-            start = Start(b.plan_file, twin, b.instruments, no_twin, b.grad_accum, b.autocast, b.ddp, b.keep_plan)
+            start = Start(
+                b.plan_file,
+                twin,
+                b.instruments,
+                no_twin,
+                b.grad_accum,
+                b.autocast,
+                b.ddp,
+                b.keep_plan,
+                host_mb=b.host_mb,
+            )
             planner = BudgetPlanner(
                 None if b.budget_mb is None else int(b.budget_mb * MIB),
                 share=b.share,

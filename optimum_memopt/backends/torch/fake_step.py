@@ -64,10 +64,11 @@ NOT_SEEN = (
 
 @dataclass(frozen=True)
 class Instruments:
-    """What a fake step is handed from above. `wrap(model, plans, level, budget_mb)`: the memory backend put on the
-    model as a run puts it, returning its handle (`api.MemoptHandle`: `planner`, `layers`, `profile`, `report()`,
-    `step_done()`, `remove()`); `device`: the device whose roofline times each op (`measure.op_costs`: what the
-    engine's profile, and so the solver, weigh recompute by; a `planning.devices.Device`)."""
+    """What a fake step is handed from above. `wrap(model, plans, level, budget_mb, host_mb)`: the memory backend put
+    on the model as a run puts it (`host_mb`: what `auto` may offload to the host), returning its handle
+    (`api.MemoptHandle`: `planner`, `layers`, `profile`, `report()`, `step_done()`, `remove()`); `device`: the device
+    whose roofline times each op (`measure.op_costs`: what the engine's profile, and so the solver, weigh recompute
+    by; a `planning.devices.Device`)."""
 
     wrap: Callable
     device: object
@@ -226,6 +227,8 @@ class DryRun:
     running: Optional[List[int]] = None
     # the attention kernels the step ran as a CUDA card runs them, by kernel: calls (`kernels`); None: the CPU's own
     attention: Optional[Dict[str, int]] = None
+    # what the layers' offloaded tensors held on the host at their most (`Offload+`), in bytes: 0 where none ran
+    host_peak_bytes: int = 0
 
 
 @contextmanager
@@ -569,6 +572,7 @@ def run(
     kernels: Optional[CudaKernels] = None,
     peak_only: bool = False,
     mask_attends_all: bool = False,
+    host_mb: Optional[float] = None,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -617,6 +621,9 @@ def run(
         count.only = torch.device(device).type
     # the engine's op times and the levers' are this device's roofline (the solver weighs recompute by them)
     count.clock = clock_for(instruments.device)
+    if kernels is not None:  # a card's step: an offload's copies priced at its link to the host
+        link = instruments.device
+        count.host_link = (link.host_link, f"{link.name}'s {link.host_link_name}, {link.host_link / 1e9:g} GB/s a way")
     if fake and device != "cpu":
         raise ValueError(f"a dry run's fake tensors are on the CPU device (counted as CUDA counts), not {device!r}")
     if kernels is not None and not fake:
@@ -649,7 +656,7 @@ def run(
         if checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if backend and not checkpointing:
-            handle = instruments.wrap(model, plans, level, budget_mb)
+            handle = instruments.wrap(model, plans, level, budget_mb, host_mb)
         layers = handle.layers if handle is not None else find_layers(model)
         vocab = spec.config.get_text_config().vocab_size if batch is None else 0
 
@@ -747,6 +754,7 @@ def run(
         result.step_seconds = count.ops.seconds(instruments.device)
     if handle is not None:
         result.profile = handle.profile
+        result.host_peak_bytes = sum(lever.host_peak() for lever in handle.levers.values())
         result.report = None if peak_only else handle.report()
         state = getattr(model, STATE, None)
         result.first_layer_idle = state.first_layer_idle() if state is not None else None

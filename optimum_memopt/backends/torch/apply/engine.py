@@ -77,7 +77,14 @@ class LayerRunner:
             lever.run_as(policy.levers.get(name))
 
     def run(self, index: int, args, kwargs, record: Optional[LayerProfile]):
-        """Layer `index`'s training forward under its policy (`record`: step one's, filled as it runs)."""
+        """Layer `index`'s training forward under its policy (`record`: step one's, filled as it runs), inside each
+        lever's `around_layer`."""
+        forward = partial(self._under_policy, index, args, kwargs, record)
+        for lever in self.levers.values():
+            forward = partial(lever.around_layer, index, forward)
+        return forward()
+
+    def _under_policy(self, index: int, args, kwargs, record: Optional[LayerProfile]):
         layer, original = self.layers[index], self.originals[index]
         policy = self.policy.layers[index]
         if policy.mode != LAYER and holds_cache(layer, args, kwargs):  # the whole-layer recompute drops it itself

@@ -23,9 +23,11 @@ from ....memory import READABLE_DEVICES
 from .. import _torch_api
 from ..measure.live import meter_for
 from ..measure.profile import LayerProfile, ModelProfile
+from ..measure.storages import block_bytes
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
 from ..nested import tensors_in
 from .routing import aux_loss_problem
+from .tracking import storage_bytes, storage_key
 
 
 class StepRecorder:
@@ -124,8 +126,12 @@ class StepRecorder:
             self.watch.layer_forward(index)
         record = self._recording[index] if self._recording is not None else None
         if record is not None and not record.shape:
+            tensors = tensors_in(args) + tensors_in(kwargs)
             first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
             record.shape = tuple(first.shape) if first is not None else ()
+            record.input_bytes = block_bytes(storage_bytes(first)) if first is not None else 0
+            storages = {storage_key(t): storage_bytes(t) for t in tensors if not isinstance(t, torch.nn.Parameter)}
+            record.arguments_bytes = sum(block_bytes(b) for key, b in storages.items() if key)
         return record
 
     def layer_ends(self, index: int, out, autocast: Callable[[], Optional[str]], first: int, last: int) -> None:

@@ -137,5 +137,6 @@ def dry_run_choice(
             held_bytes=held_bytes,
             running_into=running_into,
             kernels=CudaKernels.here(device) if device is not None and torch.device(device).type == "cuda" else None,
+            host_mb=start.host_mb,
             mask_attends_all=every_token,  # read here, where the mask is real: a fake one's values cannot be
         )

@@ -92,6 +92,7 @@ class Start:
     ddp: int = 1
     keep_plan: Optional[Callable[..., Optional[str]]] = None
     optimizer: object = None  # the trainer's, once it says (`BudgetPlanner.optimizer_ready`); let go of at step one
+    host_mb: Optional[float] = None  # `--memory_host_mb`: what the dry run's offload may hold on the host
 
 
 @dataclass(frozen=True)

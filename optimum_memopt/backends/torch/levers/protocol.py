@@ -71,6 +71,16 @@ class Lever:
         """The option running now as a plan entry ("" off)."""
         return self.syntax.plan_of(self.option)
 
+    def around_layer(self, index: int, forward: Callable[[], object]):
+        """Layer `index`'s training forward, `forward()`, run as the lever needs it run (the engine calls it for every
+        layer, every lever, inside the layer's forward: an option carried out at a step's first layer holds there
+        too); returns what `forward()` returned. By default, run as it is."""
+        return forward()
+
+    def host_peak(self) -> int:
+        """What the lever held in the host's memory at its most (an offload's copies), in bytes; 0 by default."""
+        return 0
+
     def smooths_labels(self) -> bool:
         """Whether the loss the lever computes applies the Trainer's label smoothing itself."""
         return False

@@ -23,6 +23,11 @@ class LayerProfile:
     seconds: Dict[str, float] = field(default_factory=dict)  # plan -> forward time of the ops that made those bytes
     op_seconds: float = 0.0  # every op of the layer's forward, timed: the cost of recomputing the layer whole
     shape: Tuple[int, ...] = ()  # the layer's first input
+    # the first input's storage (the hidden states: what the layer before made, held for this layer's backward by
+    # this layer alone), and every tensor argument's storage once (the hidden states, the positions' embeddings, a
+    # mask: what a layer recomputed whole saves through its checkpoint), in CUDA's blocks
+    input_bytes: int = 0
+    arguments_bytes: int = 0
     graph: Optional[LayerGraph] = None  # the forward's storages and saves: what any plan would free (`graph`)
     # tensors autograd kept whose storage could not be read (tensor subclasses without one), by type: their bytes are
     # in no figure, and said so (`report`)

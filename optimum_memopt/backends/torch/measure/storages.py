@@ -23,7 +23,7 @@ clock's, not the wall's.
 
 import weakref
 from functools import partial
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -91,6 +91,9 @@ class StorageCount(_torch_api.TorchDispatchMode):
         # where the count stands for a device the ops do not run on (a dry run), an op's seconds there, which the
         # engine's profile and the levers' measurements take in place of the wall clock's: (func, args, kwargs, out)
         self.clock: Optional[Callable] = None
+        # where the count stands for a card (a dry run for one): its link to the host's memory, (bytes/s each way, in
+        # words), which an offload's copies are priced by in place of copies timed (`devices.Device.host_link`)
+        self.host_link: Optional[Tuple[float, str]] = None
         self.aside = 0  # > 0 while work read aside runs (`aside.held_aside`): its peak is given back after it
         # the device type whose storages alone are counted, where real tensors on a card are (a dry run's real step
         # on CUDA: the host scalars some kernels make, a flash kernel's random state without dropout, are not the

@@ -1,39 +1,46 @@
-"""The offload lever on one model (`Offload`, the lever protocol's `Lever`): hooks on each chosen layer that run its
-training forward under the mover's saved-tensor hooks and fetch its tensors back as backward nears it, put on and
-taken off whole."""
+"""The offload lever on one model (`Offload`, the lever protocol's `Lever`): each chosen layer's training forward run
+under the mover's saved-tensor hooks and its tensors fetched back as backward nears it; its options for the solver
+from what `measure` read after step one."""
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 
 from .....memory import MIB
 from .....plans import LeverOption
 from ...apply.layers import distinct, find_layers
+from ...decide.budget import LeverChoice
 from ...measure.watch import first_grad_tensor
 from ..protocol import Lever
+from .measure import OffloadMeasure, measure
+from .measure import choices as offload_choices
 from .mover import Mover
 from .option import SYNTAX, layers_of
 
 
 class Offload(Lever):
-    """The lever on one model's layers (`protocol.Lever`). Its mechanism: `install` puts a forward pre-hook and a
-    forward hook on each chosen layer (`remove` takes them off); in training the pre-hook enters the mover's
-    saved-tensor hooks for the layer, the hook leaves them and marks where backward reaches the layer's output, which
-    fetches that layer's tensors and those of the layers up to `ahead` before it. The engine's own hooks run inside
-    (a planned op's recipe keeps its inputs; what the engine keeps as it is goes to these hooks); a layer recomputed
-    whole saves its input through them (torch's checkpoint saves its inputs as saved tensors), and nothing else."""
+    """The lever on one model's layers (`protocol.Lever`). Its mechanism: the engine runs each layer's training forward
+    through `around_layer`, which for a chosen layer enters the mover's saved-tensor hooks around it and marks where
+    backward reaches the layer's output, which fetches that layer's tensors and those of the layers up to `ahead`
+    before it; `install` / `remove` turn it on and off (between steps: a choice carried out at a step's first layer
+    offloads that layer too). The engine's own hooks run inside (a planned op's recipe keeps its inputs; what the
+    engine keeps as it is goes to these hooks); a layer recomputed whole saves its input through them (torch's
+    checkpoint saves its inputs as saved tensors), and nothing else."""
 
     syntax = SYNTAX
     name = SYNTAX.name
 
     @classmethod
     def build(cls, model, settings, option: Optional[LeverOption], n_layers: int):
-        """Installed where `Offload+` was asked (`option`). Not weighed by `auto` yet: elsewhere nothing, said in the
-        table's notes."""
+        """Installed where `Offload+` was asked (`option`); under `auto` with a budget in MiB, built off, its link and
+        the host's room read after step one, for the solver to weigh (`choices`). Elsewhere nothing."""
+        budget = getattr(settings, "budget", None)
         if option is None:
-            if getattr(settings, "budget", None) is None:
+            if budget is None or budget.share is not None:
                 return None, None
-            return None, "`auto` does not weigh `Offload+` yet: name the layers to offload in the plans"
+            lever = cls(model)
+            lever.host_mb = budget.host_mb
+            return lever, None
         lever = cls(model)
         lever.run_as(option)
         return lever, None
@@ -43,23 +50,13 @@ class Offload(Lever):
         self.chosen: Dict[int, int] = {}  # layer index -> how many layers ahead its tensors are fetched
         self.mover: Optional[Mover] = None  # made at the first training forward, on the layers' device
         self._option: Optional[LeverOption] = None
-        self._handles: list = []
-        self._open: Dict[int, list] = {}  # layer index -> the hooks' contexts its running forwards entered
         self.installed = False
+        self.host_mb: Optional[float] = None  # `--memory_host_mb`: the host memory the copies may hold (None: read)
 
     def install(self) -> None:
-        if self.installed:
-            return
-        for i in self.chosen:
-            layer = self.layers[i]
-            self._handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._enter(i, m)))
-            self._handles.append(layer.register_forward_hook(lambda m, a, o, i=i: self._leave(i, o), always_call=True))
         self.installed = True
 
     def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
         self.installed = False
 
     def run_as(self, option: Optional[LeverOption]) -> None:
@@ -74,37 +71,73 @@ class Offload(Lever):
     def option(self) -> Optional[LeverOption]:
         return self._option if self.installed else None
 
-    def _enter(self, index: int, layer) -> None:
-        if not (layer.training and torch.is_grad_enabled()):
-            self._open.setdefault(index, []).append(None)
-            return
+    def around_layer(self, index: int, forward: Callable[[], object]):
+        """A chosen layer's training forward under the mover's saved-tensor hooks; where backward reaches its output,
+        its tensors and those of the layers up to `ahead` before it fetched."""
+        if not self.installed or index not in self.chosen:
+            return forward()
         if self.mover is None:
-            device = next((p.device for p in layer.parameters()), torch.device("cpu"))
+            device = next((p.device for p in self.layers[index].parameters()), torch.device("cpu"))
             self.mover = Mover(self.chosen, device)
-        hooks = self.mover.saving(index)
-        hooks.__enter__()
-        self._open.setdefault(index, []).append(hooks)
-
-    def _leave(self, index: int, out) -> None:
-        hooks = self._open[index].pop()
-        if hooks is None:
-            return
-        hooks.__exit__(None, None, None)
+        mover = self.mover
+        with mover.saving(index):
+            out = forward()
         first = first_grad_tensor(out)
         if first is not None:
-            mover = self.mover
             first.register_hook(lambda grad: mover.reached(index))
+        return out
+
+    def host_peak(self) -> int:
+        return self.mover.host_peak if self.mover is not None else 0
 
     def on_host(self) -> int:
         """The bytes the host holds now for the offloaded tensors (0 once a step's graph is let go of)."""
         return self.mover.on_host() if self.mover is not None else 0
 
+    # -- its measurement, options and notes ---------------------------------------------------------------------------
+    def after_step_one(self, profile, resets: bool) -> None:
+        device = next((p.device.type for layer in self.layers for p in layer.parameters()), "cpu")
+        try:
+            result = measure(device, self.host_mb)
+        except Exception as e:  # a measurement for the solver: its failure costs the run nothing else
+            result = f"timing the link to the host failed ({type(e).__name__}: {e})"
+        if isinstance(result, str):
+            profile.lever_problems[self.name] = result
+        else:
+            profile.levers[self.name] = result
+
+    def choices(self, profile, measured=None) -> List[LeverChoice]:
+        """Off, and the first layers offloaded in a few counts, each on those layers recomputed whole
+        (`measure.choices`: what each holds less, where, and what its copies cost past the compute they hide under);
+        where nothing was measured, the option running now alone."""
+        found = profile.levers.get(self.name)
+        if not isinstance(found, OffloadMeasure) or profile.memory is None:
+            option = self.option
+            return [LeverChoice(self.name, option, self.plan(), recomputed=tuple(sorted(self.chosen)))]
+        return offload_choices(profile, found)
+
+    def unweighed(self, profile) -> Optional[str]:
+        if self.name in profile.lever_problems:
+            return f"`Offload+` was not weighed: {profile.lever_problems[self.name]}"
+        return None
+
     def notes(self, profile) -> List[str]:
-        if self.mover is None or not self.mover.moved_bytes:
-            return []
-        moved = sum(self.mover.moved_bytes.values())
-        return [
-            f"the layers' saved tensors (`Offload+`, layers {', '.join(map(str, sorted(self.chosen)))}): "
-            f"{moved / MIB:,.1f} MiB copied to the host in the last forward of those layers and fetched back ahead "
-            f"of their backward; not measured each way nor weighed by `auto` yet"
-        ]
+        out = []
+        found = profile.levers.get(self.name) if profile is not None else None
+        if isinstance(found, OffloadMeasure):
+            out.append(
+                f"the layers' saved tensors offloaded (`Offload+`): weighed on layers recomputed whole, their copies "
+                f"at {found.link / 1e9:,.1f} GB/s a way ({found.link_how}), the host's room "
+                f"{found.host_room / MIB:,.0f} MiB ({found.host_how})"
+                + "".join(f"; not offered: {why}" for why in found.not_offered)
+            )
+        elif profile is not None and self.name in profile.lever_problems:
+            out.append(f"`Offload+` not weighed: {profile.lever_problems[self.name]}")
+        if self.mover is not None and self.mover.moved_bytes:
+            moved = sum(self.mover.moved_bytes.values())
+            out.append(
+                f"the layers' saved tensors (`Offload+`, layers {', '.join(map(str, sorted(self.chosen)))}): "
+                f"{moved / MIB:,.1f} MiB copied to the host in the last forward of those layers and fetched back "
+                f"ahead of their backward"
+            )
+        return out

@@ -5,10 +5,13 @@ device's let go of, and fetched back ahead of the backward that needs it.
 The rules (tests/test_offload.py):
 
 - Offloaded: the storage of every plain tensor autograd saves in the layer's training forward (its input above all), on
-  the layer's device; a parameter (the weights stay where they are), a tensor subclass (FSDP2's DTensor, a dry run's
-  fake tensor: the dry run does not count offload yet) and a sparse tensor stay where they are. A storage saved several
-  times in a layer (views of it) is copied once, and each saved tensor comes back as the same view of its copy (sizes,
-  strides and offset as saved: the backward's kernels see what they would have seen).
+  the layer's device; a parameter (the weights stay where they are), a tensor subclass (FSDP2's DTensor) and a sparse
+  tensor stay where they are. A storage saved several times in a layer (views of it) is copied once, and each saved
+  tensor comes back as the same view of its copy (sizes, strides and offset as saved: the backward's kernels see what
+  they would have seen).
+- In a dry run (fake tensors, counted as the card counts) the copy is its bytes alone: no tensor stands for the host's
+  (the count would take it for the card's), the device's fake storage is let go of as a card's would be, and the fetch
+  makes the device's again. So the dry run's step holds what the card's does, and `on_host` what the host would.
 - The copy is a copy: gradients are bitwise those of the run without the lever, dropout included.
 - The device's storage is let go of once its copy is made (on a card, once the copy queued on the side stream ran:
   `record_stream`), unless something else holds it (the layer's output, another layer's input).
@@ -69,10 +72,11 @@ class _Copy:
     """One storage on the host: its bytes, the version it was copied at, and, once fetched, its bytes on the
     device again."""
 
-    __slots__ = ("host", "version", "device", "source", "fetched", "event", "changed", "__weakref__")
+    __slots__ = ("host", "nbytes", "version", "device", "source", "fetched", "event", "changed", "__weakref__")
 
-    def __init__(self, host: torch.Tensor, t: torch.Tensor):
-        self.host = host
+    def __init__(self, host: Optional[torch.Tensor], nbytes: int, t: torch.Tensor):
+        self.host = host  # None in a dry run: its bytes alone
+        self.nbytes = nbytes
         self.version = _torch_api.version(t)
         self.device = t.device
         self.source = weakref.ref(t)  # while it lives, so does the storage: its address names no other one
@@ -104,6 +108,8 @@ class Mover:
         self.streams = Streams(device)
         self.device = device
         self.moved_bytes: Dict[int, int] = {}
+        self.host_bytes = 0  # what the copies alive hold on the host now
+        self.host_peak = 0  # and at their most (a step's, at the end of its last offloaded layer's forward)
         # each layer's copies this step (what backward fetches), and by the address of the storage copied (a storage
         # saved again is copied once); held weakly: a copy lives as long as autograd holds a tensor saved from it (its
         # node not yet run), and goes with the last of them
@@ -118,12 +124,13 @@ class Mover:
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), _unpack)
 
     def _pack(self, index: int, t: torch.Tensor):
-        if type(t) is not torch.Tensor or t.device != self.device or t.layout != torch.strided:
-            return t  # a parameter, a subclass (FSDP2's DTensor, a dry run's fake tensor), another device's, sparse
+        fake = _torch_api.is_fake(t)
+        if not (type(t) is torch.Tensor or fake) or t.device != self.device or t.layout != torch.strided:
+            return t  # a parameter, a subclass (FSDP2's DTensor), another device's, sparse
         storage = t.untyped_storage()
         if storage.nbytes() % t.element_size():
             return t  # a storage that is not a whole number of this dtype's elements cannot be read back as them
-        key = storage.data_ptr()
+        key = _torch_api.storage_identity(storage)
         copies = self._by_address[index]
         copy = copies.get(key)
         if copy is not None and copy.source() is None:
@@ -132,17 +139,22 @@ class Mover:
             copy.changed = True  # saved again after an in-place change: what was saved before is not what it was
             copy = None
         if copy is None:
-            copy = copies[key] = self._copy_out(storage, t)
+            copy = copies[key] = self._copy_out(storage, t, fake)
             self._copies[index].add(copy)
-            self.moved_bytes[index] += storage.nbytes()
+            self.moved_bytes[index] += copy.nbytes
+            self.host_bytes += copy.nbytes
+            self.host_peak = max(self.host_peak, self.host_bytes)
+            weakref.finalize(copy, self._released, copy.nbytes)
         return _Saved(copy, t, self)
 
-    def _copy_out(self, storage, t: torch.Tensor) -> _Copy:
+    def _copy_out(self, storage, t: torch.Tensor, fake: bool) -> _Copy:
+        if fake:  # a dry run's: the bytes alone
+            return _Copy(None, storage.nbytes(), t)
         whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
         host = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=self.streams.cuda)
         with self.streams.copying():
             host.copy_(whole, non_blocking=self.streams.cuda)
-        copy = _Copy(host, t)
+        copy = _Copy(host, host.numel(), t)
         copy.event = self.streams.copied(whole)
         return copy
 
@@ -150,7 +162,10 @@ class Mover:
         """`copy` brought back to the device (once a step), queued on the side stream."""
         if copy.fetched is not None:
             return
-        back = torch.empty(copy.host.numel(), dtype=torch.uint8, device=copy.device)
+        back = torch.empty(copy.nbytes, dtype=torch.uint8, device=copy.device)
+        if copy.host is None:  # a dry run's: the device's bytes made again, nothing to copy
+            copy.fetched = back
+            return
         with self.streams.copying():  # on the stream its copy out was queued on: after it
             back.copy_(copy.host, non_blocking=self.streams.cuda)
         copy.event = self.streams.copied(back)
@@ -164,10 +179,13 @@ class Mover:
                 for copy in list(self._copies[i]):
                     self.fetch(copy)
 
+    def _released(self, nbytes: int) -> None:
+        self.host_bytes -= nbytes
+
     def on_host(self) -> int:
         """The bytes the host holds now for the copies of each offloaded layer's last forward (0 once its graph is let
         go of)."""
-        return sum(copy.host.numel() for copies in self._copies.values() for copy in copies)
+        return self.host_bytes
 
 
 def _unpack(saved) -> torch.Tensor:

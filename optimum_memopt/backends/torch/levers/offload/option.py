@@ -1,9 +1,9 @@
 """The offload lever's option: its plan words (`SYNTAX`) and how far ahead of the backward a layer's tensors are
 fetched (`ahead_of`)."""
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Sequence
 
-from .....plans import LeverOption, LeverSyntax
+from .....plans import LeverOption, LeverPart, LeverSyntax
 
 SYNTAX = LeverSyntax(
     name="offload",
@@ -32,3 +32,12 @@ def layers_of(option: LeverOption, n_layers: int) -> Dict[int, int]:
 def ahead_of(layers: Dict[int, int]) -> Optional[int]:
     """The farthest any offloaded layer fetches ahead (None: no layer)."""
     return max(layers.values()) if layers else None
+
+
+def layer_option(layers: Sequence[int], ahead: int, n_layers: int) -> LeverOption:
+    """The option offloading `layers` (of `n_layers`), fetched `ahead` layers ahead (the default unnamed): one part,
+    no layers named where it offloads every layer (`layers_of`'s inverse for one `ahead`)."""
+    where = None if list(layers) == list(range(n_layers)) else tuple(layers)
+    return LeverOption(
+        (LeverPart(where, "ahead" if ahead != DEFAULT_AHEAD else None, ahead if ahead != DEFAULT_AHEAD else None),)
+    )
