@@ -220,6 +220,11 @@ def check_host_mb(host_mb, config: "MemoryOptConfig") -> None:
             f"`{HOST_FLAG}` is {host_mb!r}; expected a positive, finite number of MiB, as in "
             f"`{CONFIG_FLAG} auto {BUDGET_FLAG} 70000 {HOST_FLAG} 200000`"
         )
+    if config.backend != "torch":
+        raise ValueError(
+            f"`{HOST_FLAG} {host_mb:g}` is what the torch backend's `{CONFIG_FLAG} auto` may offload to the host, but "
+            f"`--memory_opt_backend {config.backend}` trains; add `--memory_opt_backend torch`, or drop `{HOST_FLAG}`"
+        )
     if not config.auto or config.budget_mb is None:
         but = f"the plans are {config.plans!r}" if not config.auto else f"no `{BUDGET_FLAG}` is given"
         raise ValueError(

@@ -276,6 +276,7 @@ class MemoptTrainerMixin(OrtTrainerParts):
             plan_file=self._memopt_plan_file() if a.memory_plan_file is not None else None,
             instruments=self._memopt_instruments() if a.memory_auto_dry_run else None,
             keep_plan=self._memopt_keep_plan() if rank0 and a.memory_auto_dry_run else None,
+            host_mb=a.memory_host_mb,
         )
 
     def _memopt_run_step(self):

@@ -25,7 +25,7 @@ from .backends import (
     get_backend,
     optimizer_names,
 )
-from .config import BACKEND_FLAG, CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig
+from .config import BACKEND_FLAG, CONFIG_FLAG, LEVEL_FLAG, MemoryOptConfig, check_host_mb
 from .plans import EXAMPLE
 
 transformers_releases.check_arguments_types()
@@ -39,6 +39,7 @@ SHARED_FLAGS = {
     "memory_budget_mb": None,
     "activation_memory_budget": None,
     "memory_plan_file": None,
+    "memory_host_mb": None,
 }
 
 
@@ -87,6 +88,9 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             dry run of it on fake tensors (`backends/torch/decide/from_plan.py`), step one checking the choice;
             `false`: step one measures with every layer recomputed whole and the choice runs from step two (also
             what runs where no dry run of the run's own step can be made: FSDP, DeepSpeed, a loop of one's own).
+        memory_host_mb (`float`, *optional*):
+            With `--memory_opt_config auto --memory_budget_mb` on the torch backend: the host memory (MiB) the layers'
+            offloaded tensors may hold (`Offload+`); default: what the host has available as step one ends.
         memory_plan_file (`str`, *optional*):
             `memopt-plan --json`'s file: `auto` on the torch backend runs its choice from step one, which checks it,
             instead of a dry run of its own (`planning/plan_file.py`); the budget is the file's (`--memory_budget_mb`
@@ -177,6 +181,13 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
             "one measures with every layer recomputed whole and the choice runs from step two."
         },
     )
+    memory_host_mb: Optional[float] = field(
+        default=None,
+        metadata={
+            "help": "With --memory_opt_config auto --memory_budget_mb on the torch backend: the host memory in MiB "
+            "the layers' offloaded tensors (Offload+) may hold; default: what the host has available as step one ends."
+        },
+    )
     memory_plan_file: Optional[str] = field(
         default=None,
         metadata={
@@ -237,6 +248,7 @@ class MemoptTrainingArguments(BackendFlags, TrainingArguments):
         self._resolve_backend()
         self._check_choices()
         self.memory_opt = self._build_memory_config()
+        check_host_mb(self.memory_host_mb, self.memory_opt)
         # The chosen backend checks its own flags and what it cannot run with (before the parent's __post_init__,
         # which would start the distributed set-up); its notes are logged once, on rank 0, by the trainer.
         checked = get_backend(self.memory_opt.backend).check_args(self) if self.memory_opt_on else []

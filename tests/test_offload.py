@@ -243,3 +243,56 @@ def test_the_solver_offloads_where_it_is_the_least_recompute_that_fits_and_predi
     assert below.predicted.peak_bytes <= floor - 800 and all(c.whole for c in below.choice[:2])
     # the least any option reaches: the head with every layer's input on the host
     assert fit(profile, profile.memory, 0, measured, levers=[options]).floor.peak_bytes == 10_000 + 3000
+
+
+def test_the_host_memory_flag_is_checked_where_it_is_given(tmp_path):
+    from optimum_memopt import MemoptTrainingArguments
+
+    torch_auto = dict(memory_opt_backend="torch", memory_opt_config="auto", memory_budget_mb=100.0)
+    bad = [
+        ({**torch_auto, "memory_host_mb": -5.0}, r"^`--memory_host_mb` is -5.0; expected a positive, finite number"),
+        ({**torch_auto, "memory_host_mb": float("nan")}, r"^`--memory_host_mb` is nan"),
+        (dict(memory_opt_backend="torch", memory_opt_level=1, memory_host_mb=1000.0),
+         r"but the plans are None; add `--memory_opt_config auto --memory_budget_mb 70000`, or drop `--memory_host_mb`"),
+        (dict(memory_opt_backend="torch", memory_opt_config="auto", activation_memory_budget=0.3,
+              memory_host_mb=1000.0), r"but no `--memory_budget_mb` is given"),
+        (dict(memory_opt_backend="none", memory_host_mb=1000.0), r"^`--memory_host_mb` configure a memory backend"),
+    ]  # fmt: skip
+    for kwargs, pattern in bad:
+        with pytest.raises(ValueError, match=pattern):
+            MemoptTrainingArguments(output_dir=str(tmp_path), report_to=[], **kwargs)
+    args = MemoptTrainingArguments(output_dir=str(tmp_path), report_to=[], **torch_auto, memory_host_mb=2048.0)
+    assert args.memory_host_mb == 2048.0
+    with pytest.raises(ValueError, match=r"^`host_memory_mb=512` is the host memory `plans=.auto.` may offload"):
+        optimum_memopt.optimize_memory(model_of("llama"), "Layer+:1:-1", host_memory_mb=512)
+
+
+# -- in the plan before the GPU (memopt-plan's dry runs for a card) ----------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_plan_for_a_card_has_an_offload_row_a_host_column_and_auto_offloads_where_only_that_fits():
+    """For a card, the plan dry-runs every layer's input on the host beside the least recompute reaches: its peak is
+    lower by the inputs the step held at its peak, and the host holds them. `auto`, under a budget between the two,
+    offloads; its row's host figure is what its copies held; a host room below that refuses it, said with why."""
+    from test_plan import tiny
+
+    from optimum_memopt.planning.plan import _OFFLOADED, _TILED, plan
+
+    config = tiny(layers=8, vocab=256)
+    spec = dict(batch=2, seq=256, device="H100-80GB", search=False)
+    first = plan(config, **spec, rows=[_TILED, _OFFLOADED])
+    tiled, offloaded = first.configurations
+    hidden = 2 * 256 * 64 * 4  # one layer's input, fp32
+    assert offloaded.host_mb * 2**20 >= 7 * hidden and offloaded.peak_mb < tiled.peak_mb, (offloaded, tiled)
+    assert tiled.host_mb == 0.0
+    table = first.table()
+    assert " host " in table.splitlines()[2] and "host: MiB the layers' offloaded tensors hold" in table
+    budget = (tiled.peak_mb + offloaded.peak_mb) / 2
+    roomy = plan(config, **{**spec, "device": None}, budget_mb=budget, host_mb=1024.0, rows=["auto"])
+    (auto,) = roomy.configurations
+    assert auto.fits and "Offload+" in auto.choice and 0 < auto.host_mb <= offloaded.host_mb, auto
+    assert auto.peak_mb <= int(budget)
+    tight = plan(config, **{**spec, "device": None}, budget_mb=budget, host_mb=auto.host_mb / 4, rows=["auto"])
+    (refused,) = tight.configurations
+    assert refused.choice is None or "Offload+" not in refused.choice, refused

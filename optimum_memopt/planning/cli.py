@@ -9,6 +9,7 @@ step runs on fake tensors, nothing is allocated and no weight is read. Exit stat
 """
 
 import argparse
+import math
 import sys
 from typing import List, Optional
 
@@ -72,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default=None, help=f"one of: {', '.join(DEVICES)}; or cpu (its kernels, with --memory_budget_mb)"
     )
     p.add_argument(
+        "--memory_host_mb", type=float, default=None,
+        help="the training machine's host memory (MiB) the layers' offloaded tensors may hold (Offload+, on a card); "
+        "default: auto weighs this machine's available memory, and the rows are not held to it",
+    )  # fmt: skip
+    p.add_argument(
         "--search", nargs="?", const=True, default=True, type=_flag_bool("search"),
         help="find the largest batch and the longest sequence auto fits (more dry runs; default true)",
     )  # fmt: skip
@@ -99,6 +105,11 @@ def validate(args) -> None:
     if args.memory_budget_mb is not None and args.memory_budget_mb <= 0:
         raise UsageError(
             f"`--memory_budget_mb {args.memory_budget_mb:g}` must be above 0, as in `--memory_budget_mb 70000`"
+        )
+    if args.memory_host_mb is not None and not (math.isfinite(args.memory_host_mb) and args.memory_host_mb > 0):
+        raise UsageError(
+            f"`--memory_host_mb {args.memory_host_mb:g}` must be a positive number of MiB, as in "
+            f"`--memory_host_mb 200000`"
         )
     if args.device is not None and args.device.strip().lower() == "cpu":
         if args.memory_budget_mb is None:
@@ -201,6 +212,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             search=args.search,
             fsdp=args.num_processes if args.fsdp.split() else 1,
             ddp=1 if args.fsdp.split() else args.num_processes,
+            host_mb=args.memory_host_mb,
         )
     except (RuntimeError, ValueError) as e:
         print(f"memopt-plan: the dry run failed: {e}", file=sys.stderr)

@@ -50,6 +50,7 @@ class Configuration:
     choice: Optional[str] = None  # `auto`'s choice in the plan grammar ("" for nothing recomputed)
     dry_run_seconds: float = 0.0
     note: Optional[str] = None  # what `auto` makes of it, where that is not what its figures suggest
+    host_mb: float = 0.0  # what the layers' offloaded tensors held on the host at their most (`Offload+`)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Plan:
     reach: Optional[dict] = None
     # the attention and dropout kernels the dry runs ran: a CUDA card's by compute capability ("cuda 9.0"), or "cpu"
     kernels: str = ""
+    host_mb: Optional[float] = None  # `--memory_host_mb`: the host memory offloaded tensors may hold (None: not given)
 
     def record(self) -> dict:
         """Every figure of the table (what `--json` writes)."""
@@ -74,6 +76,7 @@ class Plan:
             "step": spec,
             "device": None if self.device is None else asdict(self.device),
             "budget_mb": self.budget_mb,
+            "host_mb": self.host_mb,
             "unit": "MiB of tensor storages as CUDA's caching allocator counts them (512-byte blocks)",
             "not_seen": NOT_SEEN,
             "workspaces_mb": WORKSPACES_MIB if self.device is not None else 0.0,
@@ -129,16 +132,18 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"budget: {plan.budget_mb:,.0f} MiB")
     short = {"weights": "weights", "gradients": "grads", "optimizer state": "optim", "activations": "activ"}
     short.update({"head and loss": "head+loss", "other": "other"})
-    header = ["", "peak MiB", *(short[p] for p in PARTS), "fits", "step s", "where it peaks"]
+    host = any(c.host_mb for c in plan.configurations)  # a column for what offloaded tensors hold on the host
+    header = ["", "peak MiB", *(short[p] for p in PARTS), *(["host"] if host else []), "fits", "step s"]
+    header.append("where it peaks")
     rows = [header]
     for c in plan.configurations:
-        if c.peak_mb is None:
-            rows.append([c.name, "-", *("" for _ in PARTS), "-", "", c.problem or ""])  # the problem says why
+        if c.peak_mb is None:  # the problem says why
+            rows.append([c.name, "-", *("" for _ in PARTS), *([""] if host else []), "-", "", c.problem or ""])
             continue
         fits = "" if c.fits is None else ("yes" if c.fits else "no")
         secs = "" if c.step_seconds is None else f"{c.step_seconds:.3g}"
         parts = [_mb(c.parts_mb.get(p, 0.0)) for p in PARTS]
-        rows.append([c.name, _mb(c.peak_mb), *parts, fits, secs, c.peak_at])
+        rows.append([c.name, _mb(c.peak_mb), *parts, *([_mb(c.host_mb)] if host else []), fits, secs, c.peak_at])
     widths = [max(len(r[i]) for r in rows if i < len(r) - 1 or r is rows[0]) for i in range(len(header) - 1)]
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [r[i].rjust(widths[i]) for i in range(1, len(header) - 1)]
@@ -174,6 +179,12 @@ def format_plan(plan: Plan) -> str:
             ways.append("shard it over several cards (`--fsdp 'full_shard auto_wrap' --num_processes 8`)")
         ways.append("a card with more memory")
         lines.append(f"nothing fits: {', or '.join(ways)}")
+    if host:
+        room = f"`--memory_host_mb {plan.host_mb:g}`" if plan.host_mb is not None else "not given (`--memory_host_mb`)"
+        lines.append(
+            f"host: MiB the layers' offloaded tensors hold in the host's memory at their most (`Offload+`), copied at "
+            f"the card's link ({plan.device.host_link_name if plan.device else 'PCIe'}); the host's room: {room}"
+        )
     if plan.device is not None:
         lines.append(f"counted in other: cuBLAS's workspaces, {WORKSPACES_MIB:g} MiB (as measured on an H200)")
     lines.append(f"not seen by a dry run (leave room for them): {NOT_SEEN}")
@@ -200,10 +211,14 @@ def _config(model: Union[str, object]):
 _LEVEL1 = "level 1 (every layer recomputed)"
 _TILED_PLANS = "Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8"  # the least memory `auto` reaches on a dense causal LM
 _TILED = "level 1 + Loss+ + MLP+ (8 tiles)"
-_FLOOR_PLANS = {"level 1 + Loss+": "Layer+:1:-1,Loss+:1:-1", _TILED: _TILED_PLANS}
+_OFFLOADED_PLANS = _TILED_PLANS + ",Offload+:1:-1"  # and every layer's input on the host: the least a card reaches
+_OFFLOADED = "level 1 + Loss+ + MLP+ + Offload+"
+_FLOOR_PLANS = {"level 1 + Loss+": "Layer+:1:-1,Loss+:1:-1", _TILED: _TILED_PLANS, _OFFLOADED: _OFFLOADED_PLANS}
 
 
-def _configurations(causal: bool, plans: Optional[str], level: int, budget_mb: Optional[float]) -> List[tuple]:
+def _configurations(
+    causal: bool, plans: Optional[str], level: int, budget_mb: Optional[float], card: bool = False
+) -> List[tuple]:
     """(name, flags, dry_run's keywords) for each way the table compares."""
     out = [
         ("eager", "--memory_opt_backend none", dict(backend=False)),
@@ -220,6 +235,8 @@ def _configurations(causal: bool, plans: Optional[str], level: int, budget_mb: O
             ("level 1 + Loss+", "--memory_opt_config 'Layer+:1:-1,Loss+:1:-1'", dict(plans="Layer+:1:-1,Loss+:1:-1"))
         )
         out.append((_TILED, f"--memory_opt_config '{_TILED_PLANS}'", dict(plans=_TILED_PLANS)))
+        if card:  # the host is another memory than the card's: offload frees the card's
+            out.append((_OFFLOADED, f"--memory_opt_config '{_OFFLOADED_PLANS}'", dict(plans=_OFFLOADED_PLANS)))
     if plans and plans != "auto":
         out.append((f"yours: {plans}", f"--memory_opt_config '{plans}'", dict(plans=plans)))
     elif level:
@@ -250,6 +267,7 @@ def plan(
     fsdp: int = 1,
     ddp: int = 1,
     rows: Optional[List[str]] = None,
+    host_mb: Optional[float] = None,
 ) -> Plan:
     """Dry-run the step of `model` (a hub name or a local folder: its config only; or a transformers config) under
     each configuration the table compares, on `device` (the device table: `devices.DEVICES`) or under `budget_mb`.
@@ -260,7 +278,10 @@ def plan(
     of processes FSDP2 shards every layer and the model over (`--fsdp full_shard`), each figure what one of them
     holds (1: no sharding). `ddp`: the number of processes DistributedDataParallel replicates the step over (several
     processes without `--fsdp`: accelerate's default), each holding the whole model and DDP's gradient buckets.
-    `rows`: the configurations to dry-run, by name (None: every one; `["auto"]`: what `--memory_plan_file` reads)."""
+    `rows`: the configurations to dry-run, by name (None: every one; `["auto"]`: what `--memory_plan_file` reads).
+    `host_mb`: the host memory the layers' offloaded tensors may hold (`Offload+`, on a card: a row offloading every
+    layer's input and `auto` weigh it; a row whose copies hold more does not fit); None: not given, `auto` weighs
+    this machine's available memory."""
     config, found = _config(model)
     name = name or found
     autocast = "bfloat16" if bf16 else ("float16" if fp16 else None)
@@ -292,18 +313,23 @@ def plan(
     kernels = None if on_cpu else CudaKernels(capability)
     causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ["ForCausalLM"]))
     out = Plan(name, spec, target, budget_mb, [], kernels=CPU if on_cpu else f"cuda {capability[0]}.{capability[1]}")
-    for label, flags, kwargs in _configurations(causal, plans, level, budget_mb):
+    out.host_mb = host_mb
+    for label, flags, kwargs in _configurations(causal, plans, level, budget_mb, card=not on_cpu):
         if rows is not None and label not in rows:
             continue
         conf = Configuration(label, flags)
         try:
+            if kwargs.get("plans") == "auto":
+                kwargs = {**kwargs, "host_mb": host_mb}
             with _quiet():
                 result = dry_run(spec, **kwargs, cost_device=target, held_bytes=held, kernels=kernels)
         except (RuntimeError, ValueError) as e:
             conf.problem = _short(str(e))
         else:
             # a run of one process starts `auto` from a dry run of its own step: its step one runs the choice
-            _fill(conf, result, budget_mb, choice_only=kwargs.get("plans") == "auto" and spec.fsdp == 1)
+            _fill(
+                conf, result, budget_mb, choice_only=kwargs.get("plans") == "auto" and spec.fsdp == 1, host_mb=host_mb
+            )
             if kwargs.get("plans") == "auto":
                 out.auto_solver = result.solver
                 if result.auto is not None and result.auto.get("config") is not None:
@@ -314,11 +340,15 @@ def plan(
     # the least memory `auto` reaches: every layer recomputed whole, the head in chunks, and the MLPs in the most tiles
     # it weighs where the layers' MLPs can be tiled (a mixture of experts' cannot: that row says why; an MLP drawing
     # several dropout masks a forward `auto` never tiles: its note says so)
-    floors = [_TILED, "level 1 + Loss+"] if causal else [_LEVEL1]
-    usable = [c for c in out.configurations if c.peak_mb is not None and c.note is None]
+    floors = [_OFFLOADED, _TILED, "level 1 + Loss+"] if causal else [_LEVEL1]
+    usable = [
+        c
+        for c in out.configurations
+        if c.peak_mb is not None and c.note is None and (host_mb is None or c.host_mb <= host_mb)
+    ]
     floor = next((c for n in floors for c in usable if c.name == n), None)
     if search and budget_mb is not None and floor is not None:
-        out.reach = _reach(spec, floor, budget_mb, held, kernels)
+        out.reach = _reach(spec, floor, budget_mb, held, kernels, host_mb)
     return out
 
 
@@ -352,22 +382,39 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known: int, cap: int, step: int = 1):
+def largest(
+    spec: StepSpec,
+    field: str,
+    budget_bytes: float,
+    kwargs: dict,
+    known: int,
+    cap: int,
+    step: int = 1,
+    host_bytes: Optional[float] = None,
+):
     """The largest `field` ("batch" or "seq", a multiple of `step`, at most `cap`) whose dry run under `kwargs` peaks
-    within `budget_bytes`: a line through two dry runs (the plan's own value, whose peak is `known`, and twice it),
-    then dry runs at its prediction, moved down until one fits (at most four); the value and every run's figures.
-    A value is dry-run once: one already run (twice the plan's value, where the cap makes it the prediction too)
-    gives its peak again."""
+    within `budget_bytes` (and, with `host_bytes`, whose offloaded tensors hold no more on the host): a line through
+    two dry runs (the plan's own value, whose peak is `known`, and twice it), then dry runs at its prediction, moved
+    down until one fits (at most four); the value and every run's figures. A value is dry-run once: one already run
+    (twice the plan's value, where the cap makes it the prediction too) gives its peak again. A run whose host figure
+    is over `host_bytes` counts as over the budget."""
     peaks = {}  # each value run, in the order run: its peak
+    hosts = {}  # and what its offloaded tensors held on the host
 
     def peak_at(n: int) -> int:
         if n not in peaks:
             with _quiet():
-                peaks[n] = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True).peak_bytes
+                result = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True)
+            peaks[n], hosts[n] = result.peak_bytes, result.host_peak_bytes
+            if host_bytes is not None and hosts[n] > host_bytes:
+                peaks[n] = max(peaks[n], int(budget_bytes) + 1)  # the host cannot hold it: it does not fit
         return peaks[n]
 
     def runs() -> list:
-        return [{field: n, "peak_mb": nbytes / MIB} for n, nbytes in peaks.items()]
+        return [
+            {field: n, "peak_mb": nbytes / MIB, **({"host_mb": hosts[n] / MIB} if hosts.get(n) else {})}
+            for n, nbytes in peaks.items()
+        ]
 
     start = getattr(spec, field)
     twice = min(2 * start, cap)
@@ -392,19 +439,22 @@ def largest(spec: StepSpec, field: str, budget_bytes: float, kwargs: dict, known
     return (fits or None), runs()
 
 
-def _reach(spec: StepSpec, floor: Configuration, budget_mb: float, held: int = 0, kernels=None) -> dict:
+def _reach(spec: StepSpec, floor: Configuration, budget_mb: float, held: int = 0, kernels=None, host_mb=None) -> dict:
     kwargs = dict(level=1) if floor.name == _LEVEL1 else dict(plans=_FLOOR_PLANS[floor.name])
     kwargs["held_bytes"], kwargs["kernels"] = held, kernels
     budget = budget_mb * MIB
     known = int((floor.peak_mb or 0) * MIB)
     most_tokens = getattr(spec.config.get_text_config(), "max_position_embeddings", None) or 1 << 20
-    batch, batch_runs = largest(spec, "batch", budget, kwargs, known, cap=1 << 16)
-    seq, seq_runs = largest(spec, "seq", budget, kwargs, known, cap=int(most_tokens), step=128)
+    host = None if host_mb is None else host_mb * MIB
+    batch, batch_runs = largest(spec, "batch", budget, kwargs, known, cap=1 << 16, host_bytes=host)
+    seq, seq_runs = largest(spec, "seq", budget, kwargs, known, cap=int(most_tokens), step=128, host_bytes=host)
     runs = batch_runs + seq_runs
     return {"batch": batch, "seq": seq, "seq_cap": int(most_tokens), "under": floor.name, "runs": runs}
 
 
-def _fill(conf: Configuration, result: DryRun, budget_mb: Optional[float], choice_only: bool = False) -> None:
+def _fill(
+    conf: Configuration, result: DryRun, budget_mb: Optional[float], choice_only: bool = False, host_mb=None
+) -> None:
     """The configuration's figures from its dry run: the whole run's highest count; `auto`'s (`choice_only`), its
     choice's step's, the last: a training run's `auto` starts from a dry run of its own step, and its step one runs
     the choice (`backends.torch.decide.from_plan`), never the step this dry run measured the choice from (every layer
@@ -416,7 +466,10 @@ def _fill(conf: Configuration, result: DryRun, budget_mb: Optional[float], choic
     conf.before_training_mb = result.before_training_bytes / MIB
     conf.parts_mb = {p: b / MIB for p, b in parts.items()}
     conf.peak_at = at
-    conf.fits = None if budget_mb is None else conf.peak_mb <= budget_mb
+    conf.host_mb = result.host_peak_bytes / MIB
+    conf.fits = (
+        None if budget_mb is None else conf.peak_mb <= budget_mb and (host_mb is None or conf.host_mb <= host_mb)
+    )
     conf.step_seconds = result.step_seconds
     conf.dry_run_seconds = result.seconds
 

@@ -68,8 +68,11 @@ def predict(
     options of the levers beyond the layers (`levers/`), each moving the segments it acts in by what it holds less
     there than the measured step's option."""
     best: Optional[Prediction] = None
+    q_sums, f_sums = _sums(measured_freed), _sums(freed)
     for k, seg in enumerate(memory.segments):
-        value = _moved(seg, measured_freed, freed, levers) + (extra if k < len(memory.segments) - 1 else 0)
+        held = min(seg.held, len(q_sums) - 1, len(f_sums) - 1)
+        value = _moved_by(seg, q_sums[held] - f_sums[held], levers)
+        value += extra if k < len(memory.segments) - 1 else 0
         if best is None or value > best.peak_bytes:
             best = Prediction(value, seg.name)
     return best
@@ -118,11 +121,25 @@ def _moved(
     seg: Segment, measured_freed: Sequence[int], freed: Sequence[int], levers: Sequence["LeverChoice"] = ()
 ) -> int:
     held = seg.held
-    by = sum(measured_freed[:held]) - sum(freed[:held]) - sum(c.less_in(seg.place) for c in levers)
+    return _moved_by(seg, sum(measured_freed[:held]) - sum(freed[:held]), levers)
+
+
+def _moved_by(seg: Segment, layers_more: int, levers: Sequence["LeverChoice"] = ()) -> int:
+    """The segment's peak with what its held layers keep moved by `layers_more` bytes (what the measured policy freed
+    there less what another frees) and by what the levers' options hold less in it."""
+    by = layers_more - sum(c.less_in(seg.place) for c in levers) if levers else layers_more
     if not seg.parts:
         return seg.peak_bytes + by
     # marked inside (`StepWatch.inside`): the highest of its stretches, each moved by what the levers hold less there
     return max(peak - sum(c.less_in_part(seg.place, tag) for c in levers) for tag, peak in seg.parts) + by
+
+
+def _sums(values: Sequence[int]) -> List[int]:
+    """The prefix sums of `values`: out[i] is the sum of the first i."""
+    out = [0]
+    for v in values:
+        out.append(out[-1] + v)
+    return out
 
 
 def as_kept(memory: StepMemory, measured_freed: Sequence[int], extra: int = 0) -> StepMemory:
@@ -301,17 +318,24 @@ def fit(
     `measured` (its memory by segment and each layer's graph), with the levers beyond the layers chosen in the same
     solve (`levers`: each lever's options, from its `choices`): for each combination of one option per lever, the
     layers' least-time choice under the budget with the segments the options act in moved by what they hold less;
-    the least total time wins (the options' `cost` included)."""
-    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer, levers)
+    the least total time wins (the options' `cost` included).
+
+    The combinations are tried from the least time they could take (their options' cost and the whole-layer
+    recompute they force: `_combinations`); once one fits, those that could take no less are not solved. The answer
+    is the one trying every combination in the levers' order gives: of equal times, the first in that order."""
+    per_layer, q, result, combos = _start(profile, memory, measured, extra_bytes, per_layer, levers)
     result.budget_bytes = budget_bytes
-    best, closest = None, None  # closest: (the least peak of a combination that does not fit, why it does not)
-    for combo in itertools.product(*levers):
-        allowed = _allowed(profile, per_layer, combo)
-        if allowed is None:
-            continue
+    best, closest = None, None  # closest: (the least peak of a combination that does not fit, its order, why not)
+    for order, combo, allowed, floor, at_least in combos:
+        if best is not None and at_least > best[0] * (1 + 1e-12):
+            break  # sorted: every combination after it takes more than the one found
+        if best is not None and at_least >= best[0] and order > best[3]:
+            continue  # it could at best tie, and a tie keeps the first in order
         extra = extra_bytes + sum(c.returned for c in combo)
         needs, why_not = _needs(memory, q, budget_bytes, extra, combo, len(per_layer))
-        least = _floor(memory, q, allowed, extra_bytes, combo).peak_bytes
+        extra = extra_bytes + sum(c.returned for c in combo)
+        needs, why_not = _needs(memory, q, budget_bytes, extra, combo, len(per_layer))
+        least = floor.peak_bytes
         if why_not is None and least > budget_bytes:
             why_not = (
                 f"with each layer recomputing the most it can, the step still peaks at "
@@ -321,16 +345,16 @@ def fit(
         if why_not is None and choice is None:  # the bytes are there, but not in the solver's units
             why_not = "no choice frees the bytes needed in the units the solver counts in"
         if choice is None:
-            if closest is None or least < closest[0]:  # said of the levers' options that come closest
-                closest = (least, why_not)
+            if closest is None or (least, order) < closest[:2]:  # said of the levers' options that come closest
+                closest = (least, order, why_not)
             continue
         seconds = sum(c.seconds for c in choice) + sum(c.cost for c in combo)
-        if best is None or seconds < best[0]:
-            best = (seconds, choice, combo)
+        if best is None or seconds < best[0] or (seconds == best[0] and order < best[3]):
+            best = (seconds, choice, combo, order)
     if best is None:
-        result.why_not = closest[1] if closest is not None else "no option of the levers can run with the layers"
+        result.why_not = closest[2] if closest is not None else "no option of the levers can run with the layers"
         return result
-    _, result.choice, result.levers = best
+    _, result.choice, result.levers, _ = best
     freed = [c.freed_bytes for c in result.choice]
     extra = extra_bytes + result.returned
     result.predicted = predict(memory, q, freed, extra, result.levers)
@@ -344,8 +368,9 @@ def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, levers: S
     layer's tensors are held in peaks over it)."""
     needs = [0] * layers
     last = len(memory.segments) - 1
+    q_sums = _sums(q)
     for k, seg in enumerate(memory.segments):
-        need = _moved(seg, q, [0] * seg.held, levers) + (extra_bytes if k < last else 0) - budget_bytes
+        need = _moved_by(seg, q_sums[min(seg.held, len(q))], levers) + (extra_bytes if k < last else 0) - budget_bytes
         if need <= 0:
             continue
         if seg.held == 0:
@@ -363,20 +388,24 @@ def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, levers: S
     return needs, None
 
 
-def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice]):
+def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice], wholes: Optional[dict] = None):
     """Each layer's candidates with the levers' options `levers`: only the whole layer where an option needs it
     recomputed whole (`LeverChoice.recomputed`; offered even where a set of op plans frees as much for less, which
-    `solver.candidates` keeps instead); None where such a layer has no graph to recompute it by."""
+    `solver.candidates` keeps instead); None where such a layer has no graph to recompute it by. `wholes`: each
+    layer's whole-layer candidate found so far (index -> candidate), filled as they are found."""
     whole = {i for c in levers for i in c.recomputed if i < len(per_layer)}
     if not whole:
         return per_layer
+    wholes = {} if wholes is None else wholes
     allowed = list(per_layer)
     for i in whole:
-        rec = profile.layers[i] if i < len(profile.layers) else None
-        if rec is None or rec.graph is None:
-            return None
-        done = whole_layer(rec.graph, rec.op_seconds)
-        allowed[i] = [Candidate(frozenset(), True, done.freed_bytes, done.seconds)]
+        if i not in wholes:
+            rec = profile.layers[i] if i < len(profile.layers) else None
+            if rec is None or rec.graph is None:
+                return None
+            done = whole_layer(rec.graph, rec.op_seconds)
+            wholes[i] = Candidate(frozenset(), True, done.freed_bytes, done.seconds)
+        allowed[i] = [wholes[i]]
     return allowed
 
 
@@ -396,7 +425,7 @@ def fit_share(
     """The least-recompute policy keeping at most `share` of what the layers keep for backward with nothing
     recomputed (their own tensors: `graph.saved_bytes`), as `torch.compile`'s `activation_memory_budget` is a share;
     its peak predicted from the measured step as `fit` does."""
-    per_layer, q, result = _start(profile, memory, measured, extra_bytes, per_layer)
+    per_layer, q, result, _ = _start(profile, memory, measured, extra_bytes, per_layer)
     total = sum(saved_bytes(rec.graph) for rec in profile.layers if rec.graph is not None)
     result.share, result.activation_bytes = share, total
     result.choice = choose(per_layer, math.ceil((1 - share) * total))
@@ -412,18 +441,32 @@ def fit_share(
 
 
 def _start(profile, memory, measured, extra_bytes, per_layer, levers: Sequence[Sequence[LeverChoice]] = ()):
-    """What `fit` and `fit_share` share: the candidates, what the measured policy freed per layer, and the answer
-    begun with the measured step's peak and the floor (each layer freeing the most it can, the levers' options
-    combined so that the step holds least)."""
+    """What `fit` and `fit_share` share: the candidates, what the measured policy freed per layer, the answer begun
+    with the measured step's peak and the floor (each layer freeing the most it can, the levers' options combined so
+    that the step holds least), and the combinations of the levers' options that can run (`_combinations`)."""
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
-    combos = [(c, _allowed(profile, per_layer, c)) for c in itertools.product(*levers)]
-    floor = min(
-        (_floor(memory, q, allowed, extra_bytes, c) for c, allowed in combos if allowed is not None),
-        key=lambda p: p.peak_bytes,
-    )
+    combos = _combinations(profile, memory, q, per_layer, extra_bytes, levers)
+    floor = min((f for _, _, _, f, _ in combos), key=lambda p: p.peak_bytes)
     result = Fit(0, measured=predict(memory, q, q, extra_bytes), floor=floor)
-    return per_layer, q, result
+    return per_layer, q, result, combos
+
+
+def _combinations(profile, memory, q, per_layer, extra_bytes, levers: Sequence[Sequence[LeverChoice]]) -> list:
+    """Each combination of one option per lever whose layers can run it: (its place in the levers' order, its options,
+    each layer's candidates with them, the least peak they reach, the least time they can take: their options' cost
+    and the whole-layer recompute they force, every other layer kept), ordered by that least time, then by place."""
+    wholes: Dict[int, Candidate] = {}
+    out = []
+    for order, combo in enumerate(itertools.product(*levers)):
+        allowed = _allowed(profile, per_layer, combo, wholes)
+        if allowed is None:
+            continue
+        forced = {i for c in combo for i in c.recomputed if i < len(per_layer)}
+        at_least = sum(c.cost for c in combo) + sum(wholes[i].seconds for i in forced)
+        out.append((order, combo, allowed, _floor(memory, q, allowed, extra_bytes, combo), at_least))
+    out.sort(key=lambda entry: (entry[4], entry[0]))
+    return out
 
 
 def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:

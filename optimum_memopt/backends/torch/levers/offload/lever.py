@@ -12,7 +12,7 @@ from ...apply.layers import distinct, find_layers
 from ...decide.budget import LeverChoice
 from ...measure.watch import first_grad_tensor
 from ..protocol import Lever
-from .measure import OffloadMeasure, measure
+from .measure import HOST_IS_DEVICE, OffloadMeasure, measure
 from .measure import choices as offload_choices
 from .mover import Mover
 from .option import SYNTAX, layers_of
@@ -117,9 +117,11 @@ class Offload(Lever):
         return offload_choices(profile, found)
 
     def unweighed(self, profile) -> Optional[str]:
-        if self.name in profile.lever_problems:
-            return f"`Offload+` was not weighed: {profile.lever_problems[self.name]}"
-        return None
+        """Why its options were not weighed where they could have lowered the step (not on the CPU, where none can)."""
+        problem = profile.lever_problems.get(self.name)
+        if problem is None or problem == HOST_IS_DEVICE:
+            return None
+        return f"`Offload+` was not weighed: {problem}"
 
     def notes(self, profile) -> List[str]:
         out = []

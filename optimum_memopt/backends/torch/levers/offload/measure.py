@@ -35,6 +35,7 @@ from ...measure.profile import HEAD_PLACE, Place
 from ...measure.storages import counting
 from .option import DEFAULT_AHEAD, SYNTAX, layer_option
 
+HOST_IS_DEVICE = "the host is the device here (the CPU): a copy to it holds as much as it lets go of"
 LINK_PROBE_BYTES = 64 * MIB  # the copy timed each way on a card
 LINK_REPEATS = 3
 SHARES = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 5 / 8, 3 / 4, 7 / 8, 1)  # the first layers offloaded, as shares of the layers
@@ -69,7 +70,7 @@ def measure(device: str, host_mb: Optional[float]):
     if count is not None and count.host_link is not None:  # a dry run for a card: the card's link, from the table
         link, how = count.host_link[0], f"the device table's link: {count.host_link[1]}"
     elif count is not None or device != "cuda":
-        return "the host is the device here (the CPU): a copy to it holds as much as it lets go of"
+        return HOST_IS_DEVICE
     else:
         link, how = _timed_link()
     if host_mb is not None:

@@ -9,9 +9,11 @@ The rules (tests/test_offload.py):
   tensor stay where they are. A storage saved several times in a layer (views of it) is copied once, and each saved
   tensor comes back as the same view of its copy (sizes, strides and offset as saved: the backward's kernels see what
   they would have seen).
-- In a dry run (fake tensors, counted as the card counts) the copy is its bytes alone: no tensor stands for the host's
-  (the count would take it for the card's), the device's fake storage is let go of as a card's would be, and the fetch
-  makes the device's again. So the dry run's step holds what the card's does, and `on_host` what the host would.
+- In a dry run for a card (fake tensors, counted as the card counts: the count knows the card's link to the host) the
+  copy is its bytes alone: no tensor stands for the host's (the count would take it for the card's), the device's
+  fake storage is let go of as a card's would be, and the fetch makes the device's again. So the dry run's step holds
+  what the card's does, and `on_host` what the host would. In a dry run of the CPU's step the copy is a fake tensor
+  the count sees, as the CPU's own count sees a real run's copies (the host is the device).
 - The copy is a copy: gradients are bitwise those of the run without the lever, dropout included.
 - The device's storage is let go of once its copy is made (on a card, once the copy queued on the side stream ran:
   `record_stream`), unless something else holds it (the layer's output, another layer's input).
@@ -34,6 +36,7 @@ from typing import Dict, Optional
 import torch
 
 from ... import _torch_api
+from ...measure.storages import counting
 
 
 class Streams:
@@ -148,10 +151,11 @@ class Mover:
         return _Saved(copy, t, self)
 
     def _copy_out(self, storage, t: torch.Tensor, fake: bool) -> _Copy:
-        if fake:  # a dry run's: the bytes alone
+        count = counting()
+        if fake and count is not None and count.host_link is not None:  # a dry run for a card: the bytes alone
             return _Copy(None, storage.nbytes(), t)
         whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-        host = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=self.streams.cuda)
+        host = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=self.streams.cuda and not fake)
         with self.streams.copying():
             host.copy_(whole, non_blocking=self.streams.cuda)
         copy = _Copy(host, host.numel(), t)
