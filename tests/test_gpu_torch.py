@@ -1,6 +1,6 @@
 """The torch backend on CUDA: dropout's random state replayed on the GPU, autocast (bf16 / fp16), the CUDA memory
-phases, the loss lever (`Loss+`) in fp32 and bf16, `auto` under a budget with its picture, and DeepSpeed ZeRO-2 with
-fp16 and DeepSpeed's FusedAdam. Skipped where no CUDA device is present; the CPU side of the same code runs in
+phases, the loss lever (`Loss+`) in fp32 and bf16, `auto` under a budget with its picture, the layers' saved tensors
+offloaded (`Offload+`), and DeepSpeed ZeRO-2 with fp16 and DeepSpeed's FusedAdam. Skipped where no CUDA device is present; the CPU side of the same code runs in
 test_backend_torch.py, test_torch_loss.py and test_torch_budget.py (`scripts/gpu_check.sh` runs these and
 test_random_streams.py on the GPU)."""
 
@@ -336,3 +336,53 @@ def test_cuda_dropout_keeps_what_the_dry_run_counts(dtype):
         if fake != real:
             wrong.append(f"{name}: dry run {fake}, CUDA {real}")
     assert not wrong, "; ".join(wrong)
+
+
+@needs_cuda
+def test_cuda_offload_trains_bitwise_and_holds_what_the_dry_run_counts():
+    """`Offload+` on a card: the layers' saved tensors copied to pinned host memory on a stream of their own and
+    fetched back ahead of their backward. Gradients bitwise those of the same plans without it; the step peaks lower,
+    at the figure a dry run of it for this card counts (the same step on real tensors under the dry run's count: the
+    card's storages alone), and nothing waits on the host after the step."""
+    from transformers import LlamaConfig
+
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
+    from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = LlamaConfig(num_hidden_layers=8, hidden_size=256, intermediate_size=688, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=1024, max_position_embeddings=2048)  # fmt: skip
+    spec = StepSpec(config, batch=2, seq=2048)
+    base, offloaded = "Layer+:1:-1,Loss+:1:-1", "Layer+:1:-1,Loss+:1:-1,Offload+:1:-1"
+    card = dict(kernels=CudaKernels.here(), cost_device=DEVICES[DEFAULT_DEVICE])
+    figures = {}
+    for plans in (base, offloaded):
+        fake = dry_run(spec, plans=plans, **card)
+        real = dry_run(spec, plans=plans, fake=False, device="cuda")
+        figures[plans] = (fake.peak_bytes, real.peak_bytes, real.host_peak_bytes)
+    (fake_base, real_base, _), (fake_off, real_off, host) = figures[base], figures[offloaded]
+    assert real_off < real_base and host > 0, figures
+    # the dry run's count for the card, on the card
+    assert abs(fake_off - real_off) <= 0.01 * real_off and abs(fake_base - real_base) <= 0.01 * real_base, figures
+
+    def grads(plans):
+        from transformers import AutoModelForCausalLM
+
+        import optimum_memopt
+
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).cuda().train()
+        handle = optimum_memopt.optimize_memory(model, plans, reports_steps=True)
+        ids = torch.randint(
+            0, config.vocab_size, (2, 2048), device="cuda", generator=torch.Generator("cuda").manual_seed(1)
+        )
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        on_host = handle.levers["offload"].on_host() if "offload" in handle.levers else 0
+        return {n: p.grad.clone() for n, p in model.named_parameters()}, on_host
+
+    (plain, _), (ours, left) = grads(base), grads(offloaded)
+    assert left == 0 and all(torch.equal(plain[n], ours[n]) for n in plain), [
+        n for n in plain if not torch.equal(plain[n], ours[n])
+    ]

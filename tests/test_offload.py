@@ -296,3 +296,30 @@ def test_the_plan_for_a_card_has_an_offload_row_a_host_column_and_auto_offloads_
     tight = plan(config, **{**spec, "device": None}, budget_mb=budget, host_mb=auto.host_mb / 4, rows=["auto"])
     (refused,) = tight.configurations
     assert refused.choice is None or "Offload+" not in refused.choice, refused
+
+
+def test_a_dry_run_counts_offload_as_the_step_it_stands_for():
+    """On the CPU's step the host is the device: the copies are counted with the rest, on fake tensors as on real
+    ones, to the byte. For a card the copies are the host's: the step holds the inputs less, the host holds them."""
+    from test_plan import tiny
+
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
+    from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    spec = StepSpec(tiny(layers=4), batch=2, seq=128)
+    base, offloaded = "Layer+:1:-1", "Layer+:1:-1,Offload+:1:-1"
+    cpu = {}
+    for plans in (base, offloaded):
+        fake, real = dry_run(spec, plans=plans), dry_run(spec, plans=plans, fake=False)
+        assert (fake.peak_bytes, fake.host_peak_bytes) == (real.peak_bytes, real.host_peak_bytes), plans
+        cpu[plans] = fake
+    assert cpu[offloaded].host_peak_bytes > 0 and cpu[offloaded].peak_bytes >= cpu[base].peak_bytes  # frees nothing
+    # a vocabulary large enough that the step peaks in its head, where every layer's input waits on the host
+    card = dict(kernels=CudaKernels((9, 0)), cost_device=DEVICES[DEFAULT_DEVICE])
+    head_heavy = StepSpec(tiny(layers=4, vocab=4096), batch=2, seq=128)
+    on_card, kept = dry_run(head_heavy, plans=offloaded, **card), dry_run(head_heavy, plans=base, **card)
+    hidden = 2 * 128 * 64 * 4  # a layer's input, fp32
+    assert kept.host_peak_bytes == 0 and on_card.host_peak_bytes >= 4 * hidden, on_card.host_peak_bytes
+    assert "head" in kept.peak_at or "layer 3" in kept.peak_at, kept.peak_at
+    assert on_card.peak_bytes <= kept.peak_bytes - 3 * hidden, (on_card.peak_bytes, kept.peak_bytes, on_card.peak_at)

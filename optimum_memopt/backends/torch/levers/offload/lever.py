@@ -98,7 +98,7 @@ class Offload(Lever):
     def after_step_one(self, profile, resets: bool) -> None:
         device = next((p.device.type for layer in self.layers for p in layer.parameters()), "cpu")
         try:
-            result = measure(device, self.host_mb)
+            result = measure(device, self.host_mb, resets)
         except Exception as e:  # a measurement for the solver: its failure costs the run nothing else
             result = f"timing the link to the host failed ({type(e).__name__}: {e})"
         if isinstance(result, str):

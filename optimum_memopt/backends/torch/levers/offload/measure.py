@@ -31,6 +31,7 @@ import torch
 
 from .....memory import MIB
 from ...decide.budget import LeverChoice
+from ...measure.aside import held_aside
 from ...measure.profile import HEAD_PLACE, Place
 from ...measure.storages import counting
 from .option import DEFAULT_AHEAD, SYNTAX, layer_option
@@ -64,15 +65,18 @@ def host_available() -> Optional[int]:
     return None
 
 
-def measure(device: str, host_mb: Optional[float]):
-    """The link and the host's room (`OffloadMeasure`), or why the lever offers nothing here (a string)."""
+def measure(device: str, host_mb: Optional[float], resets: bool = True):
+    """The link and the host's room (`OffloadMeasure`), or why the lever offers nothing here (a string). On a card the
+    copies are timed aside (`aside.held_aside`: unseen by the step's readings; `resets` as it takes it)."""
     count = counting()
     if count is not None and count.host_link is not None:  # a dry run for a card: the card's link, from the table
         link, how = count.host_link[0], f"the device table's link: {count.host_link[1]}"
     elif count is not None or device != "cuda":
         return HOST_IS_DEVICE
     else:
-        link, how = _timed_link()
+        timed: list = []
+        held_aside(lambda: timed.append(_timed_link()), device, resets)
+        link, how = timed[0]
     if host_mb is not None:
         room, where = int(host_mb * MIB), f"`--memory_host_mb {host_mb:g}`"
     else:

@@ -154,8 +154,10 @@ class Mover:
         count = counting()
         if fake and count is not None and count.host_link is not None:  # a dry run for a card: the bytes alone
             return _Copy(None, storage.nbytes(), t)
+        if fake:  # a dry run of the CPU's step: a storage the count sees, nothing to copy (a fake `set_` would hold
+            return _Copy(torch.empty(storage.nbytes(), dtype=torch.uint8), storage.nbytes(), t)  # the source's)
         whole = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage)
-        host = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=self.streams.cuda and not fake)
+        host = torch.empty(whole.numel(), dtype=torch.uint8, pin_memory=self.streams.cuda)
         with self.streams.copying():
             host.copy_(whole, non_blocking=self.streams.cuda)
         copy = _Copy(host, host.numel(), t)
