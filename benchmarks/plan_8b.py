@@ -9,6 +9,8 @@ wall time on this machine, and writes every figure to a JSON file (BENCHMARKS.md
     python benchmarks/plan_8b.py --models Llama-3.1-8B --methods full --fsdp 8 --out benchmarks/plan_8b_fsdp8.json
     python benchmarks/plan_8b.py --models Llama-3.1-8B --methods lora --seqs 65536 131072 \
         --plans 'Layer+:1:-1,Loss+:1:-1@chunks64,MLP+:1:-1@tiles8' --out benchmarks/plan_8b_long.json
+    python benchmarks/plan_8b.py --models Llama-3.1-8B --methods lora --seqs 262144 --positions 524288 \
+        --host_mb 1000000 --search --out benchmarks/plan_8b_offload.json
 """
 
 import argparse
@@ -69,11 +71,19 @@ def main(argv=None) -> int:
     p.add_argument(
         "--plans", default=None, help="plans of your own, a row of the table (`yours`), as in ALST's recipe"
     )
+    p.add_argument("--host_mb", type=float, default=None, help="the host memory offloaded tensors may hold (MiB)")
+    p.add_argument(
+        "--positions", type=int, default=None,
+        help="max_position_embeddings raised to this, as a user extending the context would (the longest sequence "
+        "the search tries)",
+    )  # fmt: skip
     a = p.parse_args(argv)
     records = []
     for name, config in configs().items():
         if (a.models and name not in a.models) or (not a.models and name.endswith("70B")):
             continue
+        if a.positions:
+            config.max_position_embeddings = a.positions
         for method in a.methods:
             for seq in a.seqs:
                 began = time.perf_counter()
@@ -88,6 +98,7 @@ def main(argv=None) -> int:
                     search=a.search,
                     fsdp=a.fsdp,
                     plans=a.plans,
+                    host_mb=a.host_mb,
                 )
                 seconds = time.perf_counter() - began
                 sharded = f", FSDP2 over {a.fsdp}" if a.fsdp > 1 else ""

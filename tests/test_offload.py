@@ -323,3 +323,17 @@ def test_a_dry_run_counts_offload_as_the_step_it_stands_for():
     assert kept.host_peak_bytes == 0 and on_card.host_peak_bytes >= 4 * hidden, on_card.host_peak_bytes
     assert "head" in kept.peak_at or "layer 3" in kept.peak_at, kept.peak_at
     assert on_card.peak_bytes <= kept.peak_bytes - 3 * hidden, (on_card.peak_bytes, kept.peak_bytes, on_card.peak_at)
+
+
+def test_its_options_are_weighed_against_what_the_measured_step_offloaded():
+    """Where the step measured ran offload already (a plan file's choice, a dry run's), each option holds less than
+    that: the same layers nothing, none of them the inputs back (more), more layers the difference."""
+    from optimum_memopt.backends.torch.levers.offload.measure import OffloadMeasure, choices
+    from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE, Place
+
+    profile = _profile()
+    ran = OffloadMeasure(link=1e9, link_how="given", host_room=10**9, host_how="given", ran=((0, 1), (1, 1)))
+    found = {c.plan: c for c in choices(profile, ran)}
+    assert found[""].option is None and found[""].less_in(HEAD_PLACE) == -800  # off: both inputs back
+    assert found["Offload+:1:-1@0-1"].less == ()  # what ran: no change
+    assert dict(found["Offload+:1:-1@0-2"].less) == {Place.forward(3): 400, HEAD_PLACE: 400}  # layer 2 more

@@ -104,6 +104,7 @@ class Offload(Lever):
         if isinstance(result, str):
             profile.lever_problems[self.name] = result
         else:
+            result.ran = tuple(sorted(self.chosen.items())) if self.installed else ()
             profile.levers[self.name] = result
 
     def choices(self, profile, measured=None) -> List[LeverChoice]:

@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .....memory import MIB
+from .....plans import LeverOption
 from ...decide.budget import LeverChoice
 from ...measure.aside import held_aside
 from ...measure.profile import HEAD_PLACE, Place
@@ -51,6 +52,7 @@ class OffloadMeasure:
     host_room: int  # the bytes the copies may hold on the host
     host_how: str  # where that figure comes from, in words
     not_offered: Tuple[str, ...] = ()  # options left out, each with why (the table's notes)
+    ran: Tuple[Tuple[int, int], ...] = ()  # what the measured step offloaded: (layer, ahead), its options' baseline
 
 
 def host_available() -> Optional[int]:
@@ -119,10 +121,15 @@ def layer_sets(n_layers: int) -> List[int]:
 
 def choices(profile, measured: OffloadMeasure, ahead: int = DEFAULT_AHEAD) -> List[LeverChoice]:
     """The options the solver weighs (see the module's docstring), off first; those whose copies do not fit the
-    host's room left out (`OffloadMeasure.not_offered` says which)."""
+    host's room left out (`OffloadMeasure.not_offered` says which). Each holds less than what the measured step
+    offloaded (`OffloadMeasure.ran`; most often nothing)."""
     layers = profile.layers
     n = len(layers)
-    out = [LeverChoice(SYNTAX.name)]
+    ran = dict(measured.ran)
+    if any(i >= n or layers[i].graph is None or not layers[i].input_bytes for i in ran):
+        return [LeverChoice(SYNTAX.name, None if not ran else _ran_option(ran, n), recomputed=tuple(sorted(ran)))]
+    base = _less(profile, ran)
+    out = [_choice(profile, {}, base, 0.0, None)]
     skipped = []
     for k in layer_sets(n):
         chosen = list(range(k))
@@ -136,24 +143,45 @@ def choices(profile, measured: OffloadMeasure, ahead: int = DEFAULT_AHEAD) -> Li
                 f"{measured.host_how} is {measured.host_room / MIB:,.0f} MiB"
             )
             continue
-        out.append(_choice(profile, chosen, ahead, measured.link, option))
+        out.append(_choice(profile, {i: ahead for i in chosen}, base, measured.link, option))
     measured.not_offered = tuple(skipped)
     return out
 
 
-def _choice(profile, chosen: List[int], ahead: int, link: float, option) -> LeverChoice:
+def _ran_option(ran: Dict[int, int], n: int):
+    """The option the measured step ran, as the policy holds it."""
+    by_ahead: Dict[int, List[int]] = {}
+    for i, a in sorted(ran.items()):
+        by_ahead.setdefault(a, []).append(i)
+    return LeverOption(tuple(part for a, layers in by_ahead.items() for part in layer_option(layers, a, n).parts))
+
+
+def _less(profile, chosen: Dict[int, int]) -> Dict[Place, int]:
+    """What offloading `chosen` (layer -> ahead) holds less than offloading nothing, by segment: each layer's input in
+    every later layer's forward, the head, and the backward of each layer more than `ahead` after it."""
     layers = profile.layers
     n = len(layers)
     less: Dict[Place, int] = {}
-    copies = window = 0.0
-    for i in chosen:
+    for i, ahead in chosen.items():
         held = layers[i].input_bytes
         for j in range(i + 1, n):
             less[Place.forward(j)] = less.get(Place.forward(j), 0) + held
         less[HEAD_PLACE] = less.get(HEAD_PLACE, 0) + held
         for j in range(i + ahead + 1, n):
             less[Place.backward(j)] = less.get(Place.backward(j), 0) + held
-        copies += 2 * held / link  # out, and back
+    return less
+
+
+def _choice(profile, chosen: Dict[int, int], base: Dict[Place, int], link: float, option) -> LeverChoice:
+    """The option offloading `chosen` (layer -> ahead), against the measured step's offload (`base`: what it held
+    less than none)."""
+    layers = profile.layers
+    n = len(layers)
+    mine = _less(profile, chosen)
+    less = {p: mine.get(p, 0) - base.get(p, 0) for p in set(mine) | set(base)}
+    copies = window = 0.0
+    for i, ahead in chosen.items():
+        copies += 2 * layers[i].input_bytes / link  # out, and back
         if i + 1 < n:  # out under the next layer's forward, back under the backward of the `ahead` after it
             window += layers[i + 1].op_seconds
         window += sum(3 * layers[j].op_seconds for j in range(i + 1, min(n, i + ahead + 1)))
@@ -161,8 +189,8 @@ def _choice(profile, chosen: List[int], ahead: int, link: float, option) -> Leve
         SYNTAX.name,
         option,
         SYNTAX.plan_of(option),
-        tuple(less.items()),
+        tuple((p, b) for p, b in less.items() if b),
         overlap_seconds=copies,
         window_seconds=window,
-        recomputed=tuple(chosen),
+        recomputed=tuple(sorted(chosen)),
     )
