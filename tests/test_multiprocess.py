@@ -222,18 +222,20 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
 def test_ddp_with_the_loss_chunked_and_the_mlp_tiled_by_hand_trains_as_ddp_without_the_backend(tmp_path):
     """The tiny decoder under DDP on 2 processes with `Layer+:1:-1@0,Loss+:1:-1@chunks4` (the head's loss in 4
     chunks on each rank, the head's weight's gradient summed over its chunks' recomputes before DDP reduces it), and
-    with `Layer+:1:-1@0,MLP+:1:-1@tiles4` (every MLP in 4 tiles, one inside a layer recomputed whole: each weight
-    used by 4 tiles, its gradient summed over their recomputes before DDP marks it ready, once) against the same DDP
-    run without the backend: the losses within 1e-6 and the trained parameters within 1e-6."""
+    with `Layer+:1:-1@0,MLP+:1:-1@tiles4,Offload+:1:-1@0-1` (every MLP in 4 tiles, one inside a layer recomputed
+    whole: each weight used by 4 tiles, its gradient summed over their recomputes before DDP marks it ready, once;
+    the first two layers' saved tensors copied to the host and fetched back, DDP's gradient hooks firing on what they
+    bring back) against the same DDP run without the backend: the losses within 1e-6 and the trained parameters within
+    1e-6."""
     modes = {"plain": "decoder:none", "chunked": "decoder:Layer+:1:-1@0,Loss+:1:-1@chunks4",
-             "tiled": "decoder:Layer+:1:-1@0,MLP+:1:-1@tiles4"}  # fmt: skip
+             "tiled": "decoder:Layer+:1:-1@0,MLP+:1:-1@tiles4,Offload+:1:-1@0-1"}  # fmt: skip
     res = launch_modes(WORKER, tmp_path, modes, timeout=600)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
     runs = {name: reports(tmp_path / name, 2) for name in modes}
     for got, want, tiled in zip(runs["chunked"], runs["plain"], runs["tiled"]):
         assert got["wrapped"] == want["wrapped"] == tiled["wrapped"] == "DistributedDataParallel"
         assert want["head"] is None and got["head"] == {"tokens": 4 * 256, "rows": 256, "chunks": 4, "calls": 4}
-        assert tiled["tiles"] == [4, 4, 4]
+        assert tiled["tiles"] == [4, 4, 4] and tiled["offloaded"] == [0, 1] and tiled["on_host"] == 0
         for a, b in zip(tiled["losses"], want["losses"]):
             assert abs(a - b) <= 1e-6 * abs(b), (tiled["losses"], want["losses"])
         assert tiled["param_sum"] == pytest.approx(want["param_sum"], rel=1e-6)

@@ -96,6 +96,7 @@ def decoder(plans: str, out: str, rank: int) -> None:
     handle = trainer.memopt_handle
     lever = handle.levers.get("loss") if handle is not None else None
     tiled = handle.levers.get("mlp") if handle is not None else None
+    offload = handle.levers.get("offload") if handle is not None else None
     params = torch.cat([p.detach().float().flatten() for p in trainer.plain_model.parameters()])
     report = {
         "rank": rank,
@@ -105,6 +106,9 @@ def decoder(plans: str, out: str, rank: int) -> None:
         "param_abs_sum": float(params.abs().sum()),
         "head": dict(lever.last, calls=lever.calls) if lever is not None else None,
         "tiles": [tiled.tiles_at(i) for i in range(3)] if tiled is not None else None,
+        # the layers whose saved tensors the last step copied to the host, and what waits there now (none)
+        "offloaded": sorted(offload.mover.moved_bytes) if offload is not None and offload.mover else None,
+        "on_host": offload.on_host() if offload is not None else None,
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
