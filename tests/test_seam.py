@@ -45,7 +45,7 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 JOBS = {
     "apply": {"engine", "clock", "recorder", "hooks", "recipe", "checkpoint", "tracking", "layers", "routing"},
     "measure": {"watch", "profile", "graph", "aside", "ways", "storages", "live", "op_costs", "attention", "dropout"},
-    "decide": {"solver", "budget", "planner", "report", "from_plan"},
+    "decide": {"solver", "budget", "planner", "report", "from_plan", "messages"},
 }
 SHARED = {"names", "rule", "policy", "nested", "steps"}
 # the fake step drives the whole backend (wrapped, stepped, planned) on fake tensors: glue, as the backend is
@@ -163,6 +163,7 @@ def test_applying_never_reaches_the_solver(module):
         ("decide", "solver"),
         ("decide", "budget"),
         ("decide", "report"),
+        ("decide", "messages"),
     ],
 )
 def test_the_what_if_model_is_pure(module):

@@ -34,6 +34,7 @@ from ..measure.profile import StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
 from ..steps import Orders, StepStart
+from . import messages as said
 from .budget import (
     Fit,
     Prediction,
@@ -295,10 +296,7 @@ class BudgetPlanner:
         """The watch for the step about to start (step one) on `step.device` ('cuda' or 'cpu')."""
         device = step.device
         if device not in READABLE_DEVICES:
-            raise RuntimeError(
-                f"`--memory_opt_config auto` reads memory on {' and '.join(READABLE_DEVICES)}, and this run's layers "
-                f"are on {device!r}; pass plans instead, as in `--memory_opt_config Gelu+:1:-1`"
-            )
+            raise RuntimeError(said.not_readable(device))
         self.reading.ranks = Ranks(alone=self._alone())
         self.reading.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`)
         self.reading.device = device
@@ -373,47 +371,28 @@ class BudgetPlanner:
                     running = found[0] if found else None
                 fit = dry.fit
                 if dry.first_layer_idle is not None:
-                    where, flag = dry.first_layer_idle
-                    why = Refusal(
-                        f"`--memory_opt_config auto` measures step one from the first layer on, but {where}; "
-                        f"nothing was measured or chosen, and no step was trained. Pass plans for the layers that run "
-                        f"instead, as in {flag}"
-                    )
+                    why = Refusal(said.first_layer_idle(*dry.first_layer_idle))
                 elif fit is None or fit.choice is None:
-                    why = f"nothing fits {self.asked} in the dry run{': ' + fit.why_not if fit is not None else ''}"
+                    why = said.dry_run_found_nothing(self.asked, fit.why_not if fit is not None else None)
                 elif fit.predicted.peak_bytes > self.budget_bytes:  # the least any check measured, over the budget
-                    why = (
-                        f"nothing the dry run checked fits {self.asked}: the least a step of it measured was "
-                        f"{fit.predicted.peak_mb:,.1f} MiB (`--memory_opt_config {fit.config()}`)"
-                    )
+                    why = said.dry_run_checked_nothing(self.asked, fit.predicted.peak_mb, fit.config())
             except LayerOrderError as e:  # step one could not be measured either: stop before it
-                why = Refusal(
-                    f"`--memory_opt_config auto` cannot measure this model's step: {e}. Nothing was "
-                    f"chosen, and no step was trained. Recompute whole layers instead (`--memory_opt_level 1`)"
-                )
+                why = Refusal(said.cannot_measure(e))
             except Exception as e:  # the dry run's own failure costs the run nothing but the step
-                why = f"the dry run of step one failed ({type(e).__name__}: {e})"
+                why = said.dry_run_failed(e)
         fit, why, running = ranks.from_rank0((fit if why is None else None, why, running))
         if isinstance(why, Refusal):  # every rank stops, before step one
             raise RuntimeError(why.text)
         if fit is None:
-            self.detail(f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}")
+            self.detail(said.measures_whole(why))
             return Orders(running=running)  # step one is measured over the layers the step runs
         self.choices.planned = fit
         self._run(fit)
-        config = f"`--memory_opt_config {fit.config()}`" if fit.config() else "to recompute nothing"
-        took = f" in {dry.seconds:,.1f} s" if dry is not None else ""
-        outside = f", with {held / MIB:,.1f} MiB the process held outside the step" if held >= MIB / 10 else ""
-        if outside and libraries:
-            outside += f" ({libraries / MIB:,.1f} MiB of it cuBLAS's workspaces, made before the dry run)"
         kept = ""
         if ranks.rank == 0 and self.start.keep_plan is not None:
             kept = self._keep(fit, held, libraries, batch_shape(args, kwargs))
-        self.say(
-            f"memory_opt_config auto: a dry run of step one{took} chose {config}, under the budget of "
-            f"{self.budget_mb:,.1f} MiB: predicted peak {fit.predicted.peak_mb:,.1f} MiB ({fit.predicted.where}"
-            f"{outside}); step one runs it and is measured to check it{kept}"
-        )
+        seconds = dry.seconds if dry is not None else None
+        self.say(said.dry_run_chose(seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept))
         return Orders(policy=self._chosen(), running=running)
 
     def _keep(self, fit: Fit, held: int, libraries: int, shape: Optional[tuple]) -> str:
@@ -424,7 +403,7 @@ class BudgetPlanner:
         the batch's shape. Returns where it went and how a run
         starts from it, said with the choice; a batch whose shape cannot be read is not kept (the file plans one)."""
         if shape is None:
-            self.detail("memory_opt_config auto: the dry run's choice is not kept: the batch's shape was not read")
+            self.detail(said.NOT_KEPT_NO_SHAPE)
             return ""
         peak_mb = (fit.predicted.peak_bytes - held + libraries) / MIB
         budget = self.ask.given_mb if self.ask.given_mb is not None else self.budget_mb
@@ -434,12 +413,8 @@ class BudgetPlanner:
                 workspaces_mb=libraries / MIB, batch=shape[0], seq=shape[1],
             )  # fmt: skip
         except OSError as e:  # keeping it is a convenience: the run goes on without it, saying why
-            return f" (its choice could not be kept for the next run: {e})"
-        return (
-            f"; kept in {path}: `--memory_plan_file {path}` starts the next run of this step without one"
-            if path
-            else ""
-        )
+            return said.could_not_keep(e)
+        return said.kept_in(path) if path else ""
 
     def _outside(self, model, args, kwargs, optimizer) -> tuple:
         """Before step one: (the model's device, the bytes the process holds there outside the step, the libraries'
@@ -463,18 +438,11 @@ class BudgetPlanner:
         planned = plan.step
         shorter = ""
         if shape is None:
-            shorter = "; the batch's shape could not be read (no `input_ids` or `inputs_embeds`): step one checks it"
+            shorter = said.PLAN_FILE_NO_SHAPE
         elif shape[0] != planned.batch or shape[1] > planned.seq:
-            raise RuntimeError(
-                f"{flag} planned batches of {planned.batch} x {planned.seq:,} tokens, and this run's first is "
-                f"{shape[0]} x {shape[1]:,}; no step was trained. Plan this batch (`memopt-plan ... "
-                f"--per_device_train_batch_size {shape[0]} --block_size {shape[1]}`), or drop `--memory_plan_file`"
-            )
+            raise RuntimeError(said.plan_file_other_batch(flag, planned, shape))
         elif shape[1] < planned.seq:
-            shorter = (
-                f"; this batch has {shape[1]:,} tokens of the {planned.seq:,} planned: the choice is for the longest, "
-                f"and may recompute more than shorter batches need"
-            )
+            shorter = said.plan_file_shorter(shape[1], planned.seq)
         _, held, _ = self._outside(model, args, kwargs, optimizer)
         peak = int(round((plan.peak_mb - plan.workspaces_mb) * MIB)) + held
         predicted = Prediction(peak, plan.peak_at or "memopt-plan's dry run")
@@ -485,21 +453,7 @@ class BudgetPlanner:
         fit = fit_of_plans(plan.choice, step.n_layers, self.budget_bytes, predicted, least)
         self.choices.planned = fit
         self._run(fit)
-        outside = ""
-        if held >= MIB / 10 or plan.workspaces_mb:
-            files = plan.workspaces_mb
-            instead = f" in place of the file's {files:,.1f} MiB of workspaces" if files else ""
-            outside = (
-                f"; with the {held / MIB:,.1f} MiB this process holds outside the step{instead}: predicted "
-                f"{predicted.peak_mb:,.1f} MiB"
-            )
-            if predicted.peak_bytes > self.budget_bytes:
-                outside += ", over the budget (the file planned a process holding nothing else)"
-        self.say(
-            f"memory_opt_config auto: {flag} chose {plan.config_flag} under the budget of {self.budget_mb:,.1f} MiB, "
-            f"its dry run's peak {plan.peak_mb:,.1f} MiB ({plan.peak_at}){outside}; no dry run here: step one runs "
-            f"it and is measured to check it{shorter}"
-        )
+        self.say(said.plan_file_chose(flag, plan, self.budget_mb, held, predicted, self.budget_bytes, shorter))
 
     def _choose(self, step: StepStart, budget_bytes: Optional[int] = None) -> None:
         if self.step_one is None:
@@ -514,28 +468,15 @@ class BudgetPlanner:
         if isinstance(result, Exception):
             if self.reading.ranks.rank == 0:
                 raise result
-            raise RuntimeError(f"`--memory_opt_config auto`: rank 0 could not choose: {result}")
+            raise RuntimeError(said.rank0_failed(result))
         self.choices.fits.append(result)
         self._write()
         if result.choice is None:
             unweighed = [why for lever in step.levers.values() if (why := lever.unweighed(step.profile))]
-            untried = ""
-            if unweighed:
-                untried = (
-                    f". Not weighed, so these figures are not the least the levers reach: {'; '.join(unweighed)}. A "
-                    f"dry run of step one weighs every way (`--memory_auto_dry_run true`, the default, where one can "
-                    f"run); or give plans by hand, as in `--memory_opt_config Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8`"
-                )
-            raise RuntimeError(
-                f"`--memory_opt_config auto` found nothing that fits {self.asked}: "
-                f"{result.why_not}. The least any recompute reaches is {result.floor.peak_mb:,.1f} MiB "
-                f"({result.floor.where}); raise the budget or lower `--per_device_train_batch_size`"
-                + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
-                + untried
-            )
+            raise RuntimeError(said.nothing_fits(self.asked, result, self.out_dir, unweighed))
         self._run(result)
-        self.say(self._said(result))
-        self.detail(self._describe(result, step))
+        self.say(said.chose(self, result))
+        self.detail(said.described(self, result, step.profile.shape))
         if self.reading.watch.resets:
             self.reading.meter.reset_peak()
         self.reading.start_bytes = self._current()
@@ -552,21 +493,15 @@ class BudgetPlanner:
         mine = self.step_one.freed
         real = predict(self.step_one.solved, mine, mine)
         if real.peak_bytes > self.budget_bytes:
-            self.choices.why_replanned = (
-                f"step one, running {self.choices.planned_choice}, reads {real.peak_mb:,.1f} MiB ({real.where}) with "
-                f"what later steps hold more, over the budget: the solver chose again from it"
-            )
+            self.choices.why_replanned = said.step_one_over(self.choices.planned_choice, real)
             return None
         if self.start.plan_file is not None:  # what the file's choice frees and costs, as step one's profile offers it
             offered = matched(planned, step.profile, self.step_one.levers)
             if offered is None:
-                self.choices.why_replanned = (
-                    f"step one's profile does not offer every configuration of {self.choices.planned_choice} (a layer "
-                    f"without a graph, or a lever's option it does not offer): the solver chose again from step one"
-                )
+                self.choices.why_replanned = said.step_one_offers_less(self.choices.planned_choice)
                 return None
             planned = offered
-        source = f"{self.choices.planned_choice}, which step one ran and confirms"
+        source = said.confirmed_source(self.choices.planned_choice)
         return replace(
             planned, budget_bytes=self.budget_bytes, measured=real, predicted=real, source=source,
             segments=segment_peaks(self.step_one.solved, mine, mine),
@@ -590,13 +525,7 @@ class BudgetPlanner:
         everyone = self.reading.ranks.gather((mine, why))
         missing = [(rank, why) for rank, (kept, why) in enumerate(everyone) if kept is None]
         if missing:
-            several = self.reading.ranks.size > 1
-            where = "; ".join((f"rank {rank}: " if several else "") + str(why) for rank, why in missing)
-            raise RuntimeError(
-                f"`--memory_opt_config auto`: the budget solver could not locate step one's peak: {where}; choose "
-                f"plans with `memopt-probe --budget_mb MIB -- SCRIPT ...` (fresh runs of the "
-                f"script) and pass them, as in `--memory_opt_config Gelu+:1:-1`"
-            )
+            raise RuntimeError(said.step_one_not_located(missing, self.reading.ranks.size > 1))
         ran = [lever.plan() for lever in step.levers.values() if lever.plan()]
         self.step_one = StepOne(
             memory=memory,
@@ -607,7 +536,7 @@ class BudgetPlanner:
             per_layer=candidates(step.profile),
             levers={name: lever.choices(step.profile, step.policy) for name, lever in step.levers.items()},
             layer_lists=list(step.layer_lists),
-            levers_ran=f", with {', '.join(ran)}" if ran else "",
+            levers_ran=said.levers_ran(ran),
         )
 
     def _fit(self, step: StepStart, budget_bytes: Optional[int]) -> Fit:
@@ -616,69 +545,6 @@ class BudgetPlanner:
             return fit_share(step.profile, one.solved, self.ask.share, one.policy, 0, one.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
         return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, list(one.levers.values()))
-
-    def _describe(self, result: Fit, step: StepStart) -> str:
-        again = " (again)" if len(self.choices.fits) > 1 else ""
-        config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
-        shape = "x".join(map(str, step.profile.shape)) or "?"
-        ranks = self.reading.ranks.size
-        if self.choices.planned is not None:
-            ran = f"{self.choices.planned_choice}, `--memory_opt_config {self.choices.planned.config()}`"
-        else:
-            ran = f"every layer recomputed whole{self.step_one.levers_ran}"
-        chose = "the choice kept is" if result.source else "the solver chose"
-        return (
-            f"memory_opt_config auto{again}: step one ({ran}, first input "
-            f"{shape}) peaked at "
-            f"{self.step_one.memory.peak.peak_bytes / MIB:,.1f} MiB{' on rank 0' if ranks > 1 else ''} "
-            f"({self.step_one.memory.peak.name}); later steps hold {self.step_one.extra / MIB:+,.1f} MiB more "
-            f"(made in step one and kept: the optimizer's state, buffers the math libraries and engines made once"
-            f"{'; gradients across micro-batches' if self.grad_bytes else ''}). "
-            f"{self._under(result)}{f' on each of the {ranks} processes' if ranks > 1 else ''} {chose} "
-            f"{config}{' for all of them' if ranks > 1 else ''}: predicted peak "
-            f"{result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
-            f"{result.freed / MIB:,.1f} MiB freed, {result.recompute_seconds * 1000:,.1f} ms of recompute per step "
-            f"(op time measured in step one). The least recompute can reach: {result.floor.peak_mb:,.1f} MiB "
-            f"({result.floor.where})"
-        )
-
-    def _said(self, result: Fit) -> str:
-        """The choice in one line: what runs, its predicted peak and where, against the budget."""
-        again = " (again)" if len(self.choices.fits) > 1 else ""
-        config = f"`--memory_opt_config {result.config()}`" if result.config() else "to recompute nothing"
-        everyone = f" for all {self.reading.ranks.size} processes" if self.reading.ranks.size > 1 else ""
-        if result.share is not None:
-            against = (
-                f"keeping at most {result.share:.0%} of the {result.activation_bytes / MIB:,.1f} MiB the layers keep "
-                f"for backward with nothing recomputed"
-            )
-        elif result.budget_bytes != self.budget_bytes and self.choices.why_lower:
-            against = f"under {result.budget_bytes / MIB:,.1f} MiB ({self.choices.why_lower})"
-        else:
-            against = f"under the budget of {self.budget_mb:,.1f} MiB"
-        if result.source:  # the dry run's choice, which step one ran: its own figure with what later steps hold
-            return (
-                f"memory_opt_config auto: step one ran {self.choices.planned_choice}{everyone} and keeps it, "
-                f"{against}: "
-                f"predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}) from step one's own "
-                f"memory and what later steps hold more"
-            )
-        why = f" ({self.choices.why_replanned})" if self.choices.why_replanned and len(self.choices.fits) == 1 else ""
-        return (
-            f"memory_opt_config auto{again}: the solver chose {config}{everyone}"
-            f", {against}: predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}), "
-            f"{result.recompute_seconds * 1000:,.1f} ms of recompute per step{why}"
-        )
-
-    def _under(self, result: Fit) -> str:
-        if result.share is not None:
-            return (
-                f"Keeping at most {result.share:.0%} of the {result.activation_bytes / MIB:,.1f} MiB the layers keep "
-                f"for backward with nothing recomputed,"
-            )
-        if result.budget_bytes != self.budget_bytes and self.choices.why_lower:
-            return f"Under {result.budget_bytes / MIB:,.1f} MiB ({self.choices.why_lower})"
-        return f"Under {self.budget_mb:,.1f} MiB"
 
     def _verify(self, step: StepStart) -> None:
         mine = max(int(round((self.reading.meter.read().peak_mb or 0.0) * MIB)), self.reading.start_bytes)
@@ -691,34 +557,9 @@ class BudgetPlanner:
             | ({"returned_mb": result.returned / MIB} if result.returned else {})
             | ({"measured_peak_mb_by_rank": [p / MIB for p in peaks]} if len(peaks) > 1 else {})
         )
-        error = (peak - predicted) / predicted * 100 if predicted else 0.0
-        if self.budget_bytes is None:
-            verdict = f"(the budget is a share of the activations: {self.asked})"
-        else:
-            verdict = f"{'within' if peak <= self.budget_bytes else 'over'} the budget of {self.budget_mb:,.1f} MiB"
-        what = (
-            "the step after the choice"
-            if self.reading.watch.resets
-            else "training so far (CUDA's counter is the Trainer's)"
-        )
-        where = ""
-        if len(peaks) > 1:
-            where = (
-                f" on rank {peaks.index(peak)} ("
-                + ", ".join(f"rank {r}: {p / MIB:,.1f}" for r, p in enumerate(peaks))
-                + ")"
-            )
-        kept = ""
-        if result.returned:  # the model's own head: its logits counted as the caller's through the step
-            kept = (
-                f"; the prediction counts the {result.returned / MIB:,.1f} MiB of logits the model's own head returns "
-                f"as held through the step, as a loop that keeps `outputs` over backward holds them; one that drops "
-                f"them peaks that much lower"
-            )
-        self.say(
-            f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted "
-            f"{predicted / MIB:,.1f}, {error:+.1f}%{kept}), {verdict}"
-        )
+        where = said.on_ranks(peaks, peak)
+        verdict = said.verdict(self.asked, peak, self.budget_bytes, self.budget_mb)
+        self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict))
         if self.search is not None and self.budget_bytes is not None:
             self._search(step, result, peak)
             return
@@ -728,31 +569,18 @@ class BudgetPlanner:
             floor = result.floor
             if len(self.choices.fits) == 1:
                 lowered = self.budget_bytes - (peak - predicted) - int(MARGIN * self.budget_bytes)
-                self.choices.why_lower = (
-                    f"the budget of {self.budget_mb:,.1f} MiB lowered by the {over:,.1f} MiB the check measured over "
-                    f"its prediction and {MARGIN:.1%} of it as margin"
-                    + (", no lower than the least peak recompute reaches" if lowered < floor.peak_bytes else "")
-                )
+                to_floor = lowered < floor.peak_bytes
+                self.choices.why_lower = said.budget_lowered(self.budget_mb, over, MARGIN, to_floor)
                 self._choose(step, max(lowered, floor.peak_bytes))
                 return
             if result.predicted.peak_bytes > floor.peak_bytes:
-                self.choices.why_lower = (
-                    f"the least peak recompute reaches: the choice for a lowered budget missed again, by "
-                    f"{over:,.1f} MiB"
-                )
+                self.choices.why_lower = said.missed_again(over)
                 self._choose(step, floor.peak_bytes)
                 return
             self._write()
             self.stage = Stage.DONE
             self.reading.meter.close()
-            raise RuntimeError(
-                f"`--memory_opt_config auto` cannot keep {self.asked}: with the most recompute it has (`--memory_opt_"
-                f"config {result.config()}`, predicted {predicted / MIB:,.1f} MiB), the step measured "
-                f"{peak / MIB:,.1f} MiB{where}, {over:,.1f} MiB over its prediction and "
-                f"{(peak - self.budget_bytes) / MIB:,.1f} MiB over the budget; it stops here rather than train on "
-                f"over it. Raise the budget to at least {peak / MIB:,.1f} MiB or lower `--per_device_train_batch_size`"
-                + (f" (solver.json in {self.out_dir})" if self.out_dir else "")
-            )
+            raise RuntimeError(said.cannot_keep(self.asked, result, peak, where, self.budget_bytes, self.out_dir))
         self._finish()
 
     def _search(self, step: StepStart, result: Fit, peak: int) -> None:
