@@ -14,11 +14,14 @@ tensors, through the hooks around it; each comes back at the version it was save
 compare). With `Loss+` and `MLP+` (a tiled MLP's tile inputs are held by their checkpoints, the rest of the layer
 offloaded).
 
-Not yet weighed by `auto` nor counted by the dry run (issue 55): name the layers in the plans.
+`auto` weighs it where the host is not the device (a card): the first layers offloaded, recomputed whole, priced by
+what their copies take past the compute they hide under, within the host's room (`measure` states the rules); the dry
+run counts it as the card holds it, and the host's peak beside.
 
 The package, by job: `option` (the plan words, the layers and how far ahead each is fetched), `mover` (the saved-
-tensor hooks, the copies out and back, the streams), `lever` (`Offload`: the hooks on the layers, put on and taken
-off whole).
+tensor hooks, the copies out and back, the streams), `lever` (`Offload`: each chosen layer's forward run under the
+mover, the lever's measurement and options), `measure` (the link and the host's room read after step one; the
+options for the solver).
 """
 
 from .lever import Offload
