@@ -305,7 +305,9 @@ def test_plan_compares_every_way_and_writes_every_figure(tmp_path):
 def test_a_budget_nothing_fits_under_is_said(tmp_path):
     import optimum_memopt
 
-    plan = optimum_memopt.plan(tiny(), batch=2, seq=128, budget_mb=1)
+    # the least memory a row reaches and `auto` (every row is dry-run alike; the search finds nothing under 1 MiB)
+    plan = optimum_memopt.plan(tiny(), batch=2, seq=128, budget_mb=1, rows=["level 1 + Loss+", "auto"], search=False)
+    assert [c.name for c in plan.configurations] == ["level 1 + Loss+", "auto"]
     assert all(c.fits is not True for c in plan.configurations)
     auto = plan.configurations[-1]
     assert auto.name == "auto" and auto.peak_mb is None and auto.problem
@@ -343,8 +345,9 @@ def test_memopt_plan_shards_with_fsdp2_over_the_processes_given(tmp_path, capsys
     folder = tmp_path / "model"
     tiny(layers=2, vocab=1024).save_pretrained(folder)
     out = tmp_path / "plan.json"
+    # no budget: no `auto` row, whose dry run checks its choices step by step (its sharded figures: test_multiprocess)
     common = ["--model_name_or_path", str(folder), "--per_device_train_batch_size", "2", "--block_size", "64",
-              "--memory_budget_mb", "40", "--search", "false"]  # fmt: skip
+              "--search", "false"]  # fmt: skip
     assert main([*common, "--json", str(tmp_path / "whole.json")]) == 0
     capsys.readouterr()
     assert main([*common, "--fsdp", "full_shard auto_wrap", "--num_processes", "4", "--json", str(out)]) == 0
@@ -555,8 +558,16 @@ def test_memopt_plan_over_several_processes_without_fsdp_is_ddps(tmp_path, capsy
 
     folder = tmp_path / "model"
     tiny(layers=2, vocab=1024).save_pretrained(folder)
-    common = ["--model_name_or_path", str(folder), "--per_device_train_batch_size", "2", "--block_size", "64",
-              "--memory_budget_mb", "40", "--search", "false"]  # fmt: skip
+    common = [
+        "--model_name_or_path",
+        str(folder),
+        "--per_device_train_batch_size",
+        "2",
+        "--block_size",
+        "64",
+        "--search",
+        "false",
+    ]  # fmt: skip (no budget: the step's record and its words, not `auto`'s choice)
     assert main([*common, "--num_processes", "4", "--json", str(tmp_path / "ddp.json")]) == 0
     assert "DDP over 4 processes (each: the whole model and DDP's gradient buckets)" in capsys.readouterr().out
     record = json.loads((tmp_path / "ddp.json").read_text())
