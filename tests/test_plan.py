@@ -558,16 +558,9 @@ def test_memopt_plan_over_several_processes_without_fsdp_is_ddps(tmp_path, capsy
 
     folder = tmp_path / "model"
     tiny(layers=2, vocab=1024).save_pretrained(folder)
-    common = [
-        "--model_name_or_path",
-        str(folder),
-        "--per_device_train_batch_size",
-        "2",
-        "--block_size",
-        "64",
-        "--search",
-        "false",
-    ]  # fmt: skip (no budget: the step's record and its words, not `auto`'s choice)
+    # no budget: the step's record and its words, not `auto`'s choice
+    common = ["--model_name_or_path", str(folder), "--per_device_train_batch_size", "2", "--block_size", "64",
+              "--search", "false"]  # fmt: skip
     assert main([*common, "--num_processes", "4", "--json", str(tmp_path / "ddp.json")]) == 0
     assert "DDP over 4 processes (each: the whole model and DDP's gradient buckets)" in capsys.readouterr().out
     record = json.loads((tmp_path / "ddp.json").read_text())
