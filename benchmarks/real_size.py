@@ -10,7 +10,10 @@ warm-up steps):
 - `auto` under each budget: the card's (its memory less 1 GiB, less 5%: `memopt-plan`'s), then each fixed recipe's
   own peak (the budget that recipe fits exactly), down to the least any recipe reached;
 - beside each, `auto` from `memopt-plan`'s file (`--memory_plan_file`, planned here by the same code under the budget
-  as a whole MiB: `plan_s`): no dry run at the run's start.
+  as a whole MiB: `plan_s`): no dry run at the run's start;
+- with `--without_offload_too`, beside each, `auto` with no host room to offload to (`--memory_host_mb 1`): issue
+  55's check that `auto` is no slower with offload among its levers than without (`--host_mb` gives the room the
+  other rows weigh; default the host's available memory).
 
 Each `auto` row is held to its goals, and the verdict printed beside it: within its budget; its dry run's figure
 (said before step one) within 1% of the peak it measured; at least as fast as the fastest fixed recipe within the
@@ -22,6 +25,10 @@ budget (rounds interleaved, `--rounds`; the spread between them said). Its start
     python benchmarks/real_size.py --tiny --out /tmp/real_size.json                # the same rows on the CPU, tiny
     python benchmarks/real_size.py --setups llama-3.1-8b-lora --seqs 8192 --budgets_mb 68445.5 --no_file_rows \
         --fixed_from benchmarks/real_size_h100_8k.json                             # auto again, beside earlier rows
+    python benchmarks/real_size.py --setups llama-3.1-8b-lora --seqs 65536 --budgets 1 --no_file_rows \
+        --without_offload_too --rounds 2                                           # issue 55: offload not chosen idly
+    python benchmarks/real_size.py --setups llama-3.1-8b-lora --seqs 262144 --no_fixed --budgets 1 \
+        --no_file_rows --rounds 1                                                  # issue 55's record: auto alone
 """
 
 import argparse
@@ -175,6 +182,10 @@ def main(argv=None):
     p.add_argument("--fixed_from", default=None, help="an earlier report of this benchmark on the same card: its "
                    "fixed rows for the same setup and length, instead of running them again")  # fmt: skip
     p.add_argument("--no_file_rows", action="store_true", help="leave out auto from memopt-plan's file")
+    p.add_argument("--no_fixed", action="store_true", help="no fixed recipe (a length none of them fits)")
+    p.add_argument("--host_mb", type=float, default=None, help="the host memory auto may offload to (MiB)")
+    p.add_argument("--without_offload_too", action="store_true",
+                   help="beside each auto row, auto with no host room to offload to (--memory_host_mb 1)")  # fmt: skip
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "real_size.json"))
     a = p.parse_args(argv)
     import torch
@@ -204,6 +215,8 @@ def main(argv=None):
             if a.fixed_from:
                 setup["fixed"] = earlier_fixed(a.fixed_from, name, seq, report["card"])
                 setup["fixed_from"] = a.fixed_from
+            elif a.no_fixed:
+                setup["fixed"] = []
             else:
                 runs = {label: [] for label, _ in recipes(liger)}
                 for _ in range(a.rounds):  # interleaved: what drifts spreads over every row alike
@@ -216,12 +229,19 @@ def main(argv=None):
             )
             for budget in [b for b in budgets if b is not None][: a.budgets]:
                 flags = TORCH + ["--memory_opt_config", "auto", "--memory_budget_mb", f"{budget:.1f}"]
-                rounds = [row(f"auto, {budget:,.1f} MiB", flags, batch, a, model, seq) for _ in range(a.rounds)]
-                auto = merged(rounds)
-                auto["budget_mb"] = budget
-                auto["verdicts"] = verdicts(auto, budget, setup["fixed"])
-                setup["auto"].append(auto)
-                print(f"      {json.dumps(auto['verdicts'])}", flush=True)
+                ways = [("", flags + (["--memory_host_mb", f"{a.host_mb:g}"] if a.host_mb else []))]
+                if a.without_offload_too:  # no room on the host: no offload option is offered
+                    ways.append((", no offload", flags + ["--memory_host_mb", "1"]))
+                runs = {label: [] for label, _ in ways}
+                for _ in range(a.rounds):  # interleaved
+                    for label, way in ways:
+                        runs[label].append(row(f"auto{label}, {budget:,.1f} MiB", way, batch, a, model, seq))
+                for label, _ in ways:
+                    auto = merged(runs[label])
+                    auto["budget_mb"], auto["offload"] = budget, not label
+                    auto["verdicts"] = verdicts(auto, budget, setup["fixed"])
+                    setup["auto"].append(auto)
+                    print(f"      {json.dumps(auto['verdicts'])}", flush=True)
                 save()
                 if a.no_file_rows:
                     continue
