@@ -90,6 +90,58 @@ def test_backward_fetches_a_layer_as_it_reaches_the_one_ahead_of_it():
     handle.remove()
 
 
+def test_on_a_cards_streams_every_copy_is_ordered_and_waited_for(monkeypatch):
+    """The card's stream protocol, held on the CPU by streams that log what a card's would do (`mover.Streams`): each
+    copy (out, then back) is queued on the side stream after the compute queued before it, the device tensor it reads
+    or writes kept until it ran (`record_stream`), and before backward reads a tensor fetched back, the compute waits
+    for that copy's own event. The copies out all come in the forward, the fetches in the backward, and the gradients
+    are those of the plain run."""
+    from optimum_memopt.backends.torch.levers.offload import mover as moving
+
+    log = []
+
+    class Logged(moving.Streams):
+        def copying(self):
+            log.append(("queue",))
+            return super().copying()
+
+        def copied(self, used):
+            event = object()
+            log.append(("copied", used.device.type, used.dtype, used.numel(), event))
+            return event
+
+        def ready(self, event):
+            log.append(("wait", event))
+
+    monkeypatch.setattr(moving, "Streams", Logged)
+    plans = "Layer+:1:-1@1,Offload+:1:-1"
+    _same_bitwise(run("llama", None, attention_dropout=0.1), run("llama", plans, attention_dropout=0.1))
+    log.clear()
+    phases = []
+    model = model_of("llama", attention_dropout=0.1)
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, plans, reports_steps=True)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    phases.append(len(log))  # the forward's
+    loss.backward()
+    handle.remove()
+    forward, backward = log[: phases[0]], log[phases[0] :]
+    copies_out = [e for e in forward if e[0] == "copied"]
+    fetches = [e for e in backward if e[0] == "copied"]
+    assert copies_out and fetches and not [e for e in forward if e[0] == "wait"]  # nothing waited on in forward
+    assert len(fetches) == len(copies_out)  # each storage back once
+    # every copy queued before it is recorded, and every device tensor it touched is the layer's device's bytes
+    assert all(log[log.index(e) - 1] == ("queue",) for e in copies_out + fetches)
+    assert all(e[1] == "cpu" and e[2] == torch.uint8 for e in copies_out + fetches)
+    # each fetched copy waited for, by its own event, after it was queued
+    events = [e[4] for e in fetches]
+    waits = [e[1] for e in backward if e[0] == "wait"]
+    assert set(waits) == set(events)
+    assert all(backward.index(("wait", ev)) > backward.index(f) for ev, f in zip(events, fetches))
+    del loss
+
+
 def test_a_tensor_changed_in_place_after_it_was_saved_is_refused_at_backward_as_autograd_refuses_it():
     def changes_its_input(block, x):
         y = x @ block.w  # keeps x for the weight's gradient
