@@ -359,3 +359,18 @@ def test_its_options_are_weighed_against_what_the_measured_step_offloaded():
     assert found[""].option is None and found[""].less_in(HEAD_PLACE) == -800  # off: both inputs back
     assert found["Offload+:1:-1@0-1"].less == ()  # what ran: no change
     assert dict(found["Offload+:1:-1@0-2"].less) == {Place.forward(3): 400, HEAD_PLACE: 400}  # layer 2 more
+
+
+def test_the_hosts_room_is_shared_by_the_processes_on_its_machine(monkeypatch):
+    """Each process of a run offloads its own step's tensors into the one host: the room it weighs is its share."""
+    from optimum_memopt.backends.torch.levers.offload import measure as reading
+    from optimum_memopt.backends.torch.measure.storages import StorageCount
+
+    with StorageCount() as count:  # a dry run for a card: the link from the table, no copy timed
+        count.host_link = (64e9, "given")
+        alone = reading.measure("cuda", 8192.0)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        shared = reading.measure("cuda", 8192.0)
+    assert alone.host_room == 8192 * 2**20 and alone.host_how == "`--memory_host_mb 8192`"
+    assert shared.host_room == 2048 * 2**20
+    assert shared.host_how == "`--memory_host_mb 8192`, shared by the 4 processes on this machine (2,048 MiB each)"

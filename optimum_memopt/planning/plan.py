@@ -181,6 +181,9 @@ def format_plan(plan: Plan) -> str:
         lines.append(f"nothing fits: {', or '.join(ways)}")
     if host:
         room = f"`--memory_host_mb {plan.host_mb:g}`" if plan.host_mb is not None else "not given (`--memory_host_mb`)"
+        processes = max(plan.spec.fsdp, plan.spec.ddp)
+        if plan.host_mb is not None and processes > 1:
+            room += f", shared by the {processes} processes: {_mb(plan.host_mb / processes)} MiB each"
         lines.append(
             f"host: MiB the layers' offloaded tensors hold in the host's memory at their most (`Offload+`), copied at "
             f"the card's link ({plan.device.host_link_name if plan.device else 'PCIe'}); the host's room: {room}"
@@ -280,8 +283,9 @@ def plan(
     processes without `--fsdp`: accelerate's default), each holding the whole model and DDP's gradient buckets.
     `rows`: the configurations to dry-run, by name (None: every one; `["auto"]`: what `--memory_plan_file` reads).
     `host_mb`: the host memory the layers' offloaded tensors may hold (`Offload+`, on a card: a row offloading every
-    layer's input and `auto` weigh it; a row whose copies hold more does not fit); None: not given, `auto` weighs
-    this machine's available memory."""
+    layer's input and `auto` weigh it; a row whose copies hold more does not fit), shared evenly by the step's
+    processes (`fsdp`, `ddp`: each holds its own copies); None: not given, `auto` weighs this machine's available
+    memory."""
     config, found = _config(model)
     name = name or found
     autocast = "bfloat16" if bf16 else ("float16" if fp16 else None)
@@ -314,13 +318,15 @@ def plan(
     causal = any(a.endswith("ForCausalLM") for a in (getattr(config, "architectures", None) or ["ForCausalLM"]))
     out = Plan(name, spec, target, budget_mb, [], kernels=CPU if on_cpu else f"cuda {capability[0]}.{capability[1]}")
     out.host_mb = host_mb
+    # the machine's host memory, shared by the processes of the step on it (each holds its own copies): one's share
+    each_host = None if host_mb is None else host_mb / max(fsdp, ddp)
     for label, flags, kwargs in _configurations(causal, plans, level, budget_mb, card=not on_cpu):
         if rows is not None and label not in rows:
             continue
         conf = Configuration(label, flags)
         try:
             if kwargs.get("plans") == "auto":
-                kwargs = {**kwargs, "host_mb": host_mb}
+                kwargs = {**kwargs, "host_mb": each_host}
             with _quiet():
                 result = dry_run(spec, **kwargs, cost_device=target, held_bytes=held, kernels=kernels)
         except (RuntimeError, ValueError) as e:
@@ -328,7 +334,11 @@ def plan(
         else:
             # a run of one process starts `auto` from a dry run of its own step: its step one runs the choice
             _fill(
-                conf, result, budget_mb, choice_only=kwargs.get("plans") == "auto" and spec.fsdp == 1, host_mb=host_mb
+                conf,
+                result,
+                budget_mb,
+                choice_only=kwargs.get("plans") == "auto" and spec.fsdp == 1,
+                host_mb=each_host,
             )
             if kwargs.get("plans") == "auto":
                 out.auto_solver = result.solver
@@ -344,11 +354,11 @@ def plan(
     usable = [
         c
         for c in out.configurations
-        if c.peak_mb is not None and c.note is None and (host_mb is None or c.host_mb <= host_mb)
+        if c.peak_mb is not None and c.note is None and (each_host is None or c.host_mb <= each_host)
     ]
     floor = next((c for n in floors for c in usable if c.name == n), None)
     if search and budget_mb is not None and floor is not None:
-        out.reach = _reach(spec, floor, budget_mb, held, kernels, host_mb)
+        out.reach = _reach(spec, floor, budget_mb, held, kernels, each_host)
     return out
 
 

@@ -126,8 +126,9 @@ class StepRecorder:
             self.watch.layer_forward(index)
         record = self._recording[index] if self._recording is not None else None
         if record is not None and not record.shape:
-            tensors = tensors_in(args) + tensors_in(kwargs)
-            first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+            positional, named = tensors_in(args), tensors_in(kwargs)
+            tensors = positional + named
+            first = (positional or named or [None])[0]
             record.shape = tuple(first.shape) if first is not None else ()
             record.input_bytes = block_bytes(storage_bytes(first)) if first is not None else 0
             storages = {storage_key(t): storage_bytes(t) for t in tensors if not isinstance(t, torch.nn.Parameter)}

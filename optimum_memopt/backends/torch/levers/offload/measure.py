@@ -2,8 +2,10 @@
 
 Measured (`measure`): the link between the device and the host (on a card, copies of pinned host memory timed each
 way; in a dry run for a card, the card's link as the device table gives it: `planning.devices.Device.host_link`) and
-the host memory the copies may hold (`--memory_host_mb`, or what the host has available as step one ends). On the CPU
-the host is the device: a copy there holds as much as it lets go of, and the lever offers nothing.
+the host memory the copies may hold (`--memory_host_mb`, or what the host has available as step one ends), shared
+evenly by the processes of the run on that machine (`LOCAL_WORLD_SIZE`, as torchrun and accelerate set it: each
+offloads its own step's). On the CPU the host is the device: a copy there holds as much as it lets go of, and the
+lever offers nothing.
 
 The options (`choices`), each on layers recomputed whole (`LeverChoice.recomputed`), whose checkpoints save the
 layers' arguments alone:
@@ -22,6 +24,7 @@ layers' arguments alone:
   option whose copies do not fit the host memory measured is not offered, and the notes say so.
 """
 
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -91,7 +94,19 @@ def measure(device: str, host_mb: Optional[float], resets: bool = True):
             if count is not None
             else "the host's available memory (MemAvailable) as step one ended"
         )
+    local = local_processes()
+    if local > 1:
+        room //= local
+        where += f", shared by the {local} processes on this machine ({room / MIB:,.0f} MiB each)"
     return OffloadMeasure(link, how, room, where)
+
+
+def local_processes() -> int:
+    """The processes of the run on this machine (`LOCAL_WORLD_SIZE`, as torchrun and accelerate set it; 1 unset)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _timed_link() -> Tuple[float, str]:
