@@ -52,6 +52,10 @@ class DecoderArguments:
     seq: int = field(default=512, metadata={"help": "Sequence length of every sample."})
     vocab: int = field(default=1000, metadata={"help": "Vocabulary size."})
     samples: int = field(default=256, metadata={"help": "Generated training samples."})
+    profile_step: int = field(
+        default=0, metadata={"help": "Profile this training step (1-based; benchmarks/step_profile.py); 0: none."}
+    )
+    profile_out: str = field(default="step_profile.json", metadata={"help": "Where `--profile_step` writes."})
     sac: str = field(
         default="",
         metadata={
@@ -184,6 +188,10 @@ def main(argv=None):
     elif d.sac:
         raise SystemExit(f"`--sac {d.sac}`: the policies here are `titan` and `trl`")
     trainer = MemoptTrainer(model=model, args=args, train_dataset=Tokens(d.samples, d.seq, d.vocab))
+    if d.profile_step:
+        from step_profile import profile_callback
+
+        trainer.add_callback(profile_callback(d.profile_step, d.profile_out))
     trainer.train()
 
 

@@ -218,3 +218,12 @@ def test_a_fake_process_group_runs_collectives_in_one_process():
     finally:
         dist.destroy_process_group()
     assert not dist.is_initialized()
+
+
+def test_whether_the_profiler_records_can_be_read():
+    from optimum_memopt.backends.torch import _torch_api
+
+    assert _torch_api.profiling() is False
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert _torch_api.profiling() is True
+    assert _torch_api.profiling() is False

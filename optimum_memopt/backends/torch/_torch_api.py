@@ -34,6 +34,13 @@ def top_saved_tensors_hooks():
     return top(False)
 
 
+def profiling() -> bool:
+    """Whether torch's profiler records now (private `torch.autograd._profiler_enabled`; without it, False: the
+    backend's marks in a profile are left out, nothing else)."""
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    return bool(enabled()) if enabled is not None else False
+
+
 def returns_alias(func) -> bool:
     """Whether an aten op's outputs alias its inputs (views, in-place and out= ops), read from its schema (private
     `OpOverload._schema`); without a schema, from its name (views listed above, in-place ops end in `_`)."""

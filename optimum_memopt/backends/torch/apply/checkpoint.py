@@ -22,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from .. import _torch_api
 from ..measure.profile import LayerProfile
 from .hooks import finish, hooked, tracked
+from .recipe import RECOMPUTE_LAYER, marked
 from .routing import selective_context
 from .tracking import LayerRun
 
@@ -63,7 +64,8 @@ def checkpointed(layer, original, record: Optional[LayerProfile], args, kwargs, 
 
     def guarded(*a, **k):
         if not first[0]:  # the recomputation in backward
-            return original(*a, **k)
+            with marked(RECOMPUTE_LAYER):
+                return original(*a, **k)
         first[0] = False
         outer = _torch_api.top_saved_tensors_hooks()
         if outer is None:

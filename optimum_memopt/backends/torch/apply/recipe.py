@@ -72,6 +72,17 @@ def _without_autocast(inputs: List[torch.Tensor]) -> contextlib.ExitStack:
     return stack
 
 
+# The profiler's names for the backend's recompute (a range on the CPU's timeline and, on a card, on the stream its
+# kernels ran on): benchmarks/step_profile.py sums the time under each. Marked only while torch's profiler records.
+RECOMPUTE_OPS = "optimum_memopt: recompute ops"
+RECOMPUTE_LAYER = "optimum_memopt: recompute layer"
+
+
+def marked(name: str):
+    """A profiler range named `name` around the code under it while torch's profiler records; else nothing."""
+    return torch.profiler.record_function(name) if _torch_api.profiling() else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _zero3_gathered(inputs: List[torch.Tensor]):
     """DeepSpeed ZeRO-3 parameters among a recipe's inputs (RMSNorm's weight, held by its `mul`) are released after
@@ -124,7 +135,7 @@ class Recipe:
                 # here, and let go of once this is computed
                 args, kwargs = _materialized((self.args, self.kwargs))
             inputs = tensors_in((args, kwargs))
-            with torch.no_grad(), _without_autocast(inputs), _zero3_gathered(inputs):
+            with torch.no_grad(), _without_autocast(inputs), _zero3_gathered(inputs), marked(RECOMPUTE_OPS):
                 if self.rng is None:
                     self.value = self.func(*args, **kwargs)
                 else:
