@@ -68,6 +68,10 @@ def test_auto_is_the_least_recompute_that_fits_and_its_figure_is_its_choices_dry
     # every check the search made was read to the byte by a step: none of them taken for a prediction
     for check in result.auto["checks"]:
         assert check["measured_peak_mb"] is not None
+    # each check read as its step ended: no step runs the answer again where the last check was it
+    checks = result.auto["checks"]
+    again = 0 if checks[-1]["config"] == choice else 1
+    assert len(result.step_peaks) == 1 + len(checks) + again, (len(result.step_peaks), checks, choice)
 
 
 def test_under_gradient_accumulation_the_floor_is_one_micro_batchs_with_the_gradients():
@@ -174,3 +178,22 @@ def test_a_step_the_dry_run_cannot_measure_stops_the_run_before_step_one(tmp_pat
         "(`--memory_opt_level 1`)"
     )
     assert trainer.losses == []
+
+
+def test_each_check_is_read_as_its_step_ends_and_the_answer_runs_again_only_where_an_earlier_check_was_it(recipes):
+    """The search reads each check as its step ends (`BudgetPlanner.check_ended`): where the check just read is the
+    answer, the dry run stops there (its step is the answer's, as a dry run of the choice as fixed plans counts it);
+    where the answer is an earlier check (the last went over, or kept no less), one more step runs it. Budgets between
+    level 1 + `Loss+`'s peak and eager's take both ways at this size."""
+    low, high = recipes["level 1 + Loss+"].peak_bytes / MIB, recipes["eager"].peak_bytes / MIB
+    ways = set()
+    for k in (3, 4, 5, 6):
+        budget = low + k * (high - low) / 15
+        result = dry_run(SPEC, "auto", budget_mb=budget, **CARD)
+        checks, choice = result.auto["checks"], result.fit.config()
+        again = checks[-1]["config"] != choice
+        ways.add(again)
+        assert len(result.step_peaks) == 1 + len(checks) + again, (budget, checks, choice)
+        assert result.step_peaks[-1] == result.fit.predicted.peak_bytes <= budget * MIB, (budget, result.auto)
+        assert dry_run(SPEC, choice, **CARD).peak_bytes == result.fit.predicted.peak_bytes, (budget, choice)
+    assert ways == {False, True}, "these budgets no longer take both ways: choose others that do"

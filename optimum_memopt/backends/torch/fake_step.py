@@ -728,8 +728,11 @@ def run(
                     handle.step_done()
                 step_peaks.append(count.step_top)
                 step_parts.append((dict(count.step_top_parts), count.step_top_at))
-                # `auto`: step one measures, each step after it runs a choice, checked as the next one starts; the
-                # last runs the search's answer (its planner done), and is the step the figures are read from
+                # `auto`: step one measures, each step after it runs a choice, checked as its step ends; the last
+                # runs the search's answer (its planner done), and is the step the figures are read from: the check
+                # just read where that was the answer, else one more step running it
+                if planner is not None and step >= steps:
+                    planner.check_ended()
                 if planner is None or (step >= steps and planner.settled):
                     break
                 if step >= steps + planner.search_checks:

@@ -172,6 +172,11 @@ class Search:
     peaked_where: Callable[[], str]  # where the step a check read peaked
     tried: List[tuple] = field(default_factory=list)  # (the choice, its step's measured peak in bytes), in order
     searched: Optional[Fit] = None  # the answer, its `predicted` the peak its step measured
+    # a check read as its step ended (`check_ended`): the next step starts what it decided, the next check or the
+    # answer (`finish_next`: an earlier check's choice, run again as the last step)
+    decided: bool = False
+    finish_next: bool = False
+    last_start: Optional[StepStart] = None  # the engine's last word that a step starts (step one's profile in it)
 
 
 class BudgetPlanner:
@@ -315,6 +320,15 @@ class BudgetPlanner:
         freed by chance inside it, which would lower its readings and the prediction made from them."""
         if self.stage is not Stage.DONE:
             gc.collect()
+        if self.search is not None:
+            self.search.last_start = step
+            if self.search.decided:  # the check before was read as its step ended: carry out what it decided
+                self.search.decided = False
+                if self.search.finish_next:
+                    self._finish()
+                else:
+                    self._next_check_starts()
+                return Orders(policy=self._chosen())
         watch = None
         if self.stage == Stage.START:
             watch = self.arm(step)
@@ -546,7 +560,7 @@ class BudgetPlanner:
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
         return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, list(one.levers.values()))
 
-    def _verify(self, step: StepStart) -> None:
+    def _verify(self, step: StepStart, at_end: bool = False) -> None:
         mine = max(int(round((self.reading.meter.read().peak_mb or 0.0) * MIB)), self.reading.start_bytes)
         peaks = self.reading.ranks.gather(mine)
         peak = max(peaks)
@@ -561,7 +575,7 @@ class BudgetPlanner:
         verdict = said.verdict(self.asked, peak, self.budget_bytes, self.budget_mb)
         self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict))
         if self.search is not None and self.budget_bytes is not None:
-            self._search(step, result, peak)
+            self._search(step, result, peak, at_end)
             return
         over_budget = self.budget_bytes is not None and peak > self.budget_bytes  # every rank saw the same peaks
         if over_budget:
@@ -583,7 +597,26 @@ class BudgetPlanner:
             raise RuntimeError(said.cannot_keep(self.asked, result, peak, where, self.budget_bytes, self.out_dir))
         self._finish()
 
-    def _search(self, step: StepStart, result: Fit, peak: int) -> None:
+    def check_ended(self) -> bool:
+        """A dry run's check read as its step ends (`fake_step.run`, which calls this after each step it reports
+        ended), not as the next step starts: where the search then ends with the step just read as its answer, no
+        step need run that choice again (the dry run's steps are exact and the same each time they run), and the
+        dry run stops there. Returns whether it did; else the next step runs what the check decided (the next
+        choice to check, or an earlier check's choice as the answer)."""
+        search = self.search
+        if search is None or self.budget_bytes is None or self.stage is not Stage.VERIFY or search.last_start is None:
+            return False
+        self._verify(search.last_start, at_end=True)
+        search.decided = not self.settled
+        return self.settled
+
+    def _next_check_starts(self) -> None:
+        """The step about to start checks the choice just made: its peak read from here."""
+        if self.reading.watch.resets:
+            self.reading.meter.reset_peak()
+        self.reading.start_bytes = self._current()
+
+    def _search(self, step: StepStart, result: Fit, peak: int, at_end: bool = False) -> None:
         """A dry run's next choice after a check that measured `peak` for `result` (exact: a dry run's step counts
         what the card's counter reads). The solver's predictions rest on step one, measured with every layer
         recomputed whole and the head in chunks, and stand above what a choice that keeps more holds (a layer's own
@@ -593,7 +626,8 @@ class BudgetPlanner:
         went over it (and `MARGIN`), no lower than the floor, until a choice recomputes nothing, comes again, or
         `SEARCH_CHECKS` were checked. The answer (`searched`) is the least recompute whose step fitted, its figure
         the one that step measured (where none fitted, the least peak measured, over the budget: the caller says
-        nothing fits); the step after the last check runs it."""
+        nothing fits); the step after the last check runs it, unless that check was read as its step ended
+        (`at_end`: `check_ended`) and is the answer: its step was the answer's."""
         self.search.tried.append((result, peak))
         budget = self.budget_bytes
         given = result.budget_bytes
@@ -608,9 +642,8 @@ class BudgetPlanner:
                 self.choices.fits.append(candidate)
                 self._write()
                 self._run(candidate)
-                if self.reading.watch.resets:
-                    self.reading.meter.reset_peak()
-                self.reading.start_bytes = self._current()
+                if not at_end:  # read as the next step starts: it is that step's
+                    self._next_check_starts()
                 return  # checked by the next step, as the first choice was
         within = [(f, p) for f, p in self.search.tried if p <= budget]
         if within:
@@ -619,8 +652,14 @@ class BudgetPlanner:
             best, measured = min(self.search.tried, key=lambda fp: fp[1])
         where = self.search.peaked_where() or best.predicted.where
         self.search.searched = replace(best, predicted=Prediction(measured, where))
+        if at_end and best is self.search.tried[-1][0]:  # the step just read ran it: the dry run ends there
+            self._finish()
+            return
         self._run(best)
-        self._finish()
+        if at_end:
+            self.search.finish_next = True  # the next step runs it, and is the dry run's last
+        else:
+            self._finish()
 
     def _finish(self) -> None:
         self._write()

@@ -99,17 +99,19 @@ def choose(
         new = np.full(cap + 1, np.inf)
         pick = np.zeros(cap + 1, dtype=np.int64)
         prev = np.zeros(cap + 1, dtype=np.int64)
-        for k, c in enumerate(options):
+        for k, c in enumerate(options):  # an option replaces what one before it reaches only if it costs less
             w = min(c.freed_bytes // unit, cap)
-            reach = np.full(cap + 1, np.inf)
-            came = np.zeros(cap + 1, dtype=np.int64)
-            reach[w:] = best[: cap + 1 - w] + c.seconds  # from b units before to b + w
-            came[w:] = states[: cap + 1 - w]
-            if w:  # the last state holds "cap or more": any b >= cap - w reaches it
-                j = cap - w + int(np.argmin(best[cap - w :]))
-                reach[cap], came[cap] = best[j] + c.seconds, j
-            better = reach < new
-            new[better], pick[better], prev[better] = reach[better], k, came[better]
+            if not w:
+                reach = best + c.seconds
+                better = reach < new
+                new[better], pick[better], prev[better] = reach[better], k, states[better]
+                continue
+            reach = best[: cap - w] + c.seconds  # from b units before to b + w, below the last state
+            better = reach < new[w:cap]
+            new[w:cap][better], pick[w:cap][better], prev[w:cap][better] = reach[better], k, states[: cap - w][better]
+            j = cap - w + int(np.argmin(best[cap - w :]))  # the last state holds "cap or more": any b >= cap - w
+            if best[j] + c.seconds < new[cap]:
+                new[cap], pick[cap], prev[cap] = best[j] + c.seconds, k, j
         if need > 0:
             new[: -(-need // unit)] = np.inf  # these layers must free `need` bytes by now
         best = new
