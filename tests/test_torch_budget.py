@@ -953,3 +953,41 @@ def test_a_segment_is_a_place_in_the_step_named_in_words_for_messages_only():
     merged_ = merged([as_kept(memory_of([5], 6, [7], 1), [0])] * 2, [0])
     assert [s.place for s in merged_.segments][:2] == [Place.forward(0).on_rank(0), HEAD_PLACE.on_rank(0)]
     assert [s.name for s in merged_.segments][-1] == "after backward: the optimizer step and the next batch on rank 1"
+
+
+def test_the_solves_arrays_move_every_segment_as_predict_does_for_every_combination_of_options():
+    """`fit` weighs every combination of the levers' options on arrays (`budget._Moved`): each segment's peak, the
+    stretches inside one included, moved by what each option holds less there and what the layers free, to the byte
+    what `predict` and `segment_peaks` give, the first of equal peaks named (random figures, a fixed seed)."""
+    from optimum_memopt.backends.torch.decide.budget import _Moved, segment_peaks
+    from optimum_memopt.backends.torch.measure.profile import AFTER_PLACE, HEAD_PLACE, Place, Segment, StepMemory
+
+    rng = random.Random(7)
+    n = 5
+    places = [Place.forward(i) for i in range(n)] + [HEAD_PLACE] + [Place.backward(i) for i in reversed(range(n))]
+    segments = []
+    for place in places:
+        held = place.layer + 1 if place.kind == "forward" else (n if place == HEAD_PLACE else place.layer)
+        parts = tuple((tag, rng.randrange(900, 1100)) for tag in ("", "mlp", "after")) if rng.random() < 0.5 else ()
+        segments.append(Segment(place, held, 0, rng.randrange(900, 1100), parts=parts))
+    segments.append(Segment(AFTER_PLACE, 0, 0, 500))
+    memory = StepMemory("cuda", segments, 0, "test")
+
+    def option(name, k):
+        less = tuple((p, rng.randrange(-50, 200)) for p in rng.sample(places, 4))
+        parts = tuple((p, tag, rng.randrange(0, 150)) for p in rng.sample(places, 3) for tag in ("mlp", "after"))
+        return LeverChoice(name, None, f"{name}{k}", less=less, less_parts=parts if name == "mlp" else ())
+
+    levers = [[option("loss", k) for k in range(3)], [option("mlp", k) for k in range(3)], [option("off", 0)]]
+    moved = _Moved(memory)
+    q = [rng.randrange(0, 300) for _ in range(n)]
+    for combo in itertools.product(*levers):
+        for _ in range(3):
+            freed = [rng.randrange(0, 300) for _ in range(n)]
+            extra = rng.randrange(0, 100)
+            assert moved.predict(q, freed, extra, combo) == predict(memory, q, freed, extra, combo)
+            expected = [value for _, value in segment_peaks(memory, q, freed, extra, combo)]
+            assert moved.peaks(q, freed, extra, combo).tolist() == expected
+    # equal peaks: the first segment named, as `predict`'s loop keeps the first
+    flat = StepMemory("cuda", [Segment(Place.forward(0), 1, 0, 7), Segment(Place.backward(0), 0, 0, 7)], 0, "test")
+    assert _Moved(flat).predict([0], [0], 0, ()) == predict(flat, [0], [0], 0, ()) == predict(flat, [0], [0])

@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import numpy as np
+
 from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
 from ....plans import LeverOption, PlanEntry, layer_selector, lever_syntax, parse_plans
@@ -132,6 +134,59 @@ def _moved_by(seg: Segment, layers_more: int, levers: Sequence["LeverChoice"] = 
         return seg.peak_bytes + by
     # marked inside (`StepWatch.inside`): the highest of its stretches, each moved by what the levers hold less there
     return max(peak - sum(c.less_in_part(seg.place, tag) for c in levers) for tag, peak in seg.parts) + by
+
+
+class _Moved:
+    """One measured step's segments with the levers' options' bytes taken off, as arrays (`_moved_by` less what the
+    layers free): a combination's in a few array operations, each option's bytes read once. What `fit` weighs every
+    combination of the levers' options by; the same figures as `predict` and `_moved_by`, to the byte."""
+
+    def __init__(self, memory: StepMemory):
+        self.memory = memory
+        rows, starts = [], []
+        for k, seg in enumerate(memory.segments):  # a row per stretch of a segment marked inside, else one
+            starts.append(len(rows))
+            rows += [(k, tag, peak) for tag, peak in seg.parts] if seg.parts else [(k, None, seg.peak_bytes)]
+        self._rows = rows
+        self._peaks = np.array([peak for _, _, peak in rows], dtype=np.int64)
+        self._starts = np.array(starts, dtype=np.int64)
+        self.held = np.array([seg.held for seg in memory.segments], dtype=np.int64)
+        self._less: Dict[int, tuple] = {}  # id(option) -> (the option, kept alive; its bytes less per row)
+
+    def _less_of(self, option: "LeverChoice") -> np.ndarray:
+        known = self._less.get(id(option))
+        if known is None:
+            segments = self.memory.segments
+            less = [
+                option.less_in(segments[k].place)
+                + (option.less_in_part(segments[k].place, tag) if tag is not None else 0)
+                for k, tag, _ in self._rows
+            ]
+            known = self._less[id(option)] = (option, np.array(less, dtype=np.int64))
+        return known[1]
+
+    def bases(self, levers: Sequence["LeverChoice"]) -> np.ndarray:
+        """Each segment's peak moved by what `levers` hold less there, before what the layers free."""
+        peaks = self._peaks
+        for option in levers:
+            peaks = peaks - self._less_of(option)
+        return np.maximum.reduceat(peaks, self._starts)
+
+    def peaks(self, q: Sequence[int], freed: Sequence[int], extra: int, levers: Sequence["LeverChoice"]) -> np.ndarray:
+        """Each segment's predicted peak (`segment_peaks`' figures)."""
+        q_sums, f_sums = np.array(_sums(q), dtype=np.int64), np.array(_sums(freed), dtype=np.int64)
+        held = np.minimum(self.held, min(len(q_sums), len(f_sums)) - 1)
+        values = self.bases(levers) + q_sums[held] - f_sums[held]
+        values[:-1] += extra
+        return values
+
+    def predict(
+        self, q: Sequence[int], freed: Sequence[int], extra: int, levers: Sequence["LeverChoice"]
+    ) -> Prediction:
+        """`predict`'s answer: the highest segment, the first of equals."""
+        values = self.peaks(q, freed, extra, levers)
+        k = int(np.argmax(values))
+        return Prediction(int(values[k]), self.memory.segments[k].name)
 
 
 def _sums(values: Sequence[int]) -> List[int]:
@@ -324,6 +379,7 @@ def fit(
     recompute they force: `_combinations`); once one fits, those that could take no less are not solved. The answer
     is the one trying every combination in the levers' order gives: of equal times, the first in that order."""
     per_layer, q, result, combos = _start(profile, memory, measured, extra_bytes, per_layer, levers)
+    moved = _Moved(memory)
     result.budget_bytes = budget_bytes
     best, closest = None, None  # closest: (the least peak of a combination that does not fit, its order, why not)
     for order, combo, allowed, floor, at_least in combos:
@@ -332,9 +388,7 @@ def fit(
         if best is not None and at_least >= best[0] and order > best[3]:
             continue  # it could at best tie, and a tie keeps the first in order
         extra = extra_bytes + sum(c.returned for c in combo)
-        needs, why_not = _needs(memory, q, budget_bytes, extra, combo, len(per_layer))
-        extra = extra_bytes + sum(c.returned for c in combo)
-        needs, why_not = _needs(memory, q, budget_bytes, extra, combo, len(per_layer))
+        needs, why_not = _needs(moved, q, budget_bytes, extra, combo, len(per_layer))
         least = floor.peak_bytes
         if why_not is None and least > budget_bytes:
             why_not = (
@@ -362,17 +416,14 @@ def fit(
     return result
 
 
-def _needs(memory: StepMemory, q, budget_bytes: int, extra_bytes: int, levers: Sequence[LeverChoice], layers: int):
+def _needs(moved: _Moved, q, budget_bytes: int, extra_bytes: int, levers: Sequence[LeverChoice], layers: int):
     """Per layer, the bytes the first i + 1 layers must free for every segment to fit (the solver's prefix needs),
     with the segments the levers' options act in moved; or why recompute cannot meet the budget (a segment no
     layer's tensors are held in peaks over it)."""
     needs = [0] * layers
-    last = len(memory.segments) - 1
-    q_sums = _sums(q)
-    for k, seg in enumerate(memory.segments):
-        need = _moved_by(seg, q_sums[min(seg.held, len(q))], levers) + (extra_bytes if k < last else 0) - budget_bytes
-        if need <= 0:
-            continue
+    over = moved.peaks(q, [0] * len(q), extra_bytes, levers) - budget_bytes  # every layer's tensors kept
+    for k in np.flatnonzero(over > 0):
+        seg, need = moved.memory.segments[k], int(over[k])
         if seg.held == 0:
             where = (
                 "where no other layer's tensors are held and its own are all back for its backward, whatever its "
@@ -409,9 +460,9 @@ def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice], wh
     return allowed
 
 
-def _floor(memory: StepMemory, q, per_layer, extra_bytes: int, levers: Sequence[LeverChoice]) -> Prediction:
+def _floor(moved: _Moved, q, per_layer, extra_bytes: int, levers: Sequence[LeverChoice]) -> Prediction:
     most = [max(c.freed_bytes for c in options) for options in per_layer]
-    return predict(memory, q, most, extra_bytes + sum(c.returned for c in levers), levers)
+    return moved.predict(q, most, extra_bytes + sum(c.returned for c in levers), levers)
 
 
 def fit_share(
@@ -457,6 +508,7 @@ def _combinations(profile, memory, q, per_layer, extra_bytes, levers: Sequence[S
     each layer's candidates with them, the least peak they reach, the least time they can take: their options' cost
     and the whole-layer recompute they force, every other layer kept), ordered by that least time, then by place."""
     wholes: Dict[int, Candidate] = {}
+    moved = _Moved(memory)
     out = []
     for order, combo in enumerate(itertools.product(*levers)):
         allowed = _allowed(profile, per_layer, combo, wholes)
@@ -464,7 +516,7 @@ def _combinations(profile, memory, q, per_layer, extra_bytes, levers: Sequence[S
             continue
         forced = {i for c in combo for i in c.recomputed if i < len(per_layer)}
         at_least = sum(c.cost for c in combo) + sum(wholes[i].seconds for i in forced)
-        out.append((order, combo, allowed, _floor(memory, q, allowed, extra_bytes, combo), at_least))
+        out.append((order, combo, allowed, _floor(moved, q, allowed, extra_bytes, combo), at_least))
     out.sort(key=lambda entry: (entry[4], entry[0]))
     return out
 
