@@ -99,8 +99,12 @@ def choose(
         new = np.full(cap + 1, np.inf)
         pick = np.zeros(cap + 1, dtype=np.int64)
         prev = np.zeros(cap + 1, dtype=np.int64)
+        cheapest = {}  # units freed -> the least seconds of an option before (one costing no less changes nothing)
         for k, c in enumerate(options):  # an option replaces what one before it reaches only if it costs less
             w = min(c.freed_bytes // unit, cap)
+            if cheapest.get(w, math.inf) <= c.seconds:
+                continue
+            cheapest[w] = c.seconds
             if not w:
                 reach = best + c.seconds
                 better = reach < new
