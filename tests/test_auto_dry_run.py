@@ -197,3 +197,21 @@ def test_each_check_is_read_as_its_step_ends_and_the_answer_runs_again_only_wher
         assert result.step_peaks[-1] == result.fit.predicted.peak_bytes <= budget * MIB, (budget, result.auto)
         assert dry_run(SPEC, choice, **CARD).peak_bytes == result.fit.predicted.peak_bytes, (budget, choice)
     assert ways == {False, True}, "these budgets no longer take both ways: choose others that do"
+
+
+def test_the_start_benchmark_times_each_phase_of_the_dry_run(tmp_path):
+    """benchmarks/dry_run_start.py at a tiny size: the phases it times add up within the dry run's seconds, one time a
+    step, and the dry run it timed chose within the budget."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import dry_run_start
+
+    out = tmp_path / "start.json"
+    assert dry_run_start.main(["--tiny", "--budget_mb", "8", "--out", str(out)]) == 0
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["steps"] == len(run["steps_s"]) and run["checks"] >= 1 and run["peak_mb"] <= 8
+    phases = run["built_s"] + run["order_forward_s"] + sum(run["steps_s"])
+    assert 0 < phases <= run["seconds"] and 0 < run["planner_s"] < sum(run["steps_s"])
