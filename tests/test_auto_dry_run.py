@@ -215,3 +215,41 @@ def test_the_start_benchmark_times_each_phase_of_the_dry_run(tmp_path):
     assert run["steps"] == len(run["steps_s"]) and run["checks"] >= 1 and run["peak_mb"] <= 8
     phases = run["built_s"] + run["order_forward_s"] + sum(run["steps_s"])
     assert 0 < phases <= run["seconds"] and 0 < run["planner_s"] < sum(run["steps_s"])
+
+
+def test_a_layer_recomputed_whole_holds_its_input_which_no_other_policy_holds():
+    """bf16 weights under bf16 autocast: each layer's norm saves an fp32 copy of its input, not the input, so only
+    the whole layer's checkpoint holds the input through backward (`graph.whole_layer`, net of it). Every layer's
+    kept bytes then predict the step where no layer's own forward or backward is: the head's segment of a step with
+    op plans in every layer, from step one measured with every layer recomputed whole, to the byte (before, each
+    layer's input was counted freed by every policy: the prediction stood that much above the step per layer)."""
+    from optimum_memopt.backends.torch.decide.budget import freed_bytes
+    from optimum_memopt.backends.torch.measure.graph import whole_layer
+    from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE
+    from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
+
+    spec = StepSpec(CONFIG, batch=2, seq=128, dtype="bfloat16", autocast="bfloat16")
+    measured = dry_run(spec, plans="Layer+:1:-1", **CARD)
+    profile = measured.profile
+    layer = profile.layers[1]
+    graph = layer.graph
+    assert graph.input >= 0 and graph.input not in graph.saved and graph.nodes[graph.input].nbytes == layer.input_bytes
+    kept_copy = [graph.nodes[i] for i in graph.saved if graph.nodes[i].plan == "Cast"]
+    assert kept_copy and all(n.nbytes == 2 * layer.input_bytes for n in kept_copy[:1])  # the norm's fp32 copy
+    assert (
+        whole_layer(graph, 0.0).freed_bytes
+        == sum(graph.nodes[i].nbytes for i in graph.saved if graph.nodes[i].call >= 0 and not graph.nodes[i].boundary)
+        - layer.input_bytes
+    )
+
+    plans = "MatMul+Mul+silu+:1:-1"
+    ops = dry_run(spec, plans=plans, **CARD)
+    n = len(profile.layers)
+    q = freed_bytes(profile, RecomputePolicy([LayerPolicy(LAYER)] * n))
+    f = freed_bytes(profile, RecomputePolicy([LayerPolicy.of_ops({"MatMul": "t", "Mul": "t", "silu": "t"})] * n))
+    head = next(s for s in profile.memory.segments if s.place == HEAD_PLACE)
+    real = next(s for s in ops.profile.memory.segments if s.place == HEAD_PLACE)
+    # to the allocator's block: a graph's bytes are each storage's own, the count's in CUDA's 512-byte blocks (a norm's
+    # rsqrt of 2 x 128 floats read 32 bytes apart); counting the inputs freed put it n inputs (64 KiB here) above
+    apart = head.peak_bytes + sum(q) - sum(f) - real.peak_bytes
+    assert abs(apart) < 512 * n < n * layer.input_bytes, (head.peak_bytes, sum(q) - sum(f), real.peak_bytes)

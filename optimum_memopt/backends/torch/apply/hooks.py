@@ -230,7 +230,8 @@ def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
             run.record.add(made.plan, made.nbytes, made.seconds, bool(made.recomputable), made.why_not)
             if made.recipe is not None:
                 run.record.applied[made.plan] = run.record.applied.get(made.plan, 0) + made.nbytes
-        run.record.graph = layer_graph(run, skip)
+        first = next(iter(tensors_in(inputs)), None)
+        run.record.graph = layer_graph(run, skip, storage_key(first) if first is not None else None)
     # Ops that were never kept by autograd do not need their inputs any longer (those whose storage was freed and
     # its address taken by a later op's included: step one's lists still hold them).
     for made in [*run.made.values(), *run.all_made, *run.counted]:
@@ -240,9 +241,10 @@ def finish(run: LayerRun, outputs, inputs: Sequence) -> None:
     run.handed.clear()
 
 
-def layer_graph(run: LayerRun, boundary: set) -> LayerGraph:
+def layer_graph(run: LayerRun, boundary: set, first: Optional[int] = None) -> LayerGraph:
     """Step one's record of the layer as a `LayerGraph`: storages made (and read from outside), their inputs, the
-    order of the first saves; `boundary` holds the layer's own inputs' and outputs' storages."""
+    order of the first saves; `boundary` holds the layer's own inputs' and outputs' storages, `first` its first
+    argument's (`LayerGraph.input`)."""
     graph = LayerGraph()
     index: Dict[int, int] = {}  # id(Made) -> node
     outside: Dict[int, int] = {}  # storage key -> node
@@ -274,6 +276,7 @@ def layer_graph(run: LayerRun, boundary: set) -> LayerGraph:
             graph.saved.append(from_outside(*saved))
         elif id(saved) in index:
             graph.saved.append(index[id(saved)])
+    graph.input = outside.get(first, -1) if first is not None else -1
     return graph
 
 

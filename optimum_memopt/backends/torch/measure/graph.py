@@ -39,11 +39,12 @@ class Node:
 class LayerGraph:
     nodes: List[Node] = field(default_factory=list)
     saved: List[int] = field(default_factory=list)  # nodes autograd saved, in the order of their first save
+    input: int = -1  # the node of the layer's first argument (its hidden states), -1 where no op read it
 
     def signature(self) -> tuple:
         """Equal for layers whose graphs differ only in op times (a model's repeated blocks)."""
         nodes = tuple((n.plan, n.nbytes, n.call, n.inputs, n.own, n.boundary, n.routing) for n in self.nodes)
-        return nodes, tuple(self.saved)
+        return nodes, tuple(self.saved), self.input
 
     def effects_known(self) -> Dict[FrozenSet[str], tuple]:
         """What `effect` found for each set of plan names on a graph of this signature (the rule's replay depends on
@@ -153,12 +154,18 @@ def _replay(graph: LayerGraph, ops: FrozenSet[str]) -> tuple:
 def whole_layer(graph: LayerGraph, op_seconds: float) -> Effect:
     """Checkpointing the layer whole: every saved storage but its input and output freed, its forward run again; an
     MoE's routing kept (`apply/routing.py`: the selective checkpoint saves every storage its routing makes, those
-    autograd would not have kept too, which the bytes freed are net of)."""
+    autograd would not have kept too, which the bytes freed are net of). The checkpoint holds the layer's input
+    (its first argument, the hidden states) until its backward, which no op of the layer may have saved (a norm in
+    fp32 under bf16 autocast saves its fp32 copy): held then by this policy alone, and net of the bytes freed too
+    (an 8B Llama at 8,192 tokens: 64 MiB a layer, which the solver had counted freed by every other policy). Never
+    below nothing (a layer that saves less than its input: recomputing it whole frees nothing)."""
     nodes = graph.nodes
     freed = frozenset(i for i in graph.saved if nodes[i].call >= 0 and not nodes[i].boundary and not nodes[i].routing)
     saved = set(graph.saved)
     routing_more = sum(n.nbytes for i, n in enumerate(nodes) if n.routing and not n.boundary and i not in saved)
-    return Effect(sum(nodes[i].nbytes for i in freed) - routing_more, op_seconds, freed, frozenset())
+    held_input = nodes[graph.input].nbytes if 0 <= graph.input < len(nodes) and graph.input not in saved else 0
+    freed_bytes = max(sum(nodes[i].nbytes for i in freed) - routing_more - held_input, 0)
+    return Effect(freed_bytes, op_seconds, freed, frozenset())
 
 
 def saved_bytes(graph: LayerGraph) -> int:
