@@ -958,8 +958,9 @@ def test_a_segment_is_a_place_in_the_step_named_in_words_for_messages_only():
 def test_the_solves_arrays_move_every_segment_as_predict_does_for_every_combination_of_options():
     """`fit` weighs every combination of the levers' options on arrays (`budget._Moved`): each segment's peak, the
     stretches inside one included, moved by what each option holds less there and what the layers free, to the byte
-    what `predict` and `segment_peaks` give, the first of equal peaks named (random figures, a fixed seed)."""
-    from optimum_memopt.backends.torch.decide.budget import _Moved, segment_peaks
+    what the rule gives one segment at a time (`_moved`), the first of equal peaks named (random figures, a fixed
+    seed); `predict` gives the same."""
+    from optimum_memopt.backends.torch.decide.budget import Prediction, _Moved, _moved
     from optimum_memopt.backends.torch.measure.profile import AFTER_PLACE, HEAD_PLACE, Place, Segment, StepMemory
 
     rng = random.Random(7)
@@ -981,13 +982,17 @@ def test_the_solves_arrays_move_every_segment_as_predict_does_for_every_combinat
     levers = [[option("loss", k) for k in range(3)], [option("mlp", k) for k in range(3)], [option("off", 0)]]
     moved = _Moved(memory)
     q = [rng.randrange(0, 300) for _ in range(n)]
+    last = len(segments) - 1
     for combo in itertools.product(*levers):
         for _ in range(3):
             freed = [rng.randrange(0, 300) for _ in range(n)]
             extra = rng.randrange(0, 100)
-            assert moved.predict(q, freed, extra, combo) == predict(memory, q, freed, extra, combo)
-            expected = [value for _, value in segment_peaks(memory, q, freed, extra, combo)]
+            # each segment's figure by the rule, one segment at a time (`_moved`), and the highest, the first of equals
+            expected = [_moved(seg, q, freed, combo) + (extra if k < last else 0) for k, seg in enumerate(segments)]
             assert moved.peaks(q, freed, extra, combo).tolist() == expected
-    # equal peaks: the first segment named, as `predict`'s loop keeps the first
+            top = expected.index(max(expected))
+            assert moved.predict(q, freed, extra, combo) == Prediction(expected[top], segments[top].name)
+            assert predict(memory, q, freed, extra, combo) == moved.predict(q, freed, extra, combo)
+    # equal peaks: the first segment named
     flat = StepMemory("cuda", [Segment(Place.forward(0), 1, 0, 7), Segment(Place.backward(0), 0, 0, 7)], 0, "test")
-    assert _Moved(flat).predict([0], [0], 0, ()) == predict(flat, [0], [0], 0, ()) == predict(flat, [0], [0])
+    assert predict(flat, [0], [0]) == Prediction(7, flat.segments[0].name)

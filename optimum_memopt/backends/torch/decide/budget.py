@@ -65,19 +65,11 @@ def predict(
     freed: Sequence[int],
     extra: int = 0,
     levers: Sequence["LeverChoice"] = (),
-) -> Prediction:
+) -> Optional[Prediction]:
     """The step's peak with `freed` bytes freed per layer, from a step measured with `measured_freed`; `levers`: the
     options of the levers beyond the layers (`levers/`), each moving the segments it acts in by what it holds less
-    there than the measured step's option."""
-    best: Optional[Prediction] = None
-    q_sums, f_sums = _sums(measured_freed), _sums(freed)
-    for k, seg in enumerate(memory.segments):
-        held = min(seg.held, len(q_sums) - 1, len(f_sums) - 1)
-        value = _moved_by(seg, q_sums[held] - f_sums[held], levers)
-        value += extra if k < len(memory.segments) - 1 else 0
-        if best is None or value > best.peak_bytes:
-            best = Prediction(value, seg.name)
-    return best
+    there than the measured step's option (`_Moved`). None for a step with no segments."""
+    return _Moved(memory).predict(measured_freed, freed, extra, levers) if memory.segments else None
 
 
 def segment_peaks(
@@ -88,11 +80,10 @@ def segment_peaks(
     levers: Sequence["LeverChoice"] = (),
 ) -> List[tuple]:
     """Each segment's predicted peak (`predict`'s terms) with `freed` bytes freed per layer: (place, bytes)."""
-    last = len(memory.segments) - 1
-    return [
-        (seg.place, _moved(seg, measured_freed, freed, levers) + (extra if k < last else 0))
-        for k, seg in enumerate(memory.segments)
-    ]
+    if not memory.segments:
+        return []
+    values = _Moved(memory).peaks(measured_freed, freed, extra, levers).tolist()
+    return [(seg.place, value) for seg, value in zip(memory.segments, values)]
 
 
 def predict_range(
@@ -139,7 +130,8 @@ def _moved_by(seg: Segment, layers_more: int, levers: Sequence["LeverChoice"] = 
 class _Moved:
     """One measured step's segments with the levers' options' bytes taken off, as arrays (`_moved_by` less what the
     layers free): a combination's in a few array operations, each option's bytes read once. What `fit` weighs every
-    combination of the levers' options by; the same figures as `predict` and `_moved_by`, to the byte."""
+    combination of the levers' options by (and `predict`, `segment_peaks`): each segment's `_moved` figure, to the
+    byte."""
 
     def __init__(self, memory: StepMemory):
         self.memory = memory
@@ -378,8 +370,7 @@ def fit(
     The combinations are tried from the least time they could take (their options' cost and the whole-layer
     recompute they force: `_combinations`); once one fits, those that could take no less are not solved. The answer
     is the one trying every combination in the levers' order gives: of equal times, the first in that order."""
-    per_layer, q, result, combos = _start(profile, memory, measured, extra_bytes, per_layer, levers)
-    moved = _Moved(memory)
+    per_layer, q, result, combos, moved = _start(profile, memory, measured, extra_bytes, per_layer, levers)
     result.budget_bytes = budget_bytes
     best, closest = None, None  # closest: (the least peak of a combination that does not fit, its order, why not)
     for order, combo, allowed, floor, at_least in combos:
@@ -476,7 +467,7 @@ def fit_share(
     """The least-recompute policy keeping at most `share` of what the layers keep for backward with nothing
     recomputed (their own tensors: `graph.saved_bytes`), as `torch.compile`'s `activation_memory_budget` is a share;
     its peak predicted from the measured step as `fit` does."""
-    per_layer, q, result, _ = _start(profile, memory, measured, extra_bytes, per_layer)
+    per_layer, q, result, _, _ = _start(profile, memory, measured, extra_bytes, per_layer)
     total = sum(saved_bytes(rec.graph) for rec in profile.layers if rec.graph is not None)
     result.share, result.activation_bytes = share, total
     result.choice = choose(per_layer, math.ceil((1 - share) * total))
@@ -494,21 +485,22 @@ def fit_share(
 def _start(profile, memory, measured, extra_bytes, per_layer, levers: Sequence[Sequence[LeverChoice]] = ()):
     """What `fit` and `fit_share` share: the candidates, what the measured policy freed per layer, the answer begun
     with the measured step's peak and the floor (each layer freeing the most it can, the levers' options combined so
-    that the step holds least), and the combinations of the levers' options that can run (`_combinations`)."""
+    that the step holds least), the combinations of the levers' options that can run (`_combinations`), and the
+    step's segments as arrays (`_Moved`)."""
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
-    combos = _combinations(profile, memory, q, per_layer, extra_bytes, levers)
+    moved = _Moved(memory)
+    combos = _combinations(profile, moved, q, per_layer, extra_bytes, levers)
     floor = min((f for _, _, _, f, _ in combos), key=lambda p: p.peak_bytes)
-    result = Fit(0, measured=predict(memory, q, q, extra_bytes), floor=floor)
-    return per_layer, q, result, combos
+    result = Fit(0, measured=moved.predict(q, q, extra_bytes, ()), floor=floor)
+    return per_layer, q, result, combos, moved
 
 
-def _combinations(profile, memory, q, per_layer, extra_bytes, levers: Sequence[Sequence[LeverChoice]]) -> list:
+def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Sequence[Sequence[LeverChoice]]) -> list:
     """Each combination of one option per lever whose layers can run it: (its place in the levers' order, its options,
     each layer's candidates with them, the least peak they reach, the least time they can take: their options' cost
     and the whole-layer recompute they force, every other layer kept), ordered by that least time, then by place."""
     wholes: Dict[int, Candidate] = {}
-    moved = _Moved(memory)
     out = []
     for order, combo in enumerate(itertools.product(*levers)):
         allowed = _allowed(profile, per_layer, combo, wholes)
