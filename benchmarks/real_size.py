@@ -3,7 +3,8 @@
 published model's shape built from its config on the card, random weights: benchmarks/decoder.py's presets), each row
 a fresh process through the advisor's `run_child` (peak: CUDA's max allocated from the start of training, weights
 included; on the CPU the process's tensor storages counted as CUDA counts them; speed: the median step after two
-warm-up steps):
+warm-up steps and after every step `auto` measured, checked or reported on, `speed_steps` of them; `speed_settled`
+false where none was left and the speed is of steps it still measured):
 
 - the fixed recipes: eager, transformers' checkpointing, checkpointing with Liger's fused linear cross-entropy
   (where liger-kernel is installed; said where not), level 1 + `Loss+`;
@@ -68,6 +69,18 @@ def recipes(liger: bool) -> list:
     return rows
 
 
+def fixed_recipes(liger: bool, labels) -> list:
+    """The fixed recipes named by `labels` (all where None), in the benchmark's order."""
+    rows = recipes(liger)
+    if labels is None:
+        return rows
+    unknown = [label for label in labels if label not in dict(rows)]
+    if unknown:
+        raise SystemExit(f"--recipes {unknown[0]!r}: the recipes are {', '.join(repr(r) for r, _ in rows)}, as in "
+                         "--recipes 'level 1 + Loss+'")  # fmt: skip
+    return [(label, flags) for label, flags in rows if label in labels]
+
+
 def card_budget_mb(device: str):
     """`memopt-plan`'s budget for the card here: its memory less 1 GiB for the context and the libraries, less 5%."""
     if device != "cuda":
@@ -83,10 +96,12 @@ def row(label, flags, batch, a, model, seq):
     timed = m.ok and m.step_time_s
     out = {"label": label, "ok": m.ok, "error": m.error, "peak_mb": m.peak_mb, "step_s": m.step_time_s,
            "tokens_per_s": batch * seq / m.step_time_s if timed else None, "auto": m.auto, "oom": m.oom,
-           "device": m.device,
+           "device": m.device, "speed_steps": m.speed_steps, "speed_settled": m.speed_settled,
            # what step one took beyond a steady step (`auto`'s dry run, a first step's kernels and allocations)
            "start_s": m.first_step_s - m.step_time_s if timed and m.first_step_s else None}  # fmt: skip
     said = f"{m.peak_mb:,.1f} MiB, {out['tokens_per_s']:,.0f} tokens/s" if m.ok else f"failed: {m.error}"
+    if m.ok and not m.speed_settled:
+        said += f" (of steps auto still measured: too few steps, --steps {a.steps})"
     print(f"    {label}: {said}", flush=True)
     return out
 
@@ -175,7 +190,12 @@ def main(argv=None):
     p.add_argument("--setups", nargs="*", default=None, help=f"of: {', '.join([*SETUPS, *TINY])} (default: all)")
     p.add_argument("--seqs", type=int, nargs="*", default=None, help="the sequence lengths (default: each setup's)")
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds of every row")
-    p.add_argument("--steps", type=int, default=6, help="training steps a run (the first two are the warm-up)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=6,
+        help="training steps a run (the first two are the warm-up; `auto` measures up to 3)",
+    )
     p.add_argument("--tiny", action="store_true", help="tiny setups on the CPU: the benchmark's check")
     p.add_argument("--budgets", type=int, default=None, help="the first N budgets alone (the card's, then down)")
     p.add_argument("--budgets_mb", type=float, nargs="*", default=None, help="auto at these budgets alone (MiB)")
@@ -183,6 +203,7 @@ def main(argv=None):
                    "fixed rows for the same setup and length, instead of running them again")  # fmt: skip
     p.add_argument("--no_file_rows", action="store_true", help="leave out auto from memopt-plan's file")
     p.add_argument("--no_fixed", action="store_true", help="no fixed recipe (a length none of them fits)")
+    p.add_argument("--recipes", nargs="*", default=None, help="the fixed recipes to run, by label (default: all)")
     p.add_argument("--host_mb", type=float, default=None, help="the host memory auto may offload to (MiB)")
     p.add_argument("--without_offload_too", action="store_true",
                    help="beside each auto row, auto with no host room to offload to (--memory_host_mb 1)")  # fmt: skip
@@ -218,9 +239,10 @@ def main(argv=None):
             elif a.no_fixed:
                 setup["fixed"] = []
             else:
-                runs = {label: [] for label, _ in recipes(liger)}
+                chosen = fixed_recipes(liger, a.recipes)
+                runs = {label: [] for label, _ in chosen}
                 for _ in range(a.rounds):  # interleaved: what drifts spreads over every row alike
-                    for label, flags in recipes(liger):
+                    for label, flags in chosen:
                         runs[label].append(row(label, flags, batch, a, model, seq))
                 setup["fixed"] = [merged(r) for r in runs.values()]
             save()

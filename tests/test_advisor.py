@@ -21,7 +21,7 @@ from optimum_memopt.advisor import (
     verify,
     write_reports,
 )
-from optimum_memopt.advisor.measure import child_command, strip_flags
+from optimum_memopt.advisor.measure import WARMUP_STEPS, child_command, steady_times, strip_flags
 from optimum_memopt.plans import FoundPlan, PlanReport
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,6 +46,19 @@ def _row(label, kind, peak, step, base=(500.0, 1.0), config=None, level=0):
 def _report(*rows):
     base = _row("ORT, no recompute", "baseline", 500.0, 1.0)
     return ProbeReport(["x.py"], 16, 6, "cpu", [base, *rows])
+
+
+def test_a_runs_speed_is_read_from_steps_after_the_warm_up_and_autos_checks():
+    """The steps a speed's median is over: after the warm-up, and after every step `auto` measured, checked or reported
+    on (the picture of its choice, drawn at the end of the third step, took 0.8 s of a tiny run's 0.02 s steps on the
+    CPU); where none is left, the steps after the warm-up, said unsteady."""
+    times = [9.0, 2.0, 5.0, 1.0, 1.1, 1.2]
+    assert WARMUP_STEPS == 2
+    assert steady_times(times, 1) == ([5.0, 1.0, 1.1, 1.2], True)  # nothing to settle: the warm-up alone
+    assert steady_times(times, 3) == ([1.0, 1.1, 1.2], True)
+    assert steady_times(times, 6) == ([5.0, 1.0, 1.1, 1.2], False)  # settled as the run ended
+    assert steady_times(times, None) == ([5.0, 1.0, 1.1, 1.2], False)  # never settled
+    assert steady_times([3.0], None) == ([3.0], False)
 
 
 def test_no_plans_when_baseline_fits():

@@ -147,6 +147,61 @@ def test_a_dry_run_for_a_card_runs_its_attention():
         dry_run(spec, backend=False, fake=False, kernels=H100)
 
 
+def _registry_raising_on_attention(monkeypatch):
+    """torch's own FLOP counter for attention as torch 2.11 and 2.12 have it: it asserts that the keys have as many
+    heads as the queries, so it raises on grouped-query attention."""
+    from torch.utils import flop_counter
+
+    from optimum_memopt.backends.torch.measure.op_costs import ATTENTION_FLOPS
+
+    def raising(*args, **kwargs):
+        raise AssertionError("the keys' heads are not the queries'")
+
+    for name in ATTENTION_FLOPS:
+        monkeypatch.setitem(flop_counter.flop_registry, getattr(torch.ops.aten, name), raising)
+
+
+@pytest.mark.parametrize("torch_counter", ["as installed", "raising on grouped heads"])
+def test_attention_is_priced_by_its_shapes_grouped_heads_too(monkeypatch, torch_counter):
+    """Each attention kernel's FLOPs, forward and backward, with fewer key/value heads than queries: the package's own
+    formula, whatever torch's counter does with the heads (an H200 with torch 2.11 priced attention as free)."""
+    from optimum_memopt.backends.torch.measure.op_costs import ATTENTION_FLOPS, _flops
+
+    if torch_counter != "as installed":
+        _registry_raising_on_attention(monkeypatch)
+    b, hq, hk, s_q, s_k, d = 2, 8, 2, 48, 64, 16
+    q = torch.empty(b, hq, s_q, d, device="meta")
+    k = torch.empty(b, hk, s_k, d, device="meta")
+    for name, (_, at) in ATTENTION_FLOPS.items():
+        args = (q, k, k) if at == 0 else (torch.empty(b, hq, s_q, d, device="meta"), q, k, k)
+        factor = 10 if name.endswith("_backward") else 4
+        assert _flops(getattr(torch.ops.aten, name).default, args, {}, None) == factor * b * hq * s_q * s_k * d, name
+
+
+def test_a_dry_run_for_a_card_prices_grouped_query_attention(monkeypatch):
+    """A bf16 step of a decoder with grouped-query attention, priced on the H100's roofline by a dry run for the card:
+    its attention's FLOPs are in the step's seconds (the solver's recompute costs are these prices), the same where
+    torch's counter raises on grouped heads, as 2.11's does."""
+    from transformers import LlamaConfig
+
+    from optimum_memopt.planning.devices import DEVICES
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+
+    layers, heads, d, b, s = 2, 4, 16, 2, 1024
+    config = LlamaConfig(
+        num_hidden_layers=layers, hidden_size=heads * d, intermediate_size=128, num_attention_heads=heads,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=s,
+    )  # fmt: skip
+    spec = StepSpec(config, batch=b, seq=s, dtype="bfloat16", autocast="bfloat16")
+    h100 = DEVICES["H100-80GB"]
+    priced = dry_run(spec, backend=False, kernels=H100, cost_device=h100)
+    attention_s = layers * (4 + 10) * b * heads * s * s * d / h100.flops_low  # forward and backward, each layer
+    assert priced.step_seconds > attention_s, (priced.step_seconds, attention_s)
+    _registry_raising_on_attention(monkeypatch)
+    again = dry_run(spec, backend=False, kernels=H100, cost_device=h100)
+    assert again.step_seconds == pytest.approx(priced.step_seconds, rel=1e-9)
+
+
 def attention_cases():
     """Inputs of every kind a kernel's rules tell apart: dtype, grouped heads, head dimension (20 flash pads, 256 its
     most), a boolean mask, causal over as many or fewer queries than keys, dropout."""

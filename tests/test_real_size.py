@@ -28,6 +28,10 @@ def test_the_benchmark_runs_its_rows_and_judges_auto_by_them(tmp_path):
     assert auto["budget_mb"] == max(r["peak_mb"] for r in setup["fixed"])
     verdicts = auto["verdicts"]
     assert verdicts["within_budget"] and auto["auto"]["config"] == "", auto
+    # speed from steady steps: a fixed row's after the warm-up (2 of 4), auto's after the steps it measured, checked
+    # and reported on too (step one, the check after it, the step its picture was drawn at: 1 of 4 left)
+    assert [(r["speed_steps"], r["speed_settled"]) for r in setup["fixed"]] == [(2, True)] * 3
+    assert (auto["speed_steps"], auto["speed_settled"]) == (1, True), auto
     # the dry run's figure, said before step one, against the peak the run measured: within 1%
     assert abs(verdicts["dry_run_error"]) <= 0.01, verdicts
     # which recipe ran fastest is the CPU's clock, not a property (tiny steps: recomputing one layer in two costs
@@ -42,3 +46,17 @@ def test_the_benchmark_runs_its_rows_and_judges_auto_by_them(tmp_path):
     said = from_file["verdicts"]
     assert said["within_budget"] and abs(said["dry_run_error"]) <= 0.01, said
     assert from_file["auto"]["dry_run_peak_mb"] is not None and from_file["start_s"] is not None
+
+
+def test_recipes_name_the_fixed_rows_a_lease_runs():
+    """`--recipes` runs the fixed rows it names, in the benchmark's order; a name not among them is refused with the
+    names there are."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import real_size
+
+    every = real_size.recipes(liger=False)
+    assert real_size.fixed_recipes(False, None) == every
+    chosen = real_size.fixed_recipes(False, ["level 1 + Loss+", "eager"])
+    assert [label for label, _ in chosen] == ["eager", "level 1 + Loss+"]
+    with pytest.raises(SystemExit, match=r"--recipes 'level1': the recipes are 'eager', .*'level 1 \+ Loss\+'"):
+        real_size.fixed_recipes(False, ["level1"])

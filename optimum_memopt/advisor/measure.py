@@ -43,6 +43,9 @@ class MeasureCallback(TrainerCallback):
         self.meter = None
         self.baseline = None
         self.times: List[float] = []
+        # the steps `auto` measured, checked or reported on (its choice settled as the last of them ended): no
+        # step of a run's speed (`run_child`); None until it settled
+        self.unsettled_steps: Optional[int] = None
         self._t0 = None
         self._counting = None  # the dispatch mode counting tensor storages through training (`_storages`)
 
@@ -76,9 +79,13 @@ class MeasureCallback(TrainerCallback):
         if self.meter is not None:
             self._t0 = time.perf_counter()
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.meter is not None and self._t0 is not None:
             self.times.append(time.perf_counter() - self._t0)
+            if self.unsettled_steps is None:
+                backend, wrapped = self._wrapped(model)
+                if wrapped is None or backend.auto_settled(wrapped):
+                    self.unsettled_steps = len(self.times)
 
     def _wrapped(self, model):
         """(the trainer's backend, the model it wrapped), or (backend, None) where it wrapped none."""
@@ -126,6 +133,7 @@ class MeasureCallback(TrainerCallback):
                 None if cuda or r.resident_peak_mb is None else r.resident_peak_mb - (b.resident_mb or 0.0)
             ),
             "step_times": self.times,
+            "unsettled_steps": self.unsettled_steps,
             "batch_size": args.per_device_train_batch_size,
             "plans": self._plan_report(model),
             "auto": self._auto_choice(model),
@@ -147,7 +155,7 @@ class Measurement:
     # CUDA: max allocated; CPU: tensor storages (modern stack), or allocator bytes above the pre-training level (ORT)
     peak_mb: Optional[float] = None
     resident_peak_mb: Optional[float] = None  # CPU: resident peak above the pre-training level
-    step_time_s: Optional[float] = None  # median over the steps after the warm-up
+    step_time_s: Optional[float] = None  # median over the steady steps (`steady_times`)
     samples_per_s: Optional[float] = None
     oom: bool = False
     error: Optional[str] = None
@@ -156,6 +164,10 @@ class Measurement:
     first_step_s: Optional[float] = None  # the first step alone (a compiled run's compile time is in it)
     plans: Optional[PlanReport] = field(default=None, repr=False)
     auto: Optional[dict] = None  # what `--memory_opt_config auto` chose in the run (`Backend.auto_choice`)
+    # the steps `step_time_s` is the median of; False in `speed_settled` where the run ended before `auto` settled,
+    # so that its speed is of steps it still measured
+    speed_steps: int = 0
+    speed_settled: bool = True
 
     def as_dict(self) -> Dict:
         d = asdict(self)
@@ -297,6 +309,16 @@ def _run(cmd: List[str], env: dict, timeout: float):
         raise
 
 
+def steady_times(times: List[float], unsettled: Optional[int]) -> "tuple[List[float], bool]":
+    """The step times a run's speed is read from, and whether they are steady: those after the warm-up
+    (`WARMUP_STEPS`) and after every step `auto` measured, checked or reported on (`unsettled`: their count; None
+    where it never settled). Where none is left, the steps after the warm-up (else all), said unsteady."""
+    skip = max(WARMUP_STEPS, unsettled if unsettled is not None else len(times))
+    if times[skip:]:
+        return times[skip:], True
+    return times[WARMUP_STEPS:] or times, False
+
+
 def run_child(
     script_argv: Sequence[str],
     label: str,
@@ -325,7 +347,7 @@ def run_child(
             return Measurement(label, list(flags), batch_size, False, oom=oom, error=last, wall_s=wall)
         with open(out_json) as f:
             data = json.load(f)
-        times = data["step_times"][WARMUP_STEPS:] or data["step_times"]
+        times, settled = steady_times(data["step_times"], data.get("unsettled_steps"))
         step = statistics.median(times) if times else None
         return Measurement(
             label,
@@ -341,6 +363,8 @@ def run_child(
             first_step_s=data["step_times"][0] if data["step_times"] else None,
             plans=PlanReport.from_dict(data["plans"]) if data.get("plans") else None,
             auto=data.get("auto"),
+            speed_steps=len(times),
+            speed_settled=settled,
         )
     except subprocess.TimeoutExpired:
         return Measurement(

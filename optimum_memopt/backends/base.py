@@ -176,6 +176,11 @@ class Backend:
         and measured peaks (MiB) and the recompute per step (ms); None where nothing was chosen here."""
         return None
 
+    def auto_settled(self, wrapped: nn.Module) -> bool:
+        """Whether `auto`'s choice is settled in this process: no later step is measured, checked or reported on by
+        it (True where nothing is chosen here)."""
+        return True
+
     def smooths_labels(self, wrapped: nn.Module) -> bool:
         """Whether the wrapped model's training forward computes the loss with the Trainer's label smoothing itself
         (the Trainer then hands it the labels instead of smoothing the logits, which it no longer returns)."""

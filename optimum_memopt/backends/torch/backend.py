@@ -225,6 +225,10 @@ class TorchBackend(Backend):
         planner = getattr(wrapped, STATE).planner
         return planner.summary() if planner is not None else None
 
+    def auto_settled(self, wrapped: nn.Module) -> bool:
+        planner = getattr(wrapped, STATE).planner
+        return planner is None or planner.settled
+
     def step_done(self, wrapped: nn.Module) -> None:
         getattr(wrapped, STATE).step_done()
 

@@ -50,31 +50,43 @@ def clock_for(device):
     return clock
 
 
-# The CPU's attention kernels (what a dry run on the CPU device runs), priced as the GPU's: (FLOPs per b h s_q s_k d,
-# the argument holding the queries; the keys follow it)
-_CPU_ATTENTION = {
-    "_scaled_dot_product_flash_attention_for_cpu": (4.0, 0),
-    "_scaled_dot_product_flash_attention_for_cpu_backward": (10.0, 1),
+# Attention's kernels, priced by the package's own formula whatever the torch: FLOPs per b h_q s_q s_k d (h_q: the
+# queries' heads; keys and values may have fewer, grouped-query attention, each shared by h_q / h_kv of them) and the
+# argument holding the queries, the keys following it. Forward: the scores and their product with the values (2 + 2);
+# backward: the scores again and the four products of the gradients (10: 2.5 times the forward). The causal half is not
+# taken off (as torch's own counter). Torch's counter is not asked: before pytorch/pytorch#177169 (March 2026; torch
+# 2.11, the GPU image's, is before it) it asserts that the keys have as many heads as the queries, so it raised on
+# every grouped-query model (Llama 3, Qwen, Mistral) and the op was priced as free: an H200 run with torch 2.11 chose
+# recomputing attention at 65,536 tokens where the same dry run with torch 2.13 keeps it in 14 layers of 32
+# (BENCHMARKS.md).
+_ATTENTION_FORWARD = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+ATTENTION_FLOPS = {
+    **{name: (4.0, 0) for name in _ATTENTION_FORWARD},
+    **{f"{name}_backward": (10.0, 1) for name in _ATTENTION_FORWARD},
 }
 
 
 def _flops(func, args, kwargs, out) -> float:
-    """An op's FLOPs: torch's own counter's formula where it has one (matmuls, convolutions, the GPU's attention
-    kernels), the CPU's attention kernels as the GPU's (4 b h s_q s_k d forward, 2.5 times that backward, the causal
-    half not taken off), 0 elsewhere (elementwise ops are priced by their bytes)."""
+    """An op's FLOPs: attention's kernels by `ATTENTION_FLOPS` (on the CPU as on a card), torch's own counter's formula
+    elsewhere where it has one (matmuls, convolutions), 0 for the rest (elementwise ops are priced by their bytes) and
+    where torch's formula cannot read the op's arguments."""
     from torch.utils.flop_counter import flop_registry
 
-    packet = getattr(func, "_overloadpacket", None)
-    count = flop_registry.get(packet)
-    if count is not None:
-        try:
-            return float(count(*args, **kwargs, out_val=out))
-        except Exception:
-            return 0.0
-    attention = _CPU_ATTENTION.get(_torch_api.op_name(func))
+    attention = ATTENTION_FLOPS.get(_torch_api.op_name(func))
     if attention is not None:
         factor, at = attention
         q, k = args[at], args[at + 1]
         b, h, s_q, d = q.shape
         return factor * b * h * s_q * k.shape[-2] * d
-    return 0.0
+    count = flop_registry.get(getattr(func, "_overloadpacket", None))
+    if count is None:
+        return 0.0
+    try:
+        return float(count(*args, **kwargs, out_val=out))
+    except Exception:
+        return 0.0
