@@ -202,6 +202,44 @@ def test_a_dry_run_for_a_card_prices_grouped_query_attention(monkeypatch):
     assert again.step_seconds == pytest.approx(priced.step_seconds, rel=1e-9)
 
 
+def test_a_query_of_metadata_and_an_unsaid_view_cost_nothing(monkeypatch):
+    """An op that answers with a tensor's metadata (`prim.device`, which a dry run's `F.linear` dispatches) moves none
+    of its bytes, nor does `_unsafe_view` (a view its schema does not call one): a dry run priced each by its
+    tensor's bytes, 1.7 s of an 8B LoRA step's 7.4 s at 65,536 tokens. Seen in a real dry run, each priced at 0."""
+    from transformers import LlamaConfig
+
+    from optimum_memopt.backends.torch import _torch_api, fake_step
+    from optimum_memopt.backends.torch.measure import op_costs
+    from optimum_memopt.planning.devices import DEVICES
+    from optimum_memopt.planning.dry_run import StepSpec, instruments
+
+    t = torch.empty(64, 64)
+    assert op_costs.op_cost(torch.ops.prim.device.default, (t,), {}, t.device) is None
+    assert op_costs.op_cost(torch.ops.aten._unsafe_view.default, (t, [4096]), {}, t.view(4096)) is None
+    assert op_costs.op_cost(torch.ops.aten.mm.default, (t, t), {}, t @ t) == (2 * 64**3, 3 * 64 * 64 * 4, False)
+    priced: dict = {}
+
+    def clock_for(device):
+        def clock(func, args, kwargs, out):
+            name = _torch_api.op_name(func)
+            seconds = op_costs.clock_for(device)(func, args, kwargs, out)
+            priced[name] = priced.get(name, 0.0) + seconds
+            return seconds
+
+        return clock
+
+    monkeypatch.setattr(fake_step, "clock_for", clock_for)
+    config = LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=128,
+    )  # fmt: skip
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj"])
+    spec = StepSpec(config, batch=1, seq=128, dtype="bfloat16", autocast="bfloat16", lora=lora)
+    fake_step.run(spec, instruments(DEVICES["H200"]), "", kernels=H100)
+    assert priced.get("device") == 0.0 and priced.get("_unsafe_view") == 0.0, priced
+    assert priced["mm"] > 0 and priced["_scaled_dot_product_cudnn_attention"] > 0, priced
+
+
 def attention_cases():
     """Inputs of every kind a kernel's rules tell apart: dtype, grouped heads, head dimension (20 flash pads, 256 its
     most), a boolean mask, causal over as many or fewer queries than keys, dropout."""

@@ -226,6 +226,18 @@ def test_the_heads_ways_are_weighed_by_bytes_against_the_one_the_step_ran_and_by
         head("Loss+:1:-1@chunks8", 8, pytest.approx(0.010)),
         head("Loss+:1:-1@chunks4", 0, pytest.approx(0.006)),
     ]
+    # the model's own head returns its logits, which a loop keeping the outputs holds: said beside its bytes
+    measured.logits_bytes = 64
+    assert choices(measured)[0] == LeverChoice("loss", None, "", ((HEAD_PLACE, -35),), 0.0, 64)
+    # measured in a dry run (fake tensors), whose every choice a fake step checks exactly: each way as it held, and
+    # no logits returned to weigh (the checking step is the run's own loop)
+    measured.fake = True
+    assert choices(measured) == [
+        head("", -20, 0.0),
+        head("Loss+:1:-1@chunks2", 2, pytest.approx(0.010 * 4 / 3 - 0.010)),
+        head("Loss+:1:-1@chunks8", 8, pytest.approx(0.010)),
+        head("Loss+:1:-1@chunks4", 0, pytest.approx(0.006)),
+    ]
 
 
 @pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0])

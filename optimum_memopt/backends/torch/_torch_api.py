@@ -51,6 +51,16 @@ def returns_alias(func) -> bool:
     return name.endswith("_") or name in _ALIASING
 
 
+def returns_no_tensor(func) -> bool:
+    """Whether an aten op answers with values other than tensors alone (`prim.device`, a size, a bool), read from its
+    schema (private `OpOverload._schema`): it reads its tensors' metadata, not their bytes. False for an op that
+    returns nothing (an in-place `_foreach_` op works on its arguments) and where no schema can be read."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    return not any("Tensor" in str(r.type) for r in schema.returns)
+
+
 _WRITES: dict = {}
 
 

@@ -9,10 +9,19 @@ from typing import List, Optional
 from .. import _torch_api
 from ..nested import tensors_in
 
+# an op whose schema says its output is not a view, though it is one (`reshape`'s and `matmul`'s own view)
+_VIEWS_UNSAID = frozenset({"_unsafe_view"})
+
 
 def op_cost(func, args, kwargs, out) -> Optional[tuple]:
-    """An op's (FLOPs, bytes read and written, whether it runs in 16 bits); None for a view (it moves nothing)."""
-    if _torch_api.returns_alias(func):
+    """An op's (FLOPs, bytes read and written, whether it runs in 16 bits); None for an op that moves nothing: a view,
+    and a query of a tensor's metadata (`prim.device`, dispatched under each `F.linear` of a dry run: priced by its
+    tensor's bytes, 10,945 of them were 1.7 s of an 8B step's 7.4 s at 65,536 tokens on the H200's roofline)."""
+    if (
+        _torch_api.returns_alias(func)
+        or _torch_api.returns_no_tensor(func)
+        or _torch_api.op_name(func) in _VIEWS_UNSAID
+    ):
         return None
     tensors = [t for t in tensors_in(args) + tensors_in(kwargs) + tensors_in(out) if t.dtype.is_floating_point]
     moved = float(sum(t.numel() * t.element_size() for t in tensors))
@@ -57,7 +66,7 @@ def clock_for(device):
 # taken off (as torch's own counter). Torch's counter is not asked: before pytorch/pytorch#177169 (March 2026; torch
 # 2.11, the GPU image's, is before it) it asserts that the keys have as many heads as the queries, so it raised on
 # every grouped-query model (Llama 3, Qwen, Mistral) and the op was priced as free: an H200 run with torch 2.11 chose
-# recomputing attention at 65,536 tokens where the same dry run with torch 2.13 keeps it in 14 layers of 32
+# recomputing attention at 65,536 tokens where the same dry run with torch 2.13 keeps it in 15 layers of 32
 # (BENCHMARKS.md).
 _ATTENTION_FORWARD = (
     "_scaled_dot_product_flash_attention",

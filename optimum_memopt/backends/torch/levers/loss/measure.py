@@ -57,6 +57,9 @@ class HeadMeasure:
     # the logits the model's own head returns (its forward's output holds them: a loop that keeps the outputs, as
     # `outputs = model(**batch)` does, holds them through the backward and the next forward)
     logits_bytes: int = 0
+    # measured on a dry run's fake tensors: every choice is then checked by a fake step, exact and harmless where
+    # it goes over, so each way is weighed as it held (`choices`)
+    fake: bool = False
 
     def option(self, plan: str) -> Optional[HeadOption]:
         return next((o for o in self.options if o.plan == plan), None)
@@ -171,7 +174,7 @@ def measure(lever, profile, resets: bool = True):
         HeadOption(way, got.held[way], got.seconds[way], got.bounds[way], rows_of(way)) for way in ways if got.ran(way)
     ]
     logits = block_bytes(tokens * vocab * itemsize)
-    return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits)
+    return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits, _torch_api.is_fake(weight))
 
 
 def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None) -> List[LeverChoice]:
@@ -184,14 +187,18 @@ def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None) -> List
     step's way, or makes more rows of logits at once, is weighed by its bound where that is higher than what it held
     (what a way holds alone is not what it adds in a step, by up to a few hundred KiB either side: docs/STACK.md,
     "The head's ways alone and in a step"); a way that holds less and makes no more rows is weighed as measured (the
-    table's PEAK DROP, within 2% of what runs measure)."""
+    table's PEAK DROP, within 2% of what runs measure). In a dry run (`HeadMeasure.fake`) every way is weighed as it
+    held, and the model's own head as returning no logits to a loop that keeps them: the choice is checked by a fake
+    step of the run's own loop, which counts what the card would to the byte and costs only time where it goes over,
+    so neither need keep the search from the whole head (at a tiny decoder's level-1 budget the
+    bound ruled out level 1 itself, and `auto` chose the loss in chunks, 3% slower by the card's roofline)."""
     if head is None:
         return [_choice(ran)]
     ran_option = head.option(head.ran)
     fastest = min(head.seconds(o) for o in head.options)
 
     def held(o) -> int:
-        if o.held_bytes > ran_option.held_bytes or o.rows > ran_option.rows:
+        if not head.fake and (o.held_bytes > ran_option.held_bytes or o.rows > ran_option.rows):
             return max(o.held_bytes, o.bound_bytes)
         return o.held_bytes
 
@@ -200,7 +207,7 @@ def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None) -> List
             o.chunking,
             ran_option.held_bytes - held(o),
             head.seconds(o) - fastest,
-            head.logits_bytes if o.chunking is None else 0,
+            head.logits_bytes if o.chunking is None and not head.fake else 0,
         )
         for o in head.options
     ]
