@@ -205,7 +205,7 @@ def test_a_dry_run_for_a_card_prices_grouped_query_attention(monkeypatch):
 def test_a_query_of_metadata_and_an_unsaid_view_cost_nothing(monkeypatch):
     """An op that answers with a tensor's metadata (`prim.device`, which a dry run's `F.linear` dispatches) moves none
     of its bytes, nor does `_unsafe_view` (a view its schema does not call one): a dry run priced each by its
-    tensor's bytes, 1.7 s of an 8B LoRA step's 7.4 s at 65,536 tokens. Seen in a real dry run, each priced at 0."""
+    tensor's bytes, 1.7 s of an 8B LoRA step's 7.4 s at 65,536 tokens. In a real dry run, neither is priced."""
     from transformers import LlamaConfig
 
     from optimum_memopt.backends.torch import _torch_api, fake_step
@@ -236,7 +236,8 @@ def test_a_query_of_metadata_and_an_unsaid_view_cost_nothing(monkeypatch):
     lora = dict(r=4, lora_alpha=8, lora_dropout=0.05, target_modules=["q_proj", "v_proj"])
     spec = StepSpec(config, batch=1, seq=128, dtype="bfloat16", autocast="bfloat16", lora=lora)
     fake_step.run(spec, instruments(DEVICES["H200"]), "", kernels=H100)
-    assert priced.get("device") == 0.0 and priced.get("_unsafe_view") == 0.0, priced
+    # a query of metadata never reaches the clock (the dry run's modes hand it straight on); the view is seen, free
+    assert priced.get("device", 0.0) == 0.0 and priced["_unsafe_view"] == 0.0, priced
     assert priced["mm"] > 0 and priced["_scaled_dot_product_cudnn_attention"] > 0, priced
 
 

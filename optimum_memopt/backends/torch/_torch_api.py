@@ -51,14 +51,23 @@ def returns_alias(func) -> bool:
     return name.endswith("_") or name in _ALIASING
 
 
+_NO_TENSOR: dict = {}
+
+
 def returns_no_tensor(func) -> bool:
     """Whether an aten op answers with values other than tensors alone (`prim.device`, a size, a bool), read from its
-    schema (private `OpOverload._schema`): it reads its tensors' metadata, not their bytes. False for an op that
-    returns nothing (an in-place `_foreach_` op works on its arguments) and where no schema can be read."""
-    schema = getattr(func, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    return not any("Tensor" in str(r.type) for r in schema.returns)
+    schema (private `OpOverload._schema`, cached per op): it reads its tensors' metadata, not their bytes, and makes
+    no storage (a fake tensor dispatches `prim.device` for each device its C++ callers ask of it: 132,000 of them in
+    an 8B step's dry run). False for an op that returns nothing (an in-place `_foreach_` op works on its arguments)
+    and where no schema can be read."""
+    known = _NO_TENSOR.get(func)
+    if known is None:
+        schema = getattr(func, "_schema", None)
+        known = bool(schema is not None and schema.returns) and not any(
+            "Tensor" in str(r.type) for r in schema.returns
+        )
+        _NO_TENSOR[func] = known
+    return known
 
 
 _WRITES: dict = {}

@@ -149,6 +149,8 @@ class PartsCount(StorageCount):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types, args, kwargs)
+        if _torch_api.returns_no_tensor(func):  # a query of metadata: no storage, no time
+            return out
         name = _torch_api.op_name(func)
         if "all_gather" in name or "allgather" in name:  # FSDP2 gathering weights: its buffers and the shards
             for t in tensors_in(out) + tensors_in(args):

@@ -208,6 +208,8 @@ class TrackingMode(_torch_api.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _torch_api.returns_no_tensor(func):  # a query of metadata: nothing made, kept or timed
+            return func(*args, **kwargs)
         planned = plan_name(_torch_api.op_name(func)) in self.run.apply and not routing_op(func)
         rng = rng_state(func, args, kwargs) if planned else None
         if self.run.record is None:

@@ -63,6 +63,8 @@ class _MostAfterOps(_torch_api.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if _torch_api.returns_no_tensor(func):  # a query of metadata: nothing made, no time
+            return out
         if self.live is not None:
             self.live.after_op(out, args, kwargs)
         self.most = max(self.most, self.read())

@@ -68,7 +68,8 @@ class CountOps(_torch_api.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.count.after_op(out, args, kwargs)
+        if not _torch_api.returns_no_tensor(func):  # a query of metadata makes no storage
+            self.count.after_op(out, args, kwargs)
         return out
 
 

@@ -115,7 +115,8 @@ class StorageCount(_torch_api.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.after_op(out, args, kwargs)
+        if not _torch_api.returns_no_tensor(func):  # a query of metadata makes no storage
+            self.after_op(out, args, kwargs)
         return out
 
     def after_op(self, out, args, kwargs) -> None:
