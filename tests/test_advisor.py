@@ -61,6 +61,27 @@ def test_a_runs_speed_is_read_from_steps_after_the_warm_up_and_autos_checks():
     assert steady_times([3.0], None) == ([3.0], False)
 
 
+def test_a_step_on_a_card_is_timed_to_its_kernels_end(monkeypatch):
+    """The measurement waits for the card's queue at each step's edges (the Trainer reads nothing back each step, so the
+    host's clock alone times the queueing); on the CPU there is nothing to wait for."""
+    import types
+
+    import torch
+
+    from optimum_memopt.advisor.measure import MeasureCallback
+
+    waited = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: waited.append(1))
+    state = types.SimpleNamespace(is_world_process_zero=True)
+    for device, waits in (("cuda", 2), ("cpu", 0)):
+        waited.clear()
+        callback = MeasureCallback("unused.json")
+        callback.meter = types.SimpleNamespace(device=device)
+        callback.on_step_begin(None, state, None)
+        callback.on_step_end(None, state, None)
+        assert len(waited) == waits and len(callback.times) == 1, (device, waited)
+
+
 def test_no_plans_when_baseline_fits():
     c = choose(_report(_row("Gelu+:1:-1", "plan", 450, 1.1)), budget_mb=600)
     assert (c.config, c.level) == ("", 0) and "already fits" in c.reason

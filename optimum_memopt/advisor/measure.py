@@ -77,15 +77,25 @@ class MeasureCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.meter is not None:
+            self._synchronize()
             self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.meter is not None and self._t0 is not None:
+            self._synchronize()
             self.times.append(time.perf_counter() - self._t0)
             if self.unsettled_steps is None:
                 backend, wrapped = self._wrapped(model)
                 if wrapped is None or backend.auto_settled(wrapped):
                     self.unsettled_steps = len(self.times)
+
+    def _synchronize(self) -> None:
+        """On a card, wait for the work queued so far: a step's time is its kernels', not the host's queueing of them
+        (the Trainer reads no value back each step)."""
+        if getattr(self.meter, "device", None) == "cuda":
+            import torch
+
+            torch.cuda.synchronize()
 
     def _wrapped(self, model):
         """(the trainer's backend, the model it wrapped), or (backend, None) where it wrapped none."""
