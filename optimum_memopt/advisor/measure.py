@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from transformers import TrainerCallback
 
@@ -319,7 +319,7 @@ def _run(cmd: List[str], env: dict, timeout: float):
         raise
 
 
-def steady_times(times: List[float], unsettled: Optional[int]) -> "tuple[List[float], bool]":
+def steady_times(times: List[float], unsettled: Optional[int]) -> Tuple[List[float], bool]:
     """The step times a run's speed is read from, and whether they are steady: those after the warm-up
     (`WARMUP_STEPS`) and after every step `auto` measured, checked or reported on (`unsettled`: their count; None
     where it never settled). Where none is left, the steps after the warm-up (else all), said unsteady."""

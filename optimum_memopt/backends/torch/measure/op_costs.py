@@ -15,8 +15,8 @@ _VIEWS_UNSAID = frozenset({"_unsafe_view"})
 
 def op_cost(func, args, kwargs, out) -> Optional[tuple]:
     """An op's (FLOPs, bytes read and written, whether it runs in 16 bits); None for an op that moves nothing: a view,
-    and a query of a tensor's metadata (`prim.device`, dispatched under each `F.linear` of a dry run: priced by its
-    tensor's bytes, 10,945 of them were 1.7 s of an 8B step's 7.4 s at 65,536 tokens on the H200's roofline)."""
+    and a query of a tensor's metadata (`prim.device`, which a fake tensor dispatches: priced by their tensors' bytes,
+    such queries were 1.7 s of an 8B step's 7.4 s at 65,536 tokens on the H200's roofline)."""
     if (
         _torch_api.returns_alias(func)
         or _torch_api.returns_no_tensor(func)

@@ -190,8 +190,8 @@ def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None) -> List
     table's PEAK DROP, within 2% of what runs measure). In a dry run (`HeadMeasure.fake`) every way is weighed as it
     held, and the model's own head as returning no logits to a loop that keeps them: the choice is checked by a fake
     step of the run's own loop, which counts what the card would to the byte and costs only time where it goes over,
-    so neither need keep the search from the whole head (at a tiny decoder's level-1 budget the
-    bound ruled out level 1 itself, and `auto` chose the loss in chunks, 3% slower by the card's roofline)."""
+    so neither need keep the search from the whole head (at a tiny decoder's level-1 budget the bound ruled out level
+    1 itself, and `auto` chose the loss in chunks, 3% slower by the card's roofline)."""
     if head is None:
         return [_choice(ran)]
     ran_option = head.option(head.ran)
