@@ -30,8 +30,8 @@ from optimum_memopt.backends.torch.decide.budget import (
 )
 from optimum_memopt.backends.torch.decide.planner import MARGIN, BudgetPlanner
 from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
-from optimum_memopt.backends.torch.decide.solver import Candidate, candidates, choose, policy_of
-from optimum_memopt.backends.torch.measure.graph import saved_bytes
+from optimum_memopt.backends.torch.decide.solver import Candidate, Relaxation, candidates, choose, policy_of
+from optimum_memopt.backends.torch.measure.graph import saved_bytes, whole_layer
 from optimum_memopt.backends.torch.measure.profile import AFTER_PLACE, HEAD_PLACE, Place, Segment, StepMemory
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 from optimum_memopt.memory import MIB
@@ -112,6 +112,44 @@ def test_prefix_needs_are_met_at_the_least_time(seed):
         assert sum(c.seconds for c in got) == pytest.approx(want)
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_the_relaxation_bounds_the_solver_from_below_and_meets_it_at_a_configuration(seed):
+    """`Relaxation` (what lets `fit` pass over a combination of levers' options) is never above what `choose` answers
+    for the same bytes, whatever the prefix needs under them; with one layer, at the bytes of a configuration on its
+    hull, it is that configuration's time (a bound of 0 would pass the first check, not this one)."""
+    rng = random.Random(seed)
+    per_layer = []
+    for _ in range(4):
+        options = [Candidate(frozenset(), False, 0, 0.0)]
+        options += [
+            Candidate(frozenset({f"op{k}"}), k == 3, (1 << 20) * rng.randint(0, 40), rng.uniform(0.0, 1))
+            for k in range(4)
+        ]
+        per_layer.append(options)
+    relaxed = Relaxation(per_layer)
+    most = [max(c.freed_bytes for c in o) for o in per_layer]
+    assert relaxed.least_seconds(0) == 0.0 and relaxed.least_seconds(sum(most) + 1) == float("inf")
+    for _ in range(12):
+        needs = [rng.randint(-5, sum(most[: i + 1])) * (1 << 20) // 2 for i in range(4)]
+        got = choose(per_layer, 0, prefix_needs=needs)
+        if got is not None:
+            assert relaxed.least_seconds(max(needs)) <= sum(c.seconds for c in got) * (1 + 1e-12)
+    one = Relaxation(per_layer[:1])
+    for c in per_layer[0]:
+        answer = choose(per_layer[:1], c.freed_bytes)
+        bound = one.least_seconds(c.freed_bytes)
+        assert bound <= sum(a.seconds for a in answer) * (1 + 1e-12)
+        on_hull = all(  # no two others the bytes lie between cost less in the line between them
+            not (a.freed_bytes < c.freed_bytes < b.freed_bytes)
+            or (a.seconds * (b.freed_bytes - c.freed_bytes) + b.seconds * (c.freed_bytes - a.freed_bytes))
+            >= c.seconds * (b.freed_bytes - a.freed_bytes)
+            for a in per_layer[0]
+            for b in per_layer[0]
+        ) and all(a.seconds >= c.seconds or a.freed_bytes < c.freed_bytes for a in per_layer[0])
+        if on_hull:
+            assert bound == pytest.approx(sum(a.seconds for a in answer))
+
+
 # -- the peak model and the fit ---------------------------------------------------------------------------------------
 
 
@@ -190,6 +228,51 @@ def test_the_head_is_chosen_with_the_layers_in_one_solve(profile, share):
     if share == 1.0:
         assert result.config() == "" and chosen.plan == ""
     assert fit(profile, mem, floor - 1, whole(), levers=[heads]).choice is None
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_fit_over_two_levers_is_every_combinations_least_time(profile, seed):
+    """With two levers (the head's ways and one that needs some layers recomputed whole, as the tiled MLP does), the
+    fit's answer is the least time over every combination of their options and the layers' configurations that fits
+    (`fit` passes over combinations its bound says cannot win: the answer is the same)."""
+    rng = random.Random(seed)
+    per_layer = candidates(profile)
+    q = freed_bytes(profile, whole())
+    base = 10 << 20
+    mem = memory_of([base + 1000] * L, base + 3 * sum(q), [base + 4000] * L, base)
+    heads = [head("")] + [
+        head(f"Loss+:1:-1@chunks{2**k}", rng.randint(1, 2 * sum(q)), rng.uniform(0.0, 0.01)) for k in range(1, 4)
+    ]
+    tiles = [LeverChoice("mlp")] + [
+        LeverChoice(
+            "mlp",
+            None,
+            f"tiles{k}",
+            ((Place.backward(k % L), rng.randint(0, sum(q))),),
+            rng.uniform(0.0, 0.01),
+            recomputed=tuple(range(k % L + 1)),
+        )  # fmt: skip
+        for k in range(1, 4)
+    ]
+    wholes = [whole_layer(rec.graph, rec.op_seconds) for rec in profile.layers]  # what a forced layer runs
+    wholes = [Candidate(frozenset(), True, w.freed_bytes, w.seconds) for w in wholes]
+    plain = predict(mem, q, [0] * L).peak_bytes
+    floor = predict(mem, q, [max(c.freed_bytes for c in o) for o in per_layer], levers=[heads[-1]]).peak_bytes
+    for share in (0.0, 0.3, 0.6, 1.0):
+        budget = int(floor + share * (plain - floor))
+        result = fit(profile, mem, budget, whole(), levers=[heads, tiles])
+        best = None
+        for h, t in itertools.product(heads, tiles):
+            allowed = [[wholes[i]] if i in t.recomputed else o for i, o in enumerate(per_layer)]
+            for combo in itertools.product(*allowed):
+                if predict(mem, q, [c.freed_bytes for c in combo], levers=[h, t]).peak_bytes <= budget:
+                    seconds = sum(c.seconds for c in combo) + h.seconds + t.seconds
+                    best = seconds if best is None or seconds < best else best
+        if best is None:
+            assert result.choice is None
+            continue
+        assert result.choice is not None and result.predicted.peak_bytes <= budget
+        assert result.recompute_seconds == pytest.approx(best, rel=1e-9)
 
 
 def head(plan: str, less: int = 0, seconds: float = 0.0) -> LeverChoice:

@@ -33,7 +33,7 @@ from ....plans import LeverOption, PlanEntry, layer_selector, lever_syntax, pars
 from ..measure.graph import effect, saved_bytes, whole_layer
 from ..measure.profile import ModelProfile, Place, Segment, StepMemory
 from ..policy import LAYER, OPS, RecomputePolicy
-from .solver import KEEP, Candidate, candidates, choose, policy_of
+from .solver import KEEP, Candidate, Relaxation, candidates, choose, policy_of
 
 
 def freed_bytes(profile: ModelProfile, policy: RecomputePolicy) -> List[int]:
@@ -352,6 +352,12 @@ class Fit:
         return ",".join([str(e) for e in plan_entries(self.choice)] + [c.plan for c in self.levers if c.plan])
 
 
+# a combination's least time (`solver.Relaxation`) is lowered by this share before it is compared with a time
+# found: the two sums add the same seconds in different orders, and a bound a rounding above the time would pass over
+# the combination that ties it
+BOUND_SLACK = 1e-9
+
+
 def fit(
     profile: ModelProfile,
     memory: StepMemory,
@@ -367,19 +373,28 @@ def fit(
     layers' least-time choice under the budget with the segments the options act in moved by what they hold less;
     the least total time wins (the options' `cost` included).
 
-    The combinations are tried from the least time they could take (their options' cost and the whole-layer
-    recompute they force: `_combinations`); once one fits, those that could take no less are not solved. The answer
-    is the one trying every combination in the levers' order gives: of equal times, the first in that order."""
+    The combinations are tried from the least time they could take (their options' cost and the least the layers can
+    take to free what their segments need: `solver.Relaxation`, a bound the dynamic programme cannot beat); once
+    one fits, those that could take no less are not solved. The answer is the one trying every combination in the
+    levers' order gives: of equal times, the first in that order."""
     per_layer, q, result, combos, moved = _start(profile, memory, measured, extra_bytes, per_layer, levers)
     result.budget_bytes = budget_bytes
+    bounded = []  # each combination with its needs and the least time it can take for them (`solver.Relaxation`)
+    relaxed: Dict[int, Relaxation] = {}  # id(allowed) -> its bound (the combinations share a few lists of candidates)
+    for order, combo, allowed, floor, _ in combos:
+        needs, why_not = _needs(moved, q, budget_bytes, extra_bytes + sum(c.returned for c in combo), combo,
+                                len(per_layer))  # fmt: skip
+        if id(allowed) not in relaxed:
+            relaxed[id(allowed)] = Relaxation(allowed)
+        at_least = sum(c.cost for c in combo) + relaxed[id(allowed)].least_seconds(max(needs, default=0))
+        bounded.append((at_least * (1 - BOUND_SLACK), order, combo, allowed, floor, needs, why_not))
+    bounded.sort(key=lambda entry: entry[:2])
     best, closest = None, None  # closest: (the least peak of a combination that does not fit, its order, why not)
-    for order, combo, allowed, floor, at_least in combos:
-        if best is not None and at_least > best[0] * (1 + 1e-12):
+    for at_least, order, combo, allowed, floor, needs, why_not in bounded:
+        if best is not None and at_least > best[0]:
             break  # sorted: every combination after it takes more than the one found
         if best is not None and at_least >= best[0] and order > best[3]:
             continue  # it could at best tie, and a tie keeps the first in order
-        extra = extra_bytes + sum(c.returned for c in combo)
-        needs, why_not = _needs(moved, q, budget_bytes, extra, combo, len(per_layer))
         least = floor.peak_bytes
         if why_not is None and least > budget_bytes:
             why_not = (
@@ -451,11 +466,6 @@ def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice], wh
     return allowed
 
 
-def _floor(moved: _Moved, q, per_layer, extra_bytes: int, levers: Sequence[LeverChoice]) -> Prediction:
-    most = [max(c.freed_bytes for c in options) for options in per_layer]
-    return moved.predict(q, most, extra_bytes + sum(c.returned for c in levers), levers)
-
-
 def fit_share(
     profile: ModelProfile,
     memory: StepMemory,
@@ -499,16 +509,24 @@ def _start(profile, memory, measured, extra_bytes, per_layer, levers: Sequence[S
 def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Sequence[Sequence[LeverChoice]]) -> list:
     """Each combination of one option per lever whose layers can run it: (its place in the levers' order, its options,
     each layer's candidates with them, the least peak they reach, the least time they can take: their options' cost
-    and the whole-layer recompute they force, every other layer kept), ordered by that least time, then by place."""
+    and the whole-layer recompute they force, every other layer kept), ordered by that least time, then by place.
+    Combinations that force the same layers whole share one list of candidates (one object: `fit` bounds each list
+    once)."""
     wholes: Dict[int, Candidate] = {}
+    lists: Dict[frozenset, tuple] = {}  # the layers forced whole -> (each layer's candidates, the most each frees)
     out = []
     for order, combo in enumerate(itertools.product(*levers)):
-        allowed = _allowed(profile, per_layer, combo, wholes)
+        forced = frozenset(i for c in combo for i in c.recomputed if i < len(per_layer))
+        if forced not in lists:
+            allowed = _allowed(profile, per_layer, combo, wholes)
+            most = None if allowed is None else [max(c.freed_bytes for c in options) for options in allowed]
+            lists[forced] = (allowed, most)
+        allowed, most = lists[forced]
         if allowed is None:
             continue
-        forced = {i for c in combo for i in c.recomputed if i < len(per_layer)}
         at_least = sum(c.cost for c in combo) + sum(wholes[i].seconds for i in forced)
-        out.append((order, combo, allowed, _floor(moved, q, allowed, extra_bytes, combo), at_least))
+        floor = moved.predict(q, most, extra_bytes + sum(c.returned for c in combo), combo)  # each freeing the most
+        out.append((order, combo, allowed, floor, at_least))
     out.sort(key=lambda entry: (entry[4], entry[0]))
     return out
 

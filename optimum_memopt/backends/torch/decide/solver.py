@@ -8,9 +8,10 @@ Where the peak falls and how many bytes must go (the budget against the measured
 answers "free N bytes for the least time" from step one's profile. Pure (numpy for the table, no torch state).
 """
 
+import bisect
 import math
 from dataclasses import dataclass
-from typing import FrozenSet, List, Optional, Sequence
+from typing import Dict, FrozenSet, List, Optional, Sequence
 
 import numpy as np
 
@@ -128,6 +129,53 @@ def choose(
         chosen.append(options[int(pick[b])])
         b = int(prev[b])
     return list(reversed(chosen))
+
+
+class Relaxation:
+    """A lower bound of what `choose` can answer over `per_layer` for any bytes to free (and any prefix needs up to
+    them): the least seconds of freeing that many bytes where a layer may take a share of a step between two of its
+    configurations (the knapsack's linear relaxation: each layer from its quickest configuration along the lower
+    convex hull of its (bytes, seconds), the steps of every layer taken cheapest per byte first). Built once for a
+    set of candidates (a few microseconds a configuration), then asked for a figure by a binary search, where a
+    `choose` walks its table: what lets `budget.fit` pass over combinations of the levers' options that cannot beat
+    one already found."""
+
+    def __init__(self, per_layer: Sequence[Sequence[Candidate]]):
+        self.seconds, self.freed, steps = 0.0, 0, []
+        for options in per_layer:
+            quickest: Dict[int, float] = {}  # bytes -> the least seconds that free them
+            for c in options:
+                quickest[c.freed_bytes] = min(c.seconds, quickest.get(c.freed_bytes, math.inf))
+            start = min(quickest.items(), key=lambda p: (p[1], -p[0]))  # the quickest, freeing the most of those
+            self.seconds += start[1]
+            self.freed += start[0]
+            hull = [start]
+            for point in sorted(p for p in quickest.items() if p[0] > start[0]):  # each takes no less than the start
+                while len(hull) >= 2 and _turns_up(hull[-2], hull[-1], point):
+                    hull.pop()
+                hull.append(point)
+            steps += [((b[1] - a[1]) / (b[0] - a[0]), b[0] - a[0]) for a, b in zip(hull, hull[1:])]
+        steps.sort()
+        self._per_byte = [per_byte for per_byte, _ in steps]
+        self._bytes, self._seconds = [0], [0.0]  # after the first k steps: the bytes they free, the seconds they take
+        for per_byte, size in steps:
+            self._bytes.append(self._bytes[-1] + size)
+            self._seconds.append(self._seconds[-1] + per_byte * size)
+
+    def least_seconds(self, need_bytes: int) -> float:
+        """The bound for freeing `need_bytes`; `math.inf` where the layers cannot free that many."""
+        missing = need_bytes - self.freed
+        if missing <= 0:
+            return self.seconds
+        if missing > self._bytes[-1]:
+            return math.inf
+        k = bisect.bisect_left(self._bytes, missing)  # the k-th step is the one taken in part
+        return self.seconds + self._seconds[k - 1] + self._per_byte[k - 1] * (missing - self._bytes[k - 1])
+
+
+def _turns_up(a, b, c) -> bool:
+    """Whether b lies on or above the segment from a to c (b is then off the lower hull)."""
+    return (b[1] - a[1]) * (c[0] - a[0]) >= (c[1] - a[1]) * (b[0] - a[0])
 
 
 def _unit(per_layer, need_bytes: int) -> int:
