@@ -183,8 +183,10 @@ def test_a_step_the_dry_run_cannot_measure_stops_the_run_before_step_one(tmp_pat
 def test_each_check_is_read_as_its_step_ends_and_the_answer_runs_again_only_where_an_earlier_check_was_it(recipes):
     """The search reads each check as its step ends (`BudgetPlanner.check_ended`): where the check just read is the
     answer, the dry run stops there (its step is the answer's, as a dry run of the choice as fixed plans counts it);
-    where the answer is an earlier check (the last went over, or kept no less), one more step runs it. Budgets between
-    level 1 + `Loss+`'s peak and eager's take both ways at this size."""
+    where the answer is an earlier check (the last went over, or kept no less), one more step runs it where the last
+    step is priced (`memopt-plan`'s rows), and none where it is not (a run's own dry run): that check's step stands
+    for it (`DryRun.answer_step`), the same choice and figure. Budgets between level 1 + `Loss+`'s peak and eager's
+    take both ways at this size."""
     low, high = recipes["level 1 + Loss+"].peak_bytes / MIB, recipes["eager"].peak_bytes / MIB
     ways = set()
     for k in (3, 4, 5, 6):
@@ -196,6 +198,14 @@ def test_each_check_is_read_as_its_step_ends_and_the_answer_runs_again_only_wher
         assert len(result.step_peaks) == 1 + len(checks) + again, (budget, checks, choice)
         assert result.step_peaks[-1] == result.fit.predicted.peak_bytes <= budget * MIB, (budget, result.auto)
         assert dry_run(SPEC, choice, **CARD).peak_bytes == result.fit.predicted.peak_bytes, (budget, choice)
+        unpriced = dry_run(SPEC, "auto", budget_mb=budget, kernels=CARD["kernels"])  # the same roofline, no price
+        assert unpriced.fit.config() == choice and unpriced.auto["checks"] == checks, (budget, unpriced.auto)
+        assert len(unpriced.step_peaks) == 1 + len(checks), (budget, checks, choice)
+        answer = unpriced.answer_step
+        assert answer == (-1 if not again else next(k for k, c in enumerate(checks) if c["config"] == choice) + 1)
+        assert unpriced.step_peaks[answer] == unpriced.fit.predicted.peak_bytes == result.fit.predicted.peak_bytes
+        (parts, at), (priced_parts, priced_at) = unpriced.step_parts[answer], result.step_parts[-1]
+        assert parts == priced_parts and at.partition(", ")[2] == priced_at.partition(", ")[2], (at, priced_at)
     assert ways == {False, True}, "these budgets no longer take both ways: choose others that do"
 
 

@@ -466,12 +466,12 @@ def _fill(
     conf: Configuration, result: DryRun, budget_mb: Optional[float], choice_only: bool = False, host_mb=None
 ) -> None:
     """The configuration's figures from its dry run: the whole run's highest count; `auto`'s (`choice_only`), its
-    choice's step's, the last: a training run's `auto` starts from a dry run of its own step, and its step one runs
-    the choice (`backends.torch.decide.from_plan`), never the step this dry run measured the choice from (every layer
-    recomputed whole, the MLP whole: at long sequence more than the choice)."""
+    choice's step's (`DryRun.answer_step`): a training run's `auto` starts from a dry run of its own step, and its
+    step one runs the choice (`backends.torch.decide.from_plan`), never the step this dry run measured the choice
+    from (every layer recomputed whole, the MLP whole: at long sequence more than the choice)."""
     peak, parts, at = result.peak_bytes, result.parts, result.peak_at
     if choice_only and result.step_parts:
-        peak, (parts, at) = result.step_peaks[-1], result.step_parts[-1]
+        peak, (parts, at) = result.step_peaks[result.answer_step], result.step_parts[result.answer_step]
     conf.peak_mb = peak / MIB
     conf.before_training_mb = result.before_training_bytes / MIB
     conf.parts_mb = {p: b / MIB for p, b in parts.items()}

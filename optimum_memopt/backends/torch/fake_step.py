@@ -221,6 +221,9 @@ class DryRun:
     problem: Optional[str] = None
     step_peaks: List[int] = field(default_factory=list)  # each step's highest count
     step_parts: List[tuple] = field(default_factory=list)  # each step's highest count by part, and where it was
+    # `auto`'s: the step whose figures are its choice's (in `step_peaks`, `step_parts`): the last, or an earlier
+    # check's where the dry run ended without running its answer again (no step priced)
+    answer_step: int = -1
     step_seconds: Optional[float] = None  # the last step on the cost device's roofline
     # where the step ran layers but not the layer list's first (a VLM's tower on text alone): what to say, the flag
     # for the layers that ran (`RecomputeState.first_layer_idle`)
@@ -582,7 +585,9 @@ def run(
     holds what every later one does. Under `auto` step one measures and each step after it runs a choice, checked
     as the next one starts (`BudgetPlanner.search`: at most `search_checks` choices, the budget the solver is given
     moved by what each check measured), and the last runs the least recompute whose step fitted: `DryRun.fit`, its
-    figure that step's, and `step_peaks[-1]` / `step_parts[-1]` the step a run's step one runs. The ops' times the
+    figure that step's, and `step_peaks[answer_step]` / `step_parts[answer_step]` the step a run's step one runs
+    (where the answer is an earlier check's and no step is priced, no step runs it again: `answer_step` that
+    check's step; else the last). The ops' times the
     engine profiles (what the solver weighs recompute by) are `instruments.device`'s roofline, and with `price_step`
     the last step's ops are priced on it (`DryRun.step_seconds`); the backend goes on the model through
     `instruments.wrap`. `fake` False runs the same step on real tensors on `device` under the same count and clock
@@ -695,7 +700,7 @@ def run(
         handles = _marks(model, layers, count)
         before = count.current
         _prime(optimizer, params, count)
-        step_peaks, step_parts = [], []
+        step_peaks, step_parts, answer_step = [], [], -1
         planner = handle.planner if handle is not None and plans == "auto" else None
         if planner is not None:  # each choice checked by a step of its own (`BudgetPlanner.search`)
             planner.driven_by_a_dry_run(
@@ -703,7 +708,8 @@ def run(
                 alone=batch is not None,
                 # held across micro-batches: a later one holds them (as the Trainer says a run's)
                 grad_bytes=sum(_local_bytes(p) for p in params) if spec.grad_accum > 1 else 0,
-                peaked_where=lambda: step_parts[-1][1].partition(", ")[2] if step_parts else "",  # the mark
+                # the mark of the k-th check's peak: its step is the one after step one and the k checks before
+                peaked_where=lambda k: step_parts[k + 1][1].partition(", ")[2] if len(step_parts) > k + 1 else "",
             )
         try:
             step = 0
@@ -730,11 +736,15 @@ def run(
                     handle.step_done()
                 step_peaks.append(count.step_top)
                 step_parts.append((dict(count.step_top_parts), count.step_top_at))
-                # `auto`: step one measures, each step after it runs a choice, checked as its step ends; the last
-                # runs the search's answer (its planner done), and is the step the figures are read from: the check
-                # just read where that was the answer, else one more step running it
+                # `auto`: step one measures, each step after it runs a choice, checked as its step ends; the step the
+                # figures are read from is the answer's: the check just read where that was the answer, else an
+                # earlier check's, or, where the last step is priced, one more step running it
                 if planner is not None and step >= steps:
                     planner.check_ended()
+                    # the answer an earlier check's: its step stands for it, unless the last step is to be priced
+                    earlier = None if price_step else planner.end_at_earlier_check()
+                    if earlier is not None:
+                        answer_step = earlier + 1  # after step one, a step a check
                 if planner is None or (step >= steps and planner.settled):
                     break
                 if step >= steps + planner.search_checks:
@@ -752,6 +762,7 @@ def run(
         seconds=time.perf_counter() - began,
         step_peaks=step_peaks,
         step_parts=step_parts,
+        answer_step=answer_step,
         running=running,
         attention=dict(attention.ran) if attention is not None else None,
     )

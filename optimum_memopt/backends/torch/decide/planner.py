@@ -169,13 +169,14 @@ class Search:
     `alone`: choose for this process alone whatever group is up (a dry run of a run's own step)."""
 
     alone: bool
-    peaked_where: Callable[[], str]  # where the step a check read peaked
+    peaked_where: Callable[[int], str]  # where the step of a check peaked (0: the first check's)
     tried: List[tuple] = field(default_factory=list)  # (the choice, its step's measured peak in bytes), in order
     searched: Optional[Fit] = None  # the answer, its `predicted` the peak its step measured
     # a check read as its step ended (`check_ended`): the next step starts what it decided, the next check or the
     # answer (`finish_next`: an earlier check's choice, run again as the last step)
     decided: bool = False
     finish_next: bool = False
+    answer_at: Optional[int] = None  # where `finish_next`: the answer's place in `tried` (0: the first check)
     last_start: Optional[StepStart] = None  # the engine's last word that a step starts (step one's profile in it)
 
 
@@ -284,11 +285,11 @@ class BudgetPlanner:
         outside the step to leave its state out; let go of once step one started (`before_step_one`)."""
         self.start.optimizer = optimizer
 
-    def driven_by_a_dry_run(self, alone: bool, grad_bytes: int, peaked_where: Callable[[], str]) -> None:
+    def driven_by_a_dry_run(self, alone: bool, grad_bytes: int, peaked_where: Callable[[int], str]) -> None:
         """A dry run drives this planner (`fake_step.run`), whose steps count what the card would to the byte: each
         choice is checked by a step of its own (`search`). `alone`: it is a run's own step, dry-run in one of its
         processes (no collective); `grad_bytes`: the gradients held across micro-batches (0 without accumulation);
-        `peaked_where()`: where the step a check read peaked."""
+        `peaked_where(k)`: where the step of the k-th check peaked (0: the first)."""
         self.search = Search(alone, peaked_where)
         if grad_bytes:
             self.grad_bytes = grad_bytes
@@ -650,7 +651,8 @@ class BudgetPlanner:
             best, measured = min(within, key=lambda fp: (fp[0].recompute_seconds, fp[1]))
         else:
             best, measured = min(self.search.tried, key=lambda fp: fp[1])
-        where = self.search.peaked_where() or best.predicted.where
+        answer_at = next(k for k, (f, _) in enumerate(self.search.tried) if f is best)
+        where = self.search.peaked_where(answer_at) or best.predicted.where
         self.search.searched = replace(best, predicted=Prediction(measured, where))
         if at_end and best is self.search.tried[-1][0]:  # the step just read ran it: the dry run ends there
             self._finish()
@@ -658,8 +660,22 @@ class BudgetPlanner:
         self._run(best)
         if at_end:
             self.search.finish_next = True  # the next step runs it, and is the dry run's last
+            self.search.answer_at = answer_at
         else:
             self._finish()
+
+    def end_at_earlier_check(self) -> Optional[int]:
+        """Where a dry run's search found its answer in an earlier check than the last (`Search.finish_next`): the
+        search ends without a step running it again, its figure that check's step's (a dry run's steps are exact and
+        the same each time a choice runs); the check's place in the order made (0: the first). None, and nothing
+        changed, where the search has not ended so."""
+        search = self.search
+        if search is None or not search.finish_next or search.answer_at is None:
+            return None
+        search.finish_next = search.decided = False
+        self.choices.pending = None  # no step runs it here
+        self._finish()
+        return search.answer_at
 
     def _finish(self) -> None:
         self._write()
