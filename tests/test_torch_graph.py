@@ -97,3 +97,33 @@ def test_the_frontier_offers_chains_that_free_more_for_their_time():
     assert most.freed_bytes == saved_bytes(graph) and ops == {"MatMul", "silu", "Mul"}  # the whole MLP, chained
     for ops, e in front:  # each is the smallest set with its effect
         assert all(effect(graph, ops - {name}).freed != e.freed for name in ops if len(ops) > 1)
+
+
+def test_the_frontier_is_searched_once_for_layers_alike_in_structure_and_op_times():
+    """Layers of one structure whose op calls take the same times (a dry run's repeated blocks on a roofline) share
+    one frontier search; a layer whose ops take other times (a card's measured step) gets its own, with its times."""
+    import copy
+    import dataclasses
+
+    from optimum_memopt.backends.torch.measure import graph as graphs
+
+    graph = graph_of(gated_mlp).graph
+    twin = copy.deepcopy(graph)  # the same structure and times, another object (another layer's record)
+    searched = []
+    real = graphs._frontier
+
+    def counted(g, limit):
+        searched.append(g)
+        return real(g, limit)
+
+    graphs._frontier = counted
+    try:
+        first, again = frontier(graph), frontier(twin)
+        slower = copy.deepcopy(graph)
+        slower.nodes = [dataclasses.replace(n, seconds=n.seconds * 2 + 1e-3) for n in graph.nodes]
+        other = frontier(slower)
+    finally:
+        graphs._frontier = real
+    assert [(ops, e) for ops, e in first] == [(ops, e) for ops, e in again]
+    assert not any(g is twin for g in searched) and any(g is slower for g in searched), searched
+    assert other and all(e.seconds == effect(slower, ops).seconds != effect(graph, ops).seconds for ops, e in other)

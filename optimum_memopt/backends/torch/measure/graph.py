@@ -17,7 +17,8 @@ from ..rule import KEPT, RecomputeRule
 
 PARAM = -1  # an input that is a parameter (or a leaf that requires grad): always there at backward
 
-# a graph's signature -> plan names -> (freed, recomputed, bytes freed): `LayerGraph.effects_known`
+# a graph's signature -> plan names -> (freed, recomputed, bytes freed): `LayerGraph.effects_known`; and
+# ("frontier", limit, each node's op time) -> that frontier (`frontier`)
 _KNOWN: Dict[tuple, Dict[FrozenSet[str], tuple]] = {}
 
 
@@ -176,7 +177,18 @@ def saved_bytes(graph: LayerGraph) -> int:
 def frontier(graph: LayerGraph, limit: int = 12) -> List[Tuple[FrozenSet[str], Effect]]:
     """The plan-name sets worth offering for this layer: each frees more bytes than every set that recomputes less
     op time (a Pareto front of bytes freed against recompute time), each the smallest set with its effect. Sets of
-    up to `limit` names are tried exhaustively (the names that make the most saved bytes first)."""
+    up to `limit` names are tried exhaustively (the names that make the most saved bytes first). Found once for the
+    layers of one structure whose op calls take the same times (a dry run's repeated blocks, timed on a roofline:
+    32 layers of an 8B model, one search of 4,095 sets instead of 32)."""
+    known = graph.effects_known()
+    key = ("frontier", limit, tuple(n.seconds for n in graph.nodes))
+    found = known.get(key)
+    if found is None:
+        found = known[key] = _frontier(graph, limit)
+    return list(found)
+
+
+def _frontier(graph: LayerGraph, limit: int) -> List[Tuple[FrozenSet[str], Effect]]:
     names = graph.plans()[:limit]
     best: Dict[FrozenSet[int], Tuple[FrozenSet[str], Effect]] = {}
     for r in range(1, len(names) + 1):
