@@ -180,13 +180,20 @@ def test_a_step_the_dry_run_cannot_measure_stops_the_run_before_step_one(tmp_pat
     assert trainer.losses == []
 
 
-def test_each_check_is_read_as_its_step_ends_and_the_answer_runs_again_only_where_an_earlier_check_was_it(recipes):
+def test_each_check_is_read_as_its_step_ends_and_the_answer_runs_again_only_where_an_earlier_check_was_it(
+    recipes, monkeypatch
+):
     """The search reads each check as its step ends (`BudgetPlanner.check_ended`): where the check just read is the
     answer, the dry run stops there (its step is the answer's, as a dry run of the choice as fixed plans counts it);
     where the answer is an earlier check (the last went over, or kept no less), one more step runs it where the last
     step is priced (`memopt-plan`'s rows), and none where it is not (a run's own dry run): that check's step stands
-    for it (`DryRun.answer_step`), the same choice and figure. Budgets between level 1 + `Loss+`'s peak and eager's
-    take both ways at this size."""
+    for it (`DryRun.answer_step`), the same choice and figure. With what each check reads corrected for, the first
+    check is the answer at every budget at this size (the next test); the search is taken here as it runs where a
+    check's segments cannot be read (`_learn` reading nothing: the budget moved by what each check measured), where
+    budgets between level 1 + `Loss+`'s peak and eager's take both ways."""
+    from optimum_memopt.backends.torch.decide.planner import BudgetPlanner
+
+    monkeypatch.setattr(BudgetPlanner, "_learn", lambda self, result: False)
     low, high = recipes["level 1 + Loss+"].peak_bytes / MIB, recipes["eager"].peak_bytes / MIB
     ways = set()
     for k in (3, 4, 5, 6):
@@ -263,3 +270,18 @@ def test_a_layer_recomputed_whole_holds_its_input_which_no_other_policy_holds():
     # rsqrt of 2 x 128 floats read 32 bytes apart); counting the inputs freed put it n inputs (64 KiB here) above
     apart = head.peak_bytes + sum(q) - sum(f) - real.peak_bytes
     assert abs(apart) < 512 * n < n * layer.input_bytes, (head.peak_bytes, sum(q) - sum(f), real.peak_bytes)
+
+
+def test_what_a_check_reads_corrects_the_next_choice_to_the_byte(recipes):
+    """Each check is watched segment by segment (`BudgetPlanner._check_watch`) and what it reads beyond its
+    prediction corrects the next solve (`budget.Corrections`: a configuration's own forward and backward, a segment
+    the levers' options are weighed in by a bound), made for the budget itself. At eager's own peak the first
+    choice, predicted from step one, recomputes a little and peaks below its prediction; the corrected solve then
+    finds that the plain step fits, and its figure is the step's to the byte: two checks, no more (the search moved
+    the budget by each check's reading before, and walked four checks at 8B)."""
+    eager = recipes["eager"].peak_bytes
+    result = dry_run(SPEC, "auto", budget_mb=eager / MIB, **CARD)
+    checks = result.auto["checks"]
+    assert len(checks) == 2 and checks[0]["predicted_peak_mb"] != checks[0]["measured_peak_mb"], checks
+    assert checks[1]["predicted_peak_mb"] == checks[1]["measured_peak_mb"] == eager / MIB, checks
+    assert result.fit.config() == "" and result.step_peaks[-1] == eager

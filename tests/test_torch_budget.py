@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from torch_engine import engine, keep, pair, step
 
 from optimum_memopt import MemoptTrainer, MemoptTrainingArguments
 from optimum_memopt.backends.torch.decide.budget import (
+    Corrections,
     LeverChoice,
     as_kept,
     fit,
@@ -27,10 +29,11 @@ from optimum_memopt.backends.torch.decide.budget import (
     merged,
     plan_entries,
     predict,
+    segment_peaks,
 )
 from optimum_memopt.backends.torch.decide.planner import MARGIN, BudgetPlanner
 from optimum_memopt.backends.torch.decide.report import _freed, _peak_drop
-from optimum_memopt.backends.torch.decide.solver import Candidate, Relaxation, candidates, choose, policy_of
+from optimum_memopt.backends.torch.decide.solver import Candidate, OwnNeeds, Relaxation, candidates, choose, policy_of
 from optimum_memopt.backends.torch.measure.graph import saved_bytes, whole_layer
 from optimum_memopt.backends.torch.measure.profile import AFTER_PLACE, HEAD_PLACE, Place, Segment, StepMemory
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
@@ -110,6 +113,59 @@ def test_prefix_needs_are_met_at_the_least_time(seed):
             running += c.freed_bytes
             assert running >= need
         assert sum(c.seconds for c in got) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_layers_own_needs_are_met_by_its_own_candidate(seed):
+    """`OwnNeeds`: layer i's forward needs the first i + 1 layers to free its figure and its backward the first i,
+    each moved by what the layer's own candidate holds there beyond the prediction; the least time meeting them all
+    with the prefix needs, as every combination tried says."""
+    rng = random.Random(seed)
+    mib = 1 << 20
+    per_layer = []
+    for _ in range(4):
+        options = [Candidate(frozenset(), False, 0, 0.0)]
+        options += [
+            Candidate(frozenset({f"op{k}"}), False, mib * rng.randint(1, 40), rng.uniform(0.01, 1)) for k in range(3)
+        ]
+        per_layer.append(options)
+    most = [max(c.freed_bytes for c in o) for o in per_layer]
+    for _ in range(8):
+        needs = [rng.randint(-5, sum(most[: i + 1])) * mib // 3 for i in range(4)]
+        own = [
+            None
+            if rng.random() < 0.25
+            else OwnNeeds(
+                rng.randint(-10, sum(most[: i + 1])) * mib // 2,
+                rng.randint(-10, sum(most[:i]) + 1) * mib // 2,
+                tuple((rng.randint(-8, 8) * mib, rng.randint(-8, 8) * mib) for _ in per_layer[i]),
+            )
+            for i in range(4)
+        ]
+        want = None
+        for combo in itertools.product(*[list(enumerate(o)) for o in per_layer]):
+            running, ok = 0, True
+            for i, ((k, c), need) in enumerate(zip(combo, needs)):
+                before, running = running, running + c.freed_bytes
+                if own[i] is not None:
+                    forward, backward = own[i].thresholds(k)
+                    ok = ok and running >= forward and before >= backward
+                ok = ok and running >= need
+            if ok:
+                t = sum(c.seconds for _, c in combo)
+                want = t if want is None or t < want else want
+        got = choose(per_layer, 0, prefix_needs=needs, own=own)
+        if want is None:
+            assert got is None
+            continue
+        assert got is not None and sum(c.seconds for c in got) == pytest.approx(want)
+        running = 0
+        for i, (c, need) in enumerate(zip(got, needs)):
+            before, running = running, running + c.freed_bytes
+            assert running >= need
+            if own[i] is not None:
+                forward, backward = own[i].thresholds(per_layer[i].index(c))
+                assert running >= forward and before >= backward
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -273,6 +329,57 @@ def test_the_fit_over_two_levers_is_every_combinations_least_time(profile, seed)
             continue
         assert result.choice is not None and result.predicted.peak_bytes <= budget
         assert result.recompute_seconds == pytest.approx(best, rel=1e-9)
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.6, 1.0])
+def test_what_checks_read_moves_the_fit_as_every_combination_so_corrected_says(profile, share):
+    """`Corrections` learned from a check (each segment it read against the prediction for its choice) move each
+    later figure: a layer's own forward and backward by its configuration's difference (by layer, else the most any
+    layer read under it), the head by the options'. The fit with them is the least time of every combination whose
+    figure so moved fits, and the figure it gives is so moved; the check's own choice is then predicted as read."""
+    per_layer = candidates(profile)
+    q = freed_bytes(profile, whole())
+    base = 10 << 20
+    mem = memory_of([base + 1000] * L, base + 5000, [base + 4000] * L, base)
+    mem = StepMemory("cpu", [replace(seg, own=seg.place.layer) for seg in mem.segments], 0, "test")  # as a watch reads
+    heads = [head(""), head("Loss+:1:-1@chunks2", sum(q) // 3, 0.001)]
+    checked = [max(o, key=lambda c: c.freed_bytes) for o in per_layer]  # the choice a check ran
+    checked[0] = per_layer[0][len(per_layer[0]) // 2]
+    predicted = segment_peaks(mem, q, [c.freed_bytes for c in checked], levers=[heads[1]])
+    read = [(place, value + (sum(q) // 5 if place.kind == "forward" else -sum(q) // 7) * (place.layer == 0))
+            for place, value in predicted]  # fmt: skip
+    read = [(p, v - 999) if p == HEAD_PLACE else (p, v) for p, v in read]
+    measured = StepMemory("cpu", [Segment(p, s.held, 0, v, s.own) for (p, v), s in zip(read, mem.segments)], 0, "t")
+    corrections = Corrections()
+    corrections.learn(predicted, measured, checked, [heads[1]])
+    offsets = {(i, c.label, kind): corrections.of_own(i, c.label, kind)
+               for i, o in enumerate(per_layer) for c in o for kind in ("forward", "backward")}  # fmt: skip
+    forward, backward = offsets[0, checked[0].label, "forward"], offsets[0, checked[0].label, "backward"]
+    assert (forward, backward) == (sum(q) // 5, -sum(q) // 7)
+    plain = predict(mem, q, [0] * L).peak_bytes
+    floor = predict(mem, q, [max(c.freed_bytes for c in o) for o in per_layer], levers=[heads[1]]).peak_bytes
+    budget = int(floor + share * (plain - floor))
+    result = fit(profile, mem, budget, whole(), per_layer=per_layer, levers=[heads], corrections=corrections)
+    best = None
+    for h in heads:
+        for combo in itertools.product(*per_layer):
+            figure = max(
+                value + int(corrections.offsets(mem, list(combo), [h])[k])
+                for k, (_, value) in enumerate(segment_peaks(mem, q, [c.freed_bytes for c in combo], levers=[h]))
+            )
+            if figure <= budget:
+                t = sum(c.seconds for c in combo) + h.seconds
+                best = (t, figure) if best is None or t < best[0] else best
+    if best is None:
+        assert result.choice is None
+    else:
+        assert result.choice is not None and result.recompute_seconds == pytest.approx(best[0])
+        moved = corrections.offsets(mem, result.choice, result.levers)
+        figures = segment_peaks(mem, q, [c.freed_bytes for c in result.choice], levers=result.levers)
+        assert result.predicted.peak_bytes == max(v + int(m) for (_, v), m in zip(figures, moved)) <= budget
+    again = fit(profile, mem, 10**15, whole(), per_layer=[[c] for c in checked], levers=[[heads[1]]],
+                corrections=corrections)  # fmt: skip
+    assert again.predicted.peak_bytes == max(v for _, v in read)
 
 
 def head(plan: str, less: int = 0, seconds: float = 0.0) -> LeverChoice:

@@ -40,6 +40,7 @@ class StepRecorder:
         self.reset_peaks = reset_peaks
         self.profile: Optional[ModelProfile] = None  # step one's, complete at its last layer's forward
         self.watch: Optional[StepWatch] = None  # reads the step now measured at each layer's marks
+        self._step_one_watched = False  # step one's watch closed: its memory is the profile's
         self._recording: Optional[List[LayerProfile]] = None  # step one's layers, as they run
         self._readings: Optional[StepReadings] = None
         self._hooks: list = []  # the aux loss's check, the marks inside the layers (`mark_inside`)
@@ -148,14 +149,16 @@ class StepRecorder:
             watch.forward_done()
 
     def close_watch(self, keep_meter: bool) -> None:
-        """The watched step ended: its memory goes to step one's profile (where it is step one's); the watch's meter
-        is closed unless `keep_meter` (the planner's, read again at the next step)."""
+        """The watched step ended: its memory goes to step one's profile where it is step one's (a later step watched,
+        a dry run's check, keeps its own: `StepWatch.memory`, read by whoever handed the watch); the watch's meter is
+        closed unless `keep_meter` (the planner's, read again at the next step)."""
         watch, self.watch = self.watch, None
         if watch is None:
             return
         memory = watch.close()
-        if self.profile is not None:
+        if self.profile is not None and not self._step_one_watched:
             self.profile.memory, self.profile.memory_problem = memory, watch.problem
+            self._step_one_watched = True
         if not keep_meter:
             watch.meter.close()
 

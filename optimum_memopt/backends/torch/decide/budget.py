@@ -31,9 +31,9 @@ from ....memory import MIB
 from ....plans import LAYER as LAYER_PLAN
 from ....plans import LeverOption, PlanEntry, layer_selector, lever_syntax, parse_plans
 from ..measure.graph import effect, saved_bytes, whole_layer
-from ..measure.profile import ModelProfile, Place, Segment, StepMemory
+from ..measure.profile import BACKWARD, FORWARD, ModelProfile, Place, Segment, StepMemory
 from ..policy import LAYER, OPS, RecomputePolicy
-from .solver import KEEP, Candidate, Relaxation, candidates, choose, policy_of
+from .solver import KEEP, Candidate, OwnNeeds, Relaxation, candidates, choose, policy_of
 
 
 def freed_bytes(profile: ModelProfile, policy: RecomputePolicy) -> List[int]:
@@ -285,6 +285,128 @@ class LeverChoice:
 
 
 @dataclass
+class Corrections:
+    """What a dry run's checks read beyond their predictions (`learn`), segment by segment, for the solves after them:
+    the figures `predict` gives are exact but for a layer's own forward and backward under a configuration other than
+    the measured step's (a planned tensor let go of only after its last use; a layer replayed in its own backward
+    bringing its tensors back one at a time: `predict_range`) and a segment the levers' options are weighed in by a
+    bound (the head's ways). A dry run's readings are exact and the same each time, so each difference is one
+    configuration's (or one combination of the levers' options'): `own` by layer, then `alike` for a layer not yet
+    checked under that configuration (the most any layer of the step read under it: the model's layers are alike),
+    and `shared` for the segments no layer owns, by the levers' options, then `shared_alike` for options not yet
+    checked (the most any read there). Empty: every figure as `predict` gives it."""
+
+    own: Dict[Tuple[int, str, str], int] = field(default_factory=dict)  # (layer, its configuration, kind) -> bytes
+    alike: Dict[Tuple[str, str], int] = field(default_factory=dict)  # (configuration, kind) -> bytes
+    shared: Dict[Tuple[Place, Tuple[str, ...]], int] = field(default_factory=dict)  # (place, the options) -> bytes
+    shared_alike: Dict[Place, int] = field(default_factory=dict)  # place -> the most any options read there
+
+    def __bool__(self) -> bool:
+        return bool(self.own or self.shared)
+
+    def learn(
+        self,
+        predicted: Sequence[tuple],
+        measured: StepMemory,
+        choice: Sequence[Candidate],
+        levers: Sequence[LeverChoice],
+    ) -> None:
+        """From a check: `predicted`, each segment's figure as `segment_peaks` gives it for `choice` and `levers`
+        (uncorrected), and the step that ran them, `measured`, segment by segment (the same places in order)."""
+        figures = {place.in_step(): value for place, value in predicted}
+        options = _options_key(levers)
+        for seg in measured.segments:
+            place = seg.place.in_step()
+            if place not in figures:
+                continue
+            more = seg.peak_bytes - figures[place]
+            if seg.own is not None and seg.own < len(choice):
+                label = choice[seg.own].label
+                self.own[seg.own, label, place.kind] = more
+                known = self.alike.get((label, place.kind))
+                self.alike[label, place.kind] = more if known is None else max(known, more)
+            else:
+                self.shared[place, options] = more
+                known = self.shared_alike.get(place)
+                self.shared_alike[place] = more if known is None else max(known, more)
+
+    def of_own(self, layer: int, label: str, kind: str) -> int:
+        """What layer `layer`'s own segment of `kind` holds beyond the prediction under configuration `label`."""
+        known = self.own.get((layer, label, kind))
+        return known if known is not None else self.alike.get((label, kind), 0)
+
+    def offsets(self, memory: StepMemory, choice: Sequence[Candidate], levers: Sequence[LeverChoice]) -> np.ndarray:
+        """Each segment's difference with `choice` and `levers` (0 where none was read)."""
+        out = np.zeros(len(memory.segments), dtype=np.int64)
+        for k, seg in enumerate(memory.segments):
+            place = seg.place.in_step()
+            if seg.own is not None and seg.own < len(choice):
+                out[k] = self.of_own(seg.own, choice[seg.own].label, place.kind)
+            else:
+                out[k] = self.of_shared(place, levers)
+        return out
+
+    def of_shared(self, place: Place, levers: Sequence[LeverChoice]) -> int:
+        """What the segment at `place`, which no layer owns, holds beyond the prediction with `levers`' options."""
+        known = self.shared.get((place.in_step(), _options_key(levers)))
+        return known if known is not None else self.shared_alike.get(place.in_step(), 0)
+
+
+class _Corrected:
+    """`Corrections` laid over one measured step's segments for one fit (which weighs thousands of combinations of
+    the levers' options): the segments each layer owns and the others, found once, and each list of candidates'
+    offsets once (`solver.OwnNeeds`)."""
+
+    def __init__(self, corrections: Corrections, memory: StepMemory, layers: int):
+        self.corrections = corrections
+        self.memory = memory
+        self.layers = layers
+        self.others = [k for k, seg in enumerate(memory.segments) if seg.own is None or seg.own >= layers]
+        self.owned: Dict[int, Tuple[List[int], List[int]]] = {}  # layer -> its forward's segments, its backward's
+        for k, seg in enumerate(memory.segments):
+            if seg.own is not None and seg.own < layers:
+                forward, backward = self.owned.setdefault(seg.own, ([], []))
+                (forward if seg.place.kind == FORWARD else backward).append(k)
+        self._offsets: Dict[int, tuple] = {}  # id(per_layer) -> (per_layer, kept alive; each layer's offsets)
+
+    def owns(self, seg: Segment) -> bool:
+        return seg.own is not None and seg.own < self.layers
+
+    def needs(self, over: np.ndarray, levers: Sequence[LeverChoice], per_layer) -> Tuple[np.ndarray, list]:
+        """`over` (each segment's figure with every layer kept, less the budget) with the segments no layer owns
+        moved by what `levers`' options read there, and each layer's own segments as the solver meets them."""
+        over = over.copy()
+        for k in self.others:
+            over[k] += self.corrections.of_shared(self.memory.segments[k].place, levers)
+        known = self._offsets.get(id(per_layer))
+        if known is None:
+            of_own = self.corrections.of_own
+            offsets = [
+                tuple((of_own(i, c.label, FORWARD), of_own(i, c.label, BACKWARD)) for c in options)
+                for i, options in enumerate(per_layer)
+            ]  # fmt: skip
+            known = self._offsets[id(per_layer)] = (per_layer, offsets)
+        least = -(1 << 62)  # a segment the layer does not have needs nothing
+        own: List[Optional[OwnNeeds]] = []
+        for i in range(self.layers):
+            if i not in self.owned:
+                own.append(None)
+                continue
+            forward, backward = self.owned[i]
+            own.append(OwnNeeds(
+                int(over[forward].max()) if forward else least,
+                int(over[backward].max()) if backward else least,
+                known[1][i],
+            ))  # fmt: skip
+        return over, own
+
+
+def _options_key(levers: Sequence[LeverChoice]) -> Tuple[str, ...]:
+    """The levers' options, as `Corrections.shared` tells combinations apart."""
+    return tuple(sorted(f"{c.lever}:{c.label}" for c in levers))
+
+
+@dataclass
 class Fit:
     """The solver's answer for one budget."""
 
@@ -366,6 +488,7 @@ def fit(
     extra_bytes: int = 0,
     per_layer: Optional[Sequence[Sequence[Candidate]]] = None,
     levers: Sequence[Sequence[LeverChoice]] = (),
+    corrections: Optional[Corrections] = None,
 ) -> Fit:
     """The least-recompute policy whose predicted peak is at most `budget_bytes`, from a step measured under
     `measured` (its memory by segment and each layer's graph), with the levers beyond the layers chosen in the same
@@ -376,21 +499,27 @@ def fit(
     The combinations are tried from the least time they could take (their options' cost and the least the layers can
     take to free what their segments need: `solver.Relaxation`, a bound the dynamic programme cannot beat); once
     one fits, those that could take no less are not solved. The answer is the one trying every combination in the
-    levers' order gives: of equal times, the first in that order."""
+    levers' order gives: of equal times, the first in that order.
+
+    `corrections`: what a dry run's checks read beyond their predictions (`Corrections`), each segment's figure moved
+    by it for the configurations and options that read it: a layer's own segments then need what its configuration
+    holds there (`solver.OwnNeeds`), and the figure given is so moved."""
+    corrections = corrections if corrections else None
     per_layer, q, result, combos, moved = _start(profile, memory, measured, extra_bytes, per_layer, levers)
     result.budget_bytes = budget_bytes
     bounded = []  # each combination with its needs and the least time it can take for them (`solver.Relaxation`)
     relaxed: Dict[int, Relaxation] = {}  # id(allowed) -> its bound (the combinations share a few lists of candidates)
+    corrected = _Corrected(corrections, memory, len(per_layer)) if corrections is not None else None
     for order, combo, allowed, floor, _ in combos:
-        needs, why_not = _needs(moved, q, budget_bytes, extra_bytes + sum(c.returned for c in combo), combo,
-                                len(per_layer))  # fmt: skip
+        extra = extra_bytes + sum(c.returned for c in combo)
+        needs, own, why_not = _needs(moved, q, budget_bytes, extra, combo, allowed, corrected)
         if id(allowed) not in relaxed:
             relaxed[id(allowed)] = Relaxation(allowed)
         at_least = sum(c.cost for c in combo) + relaxed[id(allowed)].least_seconds(max(needs, default=0))
-        bounded.append((at_least * (1 - BOUND_SLACK), order, combo, allowed, floor, needs, why_not))
+        bounded.append((at_least * (1 - BOUND_SLACK), order, combo, allowed, floor, (needs, own), why_not))
     bounded.sort(key=lambda entry: entry[:2])
     best, closest = None, None  # closest: (the least peak of a combination that does not fit, its order, why not)
-    for at_least, order, combo, allowed, floor, needs, why_not in bounded:
+    for at_least, order, combo, allowed, floor, (needs, own), why_not in bounded:
         if best is not None and at_least > best[0]:
             break  # sorted: every combination after it takes more than the one found
         if best is not None and at_least >= best[0] and order > best[3]:
@@ -401,7 +530,7 @@ def fit(
                 f"with each layer recomputing the most it can, the step still peaks at "
                 f"{result.floor.peak_mb:,.1f} MiB ({result.floor.where}), over the budget"
             )
-        choice = choose(allowed, 0, prefix_needs=needs) if why_not is None else None
+        choice = choose(allowed, 0, prefix_needs=needs, own=own) if why_not is None else None
         if why_not is None and choice is None:  # the bytes are there, but not in the solver's units
             why_not = "no choice frees the bytes needed in the units the solver counts in"
         if choice is None:
@@ -417,19 +546,38 @@ def fit(
     _, result.choice, result.levers, _ = best
     freed = [c.freed_bytes for c in result.choice]
     extra = extra_bytes + result.returned
-    result.predicted = predict(memory, q, freed, extra, result.levers)
-    result.segments = segment_peaks(memory, q, freed, extra, result.levers)
+    values = moved.peaks(q, freed, extra, result.levers)
+    if corrections is not None:
+        values = values + corrections.offsets(memory, result.choice, result.levers)
+    k = int(np.argmax(values))
+    result.predicted = Prediction(int(values[k]), memory.segments[k].name)
+    result.segments = [(seg.place, int(value)) for seg, value in zip(memory.segments, values)]
     return result
 
 
-def _needs(moved: _Moved, q, budget_bytes: int, extra_bytes: int, levers: Sequence[LeverChoice], layers: int):
+def _needs(
+    moved: _Moved,
+    q,
+    budget_bytes: int,
+    extra_bytes: int,
+    levers: Sequence[LeverChoice],
+    per_layer,
+    corrected: Optional[_Corrected] = None,
+):
     """Per layer, the bytes the first i + 1 layers must free for every segment to fit (the solver's prefix needs),
-    with the segments the levers' options act in moved; or why recompute cannot meet the budget (a segment no
-    layer's tensors are held in peaks over it)."""
+    with the segments the levers' options act in moved, and, `corrected`, each layer's own segments apart
+    (`solver.OwnNeeds`, else None); or why recompute cannot meet the budget (a segment no layer's tensors are held
+    in peaks over it)."""
+    layers = len(per_layer)
     needs = [0] * layers
     over = moved.peaks(q, [0] * len(q), extra_bytes, levers) - budget_bytes  # every layer's tensors kept
+    own = None
+    if corrected is not None:  # the segments no layer owns moved by what the options read; a layer's own apart
+        over, own = corrected.needs(over, levers, per_layer)
     for k in np.flatnonzero(over > 0):
         seg, need = moved.memory.segments[k], int(over[k])
+        if own is not None and corrected.owns(seg):
+            continue  # met by the layer's configuration (`own`)
         if seg.held == 0:
             where = (
                 "where no other layer's tensors are held and its own are all back for its backward, whatever its "
@@ -437,12 +585,16 @@ def _needs(moved: _Moved, q, budget_bytes: int, extra_bytes: int, levers: Sequen
                 if seg.place.layer is not None
                 else "where no layer's tensors are held"
             )
-            return needs, (
-                f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB "
-                f"{'in ' if seg.place.layer is not None else ''}{seg.name}, {where}: recompute cannot lower it"
+            return (
+                needs,
+                own,
+                (
+                    f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB "
+                    f"{'in ' if seg.place.layer is not None else ''}{seg.name}, {where}: recompute cannot lower it"
+                ),
             )
         needs[seg.held - 1] = max(needs[seg.held - 1], need)
-    return needs, None
+    return needs, own, None
 
 
 def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice], wholes: Optional[dict] = None):

@@ -36,6 +36,7 @@ from ..ranks import Ranks
 from ..steps import Orders, StepStart
 from . import messages as said
 from .budget import (
+    Corrections,
     Fit,
     Prediction,
     as_kept,
@@ -177,6 +178,8 @@ class Search:
     decided: bool = False
     finish_next: bool = False
     answer_at: Optional[int] = None  # where `finish_next`: the answer's place in `tried` (0: the first check)
+    watch: Optional[StepWatch] = None  # the step now checking a choice, watched segment by segment
+    corrections: Corrections = field(default_factory=Corrections)  # what the checks read beyond their predictions
     last_start: Optional[StepStart] = None  # the engine's last word that a step starts (step one's profile in it)
 
 
@@ -329,15 +332,29 @@ class BudgetPlanner:
                     self._finish()
                 else:
                     self._next_check_starts()
-                return Orders(policy=self._chosen())
+                return Orders(watch=self._check_watch(step), policy=self._chosen())
         watch = None
         if self.stage == Stage.START:
             watch = self.arm(step)
         elif self.stage == Stage.MEASURE:
             self._choose(step)
+            watch = self._check_watch(step)
         elif self.stage == Stage.VERIFY:
             self._verify(step)
         return Orders(watch=watch, policy=self._chosen())
+
+    def _check_watch(self, step: StepStart) -> Optional[StepWatch]:
+        """A dry run's check about to run is watched segment by segment, as step one was, on the same meter: what it
+        reads beyond the prediction in each segment corrects the solves after it (`Corrections`). None elsewhere (a
+        run's own steps are watched once: step one)."""
+        search = self.search
+        if search is None or self.stage is not Stage.VERIFY or self.reading.watch is None:
+            search_watch = None
+        else:
+            search_watch = StepWatch(step.n_layers, self.reading.meter, self.reading.watch.resets, step.running)
+        if search is not None:
+            search.watch = search_watch
+        return search_watch
 
     def _chosen(self):
         """The choice made since the last orders, for the step about to run (None: none)."""
@@ -554,15 +571,21 @@ class BudgetPlanner:
             levers_ran=said.levers_ran(ran),
         )
 
-    def _fit(self, step: StepStart, budget_bytes: Optional[int]) -> Fit:
+    def _fit(self, step: StepStart, budget_bytes: Optional[int], corrections: Optional[Corrections] = None) -> Fit:
         one = self.step_one
         if self.ask.share is not None:
             return fit_share(step.profile, one.solved, self.ask.share, one.policy, 0, one.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
-        return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, list(one.levers.values()))
+        levers = list(one.levers.values())
+        return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, levers, corrections)
 
     def _verify(self, step: StepStart, at_end: bool = False) -> None:
-        mine = max(int(round((self.reading.meter.read().peak_mb or 0.0) * MIB)), self.reading.start_bytes)
+        watch = self.search.watch if self.search is not None else None
+        if watch is not None and watch.resets:  # the meter's peak reset at each mark: the watch's highest reading
+            read = max(watch.most, int(round((self.reading.meter.read().peak_mb or 0.0) * MIB)))
+        else:
+            read = int(round((self.reading.meter.read().peak_mb or 0.0) * MIB))
+        mine = max(read, self.reading.start_bytes)
         peaks = self.reading.ranks.gather(mine)
         peak = max(peaks)
         result = self.choices.fits[-1]
@@ -632,13 +655,19 @@ class BudgetPlanner:
         self.search.tried.append((result, peak))
         budget = self.budget_bytes
         given = result.budget_bytes
+        learned = self._learn(result)
         if peak <= budget:
             following = given + (budget - peak) if result.recompute_seconds > 0 else None
         else:
             following = max(given - (peak - budget) - int(MARGIN * budget), result.floor.peak_bytes)
-        if following is not None and following != given and len(self.search.tried) < SEARCH_CHECKS:
-            candidate = self._fit(step, following)
-            checked = {f.config() for f, _ in self.search.tried}
+        checked = {f.config() for f, _ in self.search.tried}
+        candidate = None
+        if len(self.search.tried) < SEARCH_CHECKS and (peak > budget or result.recompute_seconds > 0):
+            if learned:  # solved for the budget itself with what the checks read: a choice checked is the answer
+                candidate = self._fit(step, budget, self.search.corrections)
+            if (candidate is None or candidate.choice is None) and following is not None and following != given:
+                candidate = self._fit(step, following)  # nothing read, or nothing fits so corrected: the budget moved
+        if candidate is not None:
             if candidate.choice is not None and candidate.config() not in checked:
                 self.choices.fits.append(candidate)
                 self._write()
@@ -676,6 +705,19 @@ class BudgetPlanner:
         self.choices.pending = None  # no step runs it here
         self._finish()
         return search.answer_at
+
+    def _learn(self, result: Fit) -> bool:
+        """What the check just read beyond `result`'s prediction, segment by segment (`Corrections.learn`), from its
+        step's watch (`_check_watch`); whether it was read (a step whose marks came out of order is not)."""
+        watch = self.search.watch
+        memory = watch.memory if watch is not None else None
+        if memory is None or not result.choice or self.step_one is None:
+            return False
+        one = self.step_one
+        freed = [c.freed_bytes for c in result.choice]
+        predicted = segment_peaks(one.solved, one.freed, freed, result.returned, result.levers)
+        self.search.corrections.learn(predicted, memory, result.choice, result.levers)
+        return True
 
     def _finish(self) -> None:
         self._write()

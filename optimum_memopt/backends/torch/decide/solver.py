@@ -11,7 +11,7 @@ answers "free N bytes for the least time" from step one's profile. Pure (numpy f
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Dict, FrozenSet, List, Optional, Sequence
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -69,20 +69,44 @@ def _undominated(options: Sequence[Candidate]) -> List[Candidate]:
     return kept
 
 
+@dataclass(frozen=True)
+class OwnNeeds:
+    """Layer i's own two segments where they depend on its own configuration (`budget.Corrections`: what a dry
+    run's checks measured a configuration's own forward and backward to hold beyond the prediction): its forward
+    needs the first i + 1 layers to free `forward` bytes and its backward the first i to free `backward`, each more
+    by what the layer's configuration holds there beyond the prediction (`offsets[k]`: (forward, backward) for its
+    k-th candidate)."""
+
+    forward: int
+    backward: int
+    offsets: Tuple[Tuple[int, int], ...]
+
+    def thresholds(self, k: int) -> Tuple[int, int]:
+        """The bytes the layers before and with this one, and those before it, must free under candidate k."""
+        more_forward, more_backward = self.offsets[k]
+        return self.forward + more_forward, self.backward + more_backward
+
+
 def choose(
-    per_layer: Sequence[Sequence[Candidate]], need_bytes: int, prefix_needs: Optional[Sequence[int]] = None
+    per_layer: Sequence[Sequence[Candidate]],
+    need_bytes: int,
+    prefix_needs: Optional[Sequence[int]] = None,
+    own: Optional[Sequence[Optional[OwnNeeds]]] = None,
 ) -> Optional[List[Candidate]]:
     """One candidate per layer freeing at least `need_bytes` in all, with the least total seconds; None when even the
     most each layer can free is not enough. `prefix_needs[i]`, where given: the first i + 1 layers free at least
-    that many bytes (a segment of the step that holds only their tensors). Exact for the bytes as counted: each
+    that many bytes (a segment of the step that holds only their tensors). `own[i]`, where given and not None: layer
+    i's own segments, whose needs depend on its candidate (`OwnNeeds`). Exact for the bytes as counted: each
     candidate's bytes are rounded down to the unit and the needs up, so a choice found frees at least what was
     asked."""
     needs = [math.ceil(n) for n in prefix_needs] if prefix_needs is not None else [0] * len(per_layer)
     if len(needs) != len(per_layer):
         raise ValueError(f"{len(needs)} prefix needs for {len(per_layer)} layers")
+    own = list(own) if own is not None else [None] * len(per_layer)
     if needs:
         needs[-1] = max(needs[-1], math.ceil(need_bytes))
-    cap_bytes = max(needs, default=0)
+    own_most = [max(max(o.thresholds(k)) for k in range(len(o.offsets))) for o in own if o is not None]
+    cap_bytes = max(needs + own_most, default=0)
     if cap_bytes <= 0:  # nothing to free: each layer kept, or its quickest where keeping it is not offered
         return [KEEP if KEEP in options else min(options, key=lambda c: c.seconds) for options in per_layer]
     most = 0
@@ -96,25 +120,34 @@ def choose(
     best = np.full(cap + 1, np.inf)  # best[b]: least seconds freeing at least b units so far (b capped at cap)
     best[0] = 0.0
     trail = []  # per layer: the candidate chosen and the state it came from, for each state
-    for options, need in zip(per_layer, needs):
+    for options, need, mine in zip(per_layer, needs, own):
         new = np.full(cap + 1, np.inf)
         pick = np.zeros(cap + 1, dtype=np.int64)
         prev = np.zeros(cap + 1, dtype=np.int64)
-        cheapest = {}  # units freed -> the least seconds of an option before (one costing no less changes nothing)
+        cheapest = {}  # (units freed, least state before) -> the least seconds of an option before it
         for k, c in enumerate(options):  # an option replaces what one before it reaches only if it costs less
             w = min(c.freed_bytes // unit, cap)
-            if cheapest.get(w, math.inf) <= c.seconds:
+            lo = 0  # the least state it may come from: its own segments' needs met (`OwnNeeds`)
+            if mine is not None:
+                forward, backward = mine.thresholds(k)
+                lo = max(0, -(-backward // unit), -(-forward // unit) - w)
+                if lo > cap:
+                    continue
+            if cheapest.get((w, lo), math.inf) <= c.seconds:
                 continue
-            cheapest[w] = c.seconds
+            cheapest[w, lo] = c.seconds
             if not w:
                 reach = best + c.seconds
+                reach[:lo] = np.inf
                 better = reach < new
                 new[better], pick[better], prev[better] = reach[better], k, states[better]
                 continue
             reach = best[: cap - w] + c.seconds  # from b units before to b + w, below the last state
+            reach[:lo] = np.inf
             better = reach < new[w:cap]
             new[w:cap][better], pick[w:cap][better], prev[w:cap][better] = reach[better], k, states[: cap - w][better]
-            j = cap - w + int(np.argmin(best[cap - w :]))  # the last state holds "cap or more": any b >= cap - w
+            first = max(cap - w, lo)  # the last state holds "cap or more": any b >= cap - w
+            j = first + int(np.argmin(best[first:]))
             if best[j] + c.seconds < new[cap]:
                 new[cap], pick[cap], prev[cap] = best[j] + c.seconds, k, j
         if need > 0:

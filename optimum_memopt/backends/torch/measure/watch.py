@@ -59,6 +59,9 @@ class StepWatch:
         self.meter = meter
         self.resets = resets  # False: the peak counter is someone else's (only the marks' readings are used)
         self.segments: List[Segment] = []
+        self.memory: Optional[StepMemory] = None  # the step's, once closed in order (`close`)
+        # the highest reading of the step so far, the segments' and a later micro-batch's (which no segment keeps)
+        self.most = 0
         self.start_bytes: Optional[int] = None
         self.problem: Optional[str] = None
         self._open: Optional[Tuple[Place, int, int, Optional[int]]] = None  # (place, held, start bytes, own layer)
@@ -94,6 +97,7 @@ class StepWatch:
             after = self._after_most if opened == AFTER_PLACE else 0  # a later micro-batch's readings left out
             most = max([peak, start, current, after] + [p for _, p in parts])
             self.segments.append(Segment(opened, opened_held, start, most, opened_own, parts))
+            self.most = max(self.most, most)
         if self.resets:
             self.meter.reset_peak()
         self._open = (place, held, current, own) if place is not None else None
@@ -172,6 +176,7 @@ class StepWatch:
     def backward_done(self) -> None:
         if self._stage == "micro":  # a later micro-batch's backward ended: the last segment reads on from here
             if self.resets:
+                self.most = max([self.most, *self._read()])  # none of a segment's, but the step's
                 self.meter.reset_peak()
             self._stage = "after"
             return
@@ -189,9 +194,9 @@ class StepWatch:
             self.problem = f"the step's marks stopped at {self._stage} (a layer's backward was not seen)"
         self._mark(None)
         self._stage = "done"
-        if self.problem is not None or self.start_bytes is None:
-            return None
-        return StepMemory(self.meter.device, self.segments, self.start_bytes, self.how)
+        if self.problem is None and self.start_bytes is not None:
+            self.memory = StepMemory(self.meter.device, self.segments, self.start_bytes, self.how)
+        return self.memory
 
 
 class _BackwardCount:
