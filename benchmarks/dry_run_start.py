@@ -88,6 +88,8 @@ def timed_dry_run(spec, budget_mb: float, device, kernels) -> dict:
         checks=len((result.auto or {}).get("checks", [])),
         choice=result.fit.config() if result.fit is not None else None,
         peak_mb=result.fit.predicted.peak_mb if result.fit is not None else None,
+        # the choice's recompute on the roofline, as the solver weighed it
+        recompute_ms=result.fit.recompute_seconds * 1000 if result.fit is not None and result.fit.choice else None,
         **times,
     )
 
@@ -153,7 +155,8 @@ def main(argv=None) -> int:
         steps = ", ".join(f"{s:.1f}" for s in r["steps_s"])
         print(f"{r['seconds']:.1f} s: built {r['built_s']:.1f}, order forward {r['order_forward_s']:.1f}, "
               f"steps [{steps}] (the planner {r['planner_s']:.1f} of them); {r['steps']} steps, {r['checks']} "
-              f"checks; {r['choice']!r} at {r['peak_mb']:,.1f} MiB", flush=True)  # fmt: skip
+              f"checks; {r['choice']!r} at {r['peak_mb']:,.1f} MiB, {r['recompute_ms'] or 0:.1f} ms of recompute",
+              flush=True)  # fmt: skip
     if len(runs) > 1:
         print(f"median {statistics.median(r['seconds'] for r in runs):.1f} s over {len(runs)} rounds")
     if a.out:

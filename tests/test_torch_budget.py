@@ -382,6 +382,37 @@ def test_what_checks_read_moves_the_fit_as_every_combination_so_corrected_says(p
     assert again.predicted.peak_bytes == max(v for _, v in read)
 
 
+def test_a_choice_counted_in_rounded_units_is_made_quicker_where_its_figure_still_fits(profile, monkeypatch):
+    """Where the bytes' greatest common divisor would make the solver's table too long, it counts in rounded units
+    (each candidate's bytes rounded down): a choice can leave a unit a layer unspent. The fit then makes each layer
+    quicker where the step's figure, to the byte, still fits (`_polished`): never slower than the rounded choice,
+    always within the budget, and at some budget quicker (tables of 4 units here, to round as an 8B model's do)."""
+    from optimum_memopt.backends.torch.decide import budget as budget_module
+    from optimum_memopt.backends.torch.decide import solver as solver_module
+
+    monkeypatch.setattr(solver_module, "EXACT_STEPS", 1)
+    monkeypatch.setattr(solver_module, "STEPS", 4)
+    per_layer = candidates(profile)
+    q = freed_bytes(profile, whole())
+    base = 10 << 20
+    mem = memory_of([base + 1000] * L, base + 5000, [base + 4000] * L, base)
+    plain = predict(mem, q, [0] * L).peak_bytes
+    floor = predict(mem, q, [max(c.freed_bytes for c in o) for o in per_layer]).peak_bytes
+    quicker = 0
+    for k in range(1, 20):
+        budget = int(floor + k * (plain - floor) / 20)
+        polished = fit(profile, mem, budget, whole())
+        with monkeypatch.context() as m:
+            m.setattr(budget_module, "_polished", lambda *args: list(args[5]))
+            rounded = fit(profile, mem, budget, whole())
+        if rounded.choice is None:  # so coarse a count finds nothing at this budget
+            continue
+        assert polished.predicted.peak_bytes <= budget
+        assert polished.recompute_seconds <= rounded.recompute_seconds
+        quicker += polished.recompute_seconds < rounded.recompute_seconds
+    assert quicker, "no budget here leaves a rounded choice room: round coarser"
+
+
 def head(plan: str, less: int = 0, seconds: float = 0.0) -> LeverChoice:
     """A way of running the head as the loss lever offers it (`levers.loss.choices`): in the head's segment."""
     option = RecomputePolicy.from_plans(parse_plans(plan), 0, 1).levers["loss"] if plan else None

@@ -537,6 +537,8 @@ def fit(
             if closest is None or (least, order) < closest[:2]:  # said of the levers' options that come closest
                 closest = (least, order, why_not)
             continue
+        extra = extra_bytes + sum(c.returned for c in combo)
+        choice = _polished(moved, q, extra, combo, allowed, choice, budget_bytes, corrections)
         seconds = sum(c.seconds for c in choice) + sum(c.cost for c in combo)
         if best is None or seconds < best[0] or (seconds == best[0] and order < best[3]):
             best = (seconds, choice, combo, order)
@@ -553,6 +555,43 @@ def fit(
     result.predicted = Prediction(int(values[k]), memory.segments[k].name)
     result.segments = [(seg.place, int(value)) for seg, value in zip(memory.segments, values)]
     return result
+
+
+def _polished(
+    moved: _Moved,
+    q,
+    extra_bytes: int,
+    levers: Sequence[LeverChoice],
+    per_layer,
+    choice: List[Candidate],
+    budget_bytes: int,
+    corrections: Optional[Corrections] = None,
+) -> List[Candidate]:
+    """`choice` with each layer's configuration made quicker wherever the step's figure, to the byte, still fits
+    (one layer at a time, the quickest that fits first, until none does): the dynamic programme counts bytes in
+    units where their greatest common divisor would make its table too long, each candidate's rounded down, which
+    at 8B leaves up to a unit a layer unspent (32 units of 2.5 MiB: a choice with 0.5% less recompute whose figure
+    fits by 60 MiB was passed over)."""
+
+    def fits(trial: List[Candidate]) -> bool:
+        values = moved.peaks(q, [c.freed_bytes for c in trial], extra_bytes, levers)
+        if corrections is not None:
+            values = values + corrections.offsets(moved.memory, trial, levers)
+        return int(values.max()) <= budget_bytes
+
+    choice = list(choice)
+    quicker = True
+    while quicker:
+        quicker = False
+        for i, options in enumerate(per_layer):
+            for c in sorted(options, key=lambda c: c.seconds):
+                if c.seconds >= choice[i].seconds:
+                    break
+                trial = choice[:i] + [c] + choice[i + 1 :]
+                if fits(trial):
+                    choice, quicker = trial, True
+                    break
+    return choice
 
 
 def _needs(

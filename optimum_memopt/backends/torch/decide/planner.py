@@ -165,8 +165,9 @@ class Choices:
 @dataclass
 class Search:
     """A dry run driving the planner (`fake_step`), whose steps count what the card would to the byte: each choice is
-    checked by a step of its own, and the budget the solver is given moved by what the check measured, until the
-    least recompute whose step fits is found (`BudgetPlanner._search`); its figure is the step's, not a prediction's.
+    checked by a step of its own, watched segment by segment, and the next solved with what the checks read, until
+    the least recompute whose step fits is found (`BudgetPlanner._search`); its figure is the step's, not a
+    prediction's.
     `alone`: choose for this process alone whatever group is up (a dry run of a run's own step)."""
 
     alone: bool
@@ -645,13 +646,16 @@ class BudgetPlanner:
         what the card's counter reads). The solver's predictions rest on step one, measured with every layer
         recomputed whole and the head in chunks, and stand above what a choice that keeps more holds (a layer's own
         forward, which `budget.predict` moves by all of its change, and a head run whole, weighed by its bound:
-        `levers.loss.choices`): from them alone `auto` recomputed where the plain step fit. So the budget the solver
-        is given moves by what each check measured: up by the room a choice left under the budget, down by what one
-        went over it (and `MARGIN`), no lower than the floor, until a choice recomputes nothing, comes again, or
-        `SEARCH_CHECKS` were checked. The answer (`searched`) is the least recompute whose step fitted, its figure
-        the one that step measured (where none fitted, the least peak measured, over the budget: the caller says
-        nothing fits); the step after the last check runs it, unless that check was read as its step ended
-        (`at_end`: `check_ended`) and is the answer: its step was the answer's."""
+        `levers.loss.choices`): from them alone `auto` recomputed where the plain step fit. So each check's step is
+        watched segment by segment, what each segment read beyond the prediction is kept (`_learn`:
+        `budget.Corrections`), and the next choice is solved for the budget itself with it; a choice already checked
+        is the answer. Where a check's segments could not be read (or nothing fits so corrected), the budget the
+        solver is given moves by what the check measured instead: up by the room a choice left under the budget,
+        down by what one went over it (and `MARGIN`), no lower than the floor. Until a choice recomputes nothing,
+        comes again, or `SEARCH_CHECKS` were checked. The answer (`searched`) is the least recompute whose step
+        fitted, its figure the one that step measured (where none fitted, the least peak measured, over the budget:
+        the caller says nothing fits); the step after the last check runs it, unless that check was read as its step
+        ended (`at_end`: `check_ended`) and is the answer: its step was the answer's."""
         self.search.tried.append((result, peak))
         budget = self.budget_bytes
         given = result.budget_bytes
