@@ -362,15 +362,29 @@ class _Corrected:
         self.memory = memory
         self.layers = layers
         self.others = [k for k, seg in enumerate(memory.segments) if seg.own is None or seg.own >= layers]
-        self.owned: Dict[int, Tuple[List[int], List[int]]] = {}  # layer -> its forward's segments, its backward's
-        for k, seg in enumerate(memory.segments):
-            if seg.own is not None and seg.own < layers:
-                forward, backward = self.owned.setdefault(seg.own, ([], []))
-                (forward if seg.place.kind == FORWARD else backward).append(k)
+        # each layer's own segments (one each, or one a process), as runs of indices `np.maximum.reduceat` reads
+        self.kinds = {}
+        for kind in (FORWARD, BACKWARD):
+            owned: List[List[int]] = [[] for _ in range(layers)]
+            for k, seg in enumerate(memory.segments):
+                if seg.own is not None and seg.own < layers and seg.place.kind == kind:
+                    owned[seg.own].append(k)
+            has = np.array([bool(ks) for ks in owned])
+            order = np.array([k for ks in owned for k in ks], dtype=np.int64)
+            starts = np.cumsum([0] + [len(ks) for ks in owned if ks])[:-1]
+            self.kinds[kind] = (has, order, starts)
         self._offsets: Dict[int, tuple] = {}  # id(per_layer) -> (per_layer, kept alive; each layer's offsets)
 
     def owns(self, seg: Segment) -> bool:
         return seg.own is not None and seg.own < self.layers
+
+    def _most(self, over: np.ndarray, kind: str) -> List[int]:
+        """Per layer, the highest of its own segments of `kind` in `over`; `LEAST` where it has none."""
+        has, order, starts = self.kinds[kind]
+        out = np.full(self.layers, LEAST, dtype=np.int64)
+        if len(order):
+            out[has] = np.maximum.reduceat(over[order], starts)
+        return out.tolist()
 
     def needs(self, over: np.ndarray, levers: Sequence[LeverChoice], per_layer) -> Tuple[np.ndarray, list]:
         """`over` (each segment's figure with every layer kept, less the budget) with the segments no layer owns
@@ -386,19 +400,15 @@ class _Corrected:
                 for i, options in enumerate(per_layer)
             ]  # fmt: skip
             known = self._offsets[id(per_layer)] = (per_layer, offsets)
-        least = -(1 << 62)  # a segment the layer does not have needs nothing
-        own: List[Optional[OwnNeeds]] = []
-        for i in range(self.layers):
-            if i not in self.owned:
-                own.append(None)
-                continue
-            forward, backward = self.owned[i]
-            own.append(OwnNeeds(
-                int(over[forward].max()) if forward else least,
-                int(over[backward].max()) if backward else least,
-                known[1][i],
-            ))  # fmt: skip
+        forward, backward = self._most(over, FORWARD), self._most(over, BACKWARD)
+        own = [
+            OwnNeeds(f, b, known[1][i]) if (f != LEAST or b != LEAST) else None
+            for i, (f, b) in enumerate(zip(forward, backward))
+        ]
         return over, own
+
+
+LEAST = -(1 << 62)  # the need of a segment a layer does not have: nothing
 
 
 def _options_key(levers: Sequence[LeverChoice]) -> Tuple[str, ...]:
@@ -573,23 +583,30 @@ def _polished(
     at 8B leaves up to a unit a layer unspent (32 units of 2.5 MiB: a choice with 0.5% less recompute whose figure
     fits by 60 MiB was passed over)."""
 
-    def fits(trial: List[Candidate]) -> bool:
-        values = moved.peaks(q, [c.freed_bytes for c in trial], extra_bytes, levers)
-        if corrections is not None:
-            values = values + corrections.offsets(moved.memory, trial, levers)
-        return int(values.max()) <= budget_bytes
-
+    values = moved.peaks(q, [c.freed_bytes for c in choice], extra_bytes, levers)
+    if corrections is not None:
+        values = values + corrections.offsets(moved.memory, choice, levers)
+    segments = moved.memory.segments
+    own: Dict[int, List[int]] = {}  # layer -> its own segments (what its configuration's corrections move)
+    if corrections is not None:
+        for k, seg in enumerate(segments):
+            if seg.own is not None:
+                own.setdefault(seg.own, []).append(k)
     choice = list(choice)
     quicker = True
     while quicker:
         quicker = False
         for i, options in enumerate(per_layer):
+            holds = moved.held > i  # the segments that hold layer i's kept tensors
             for c in sorted(options, key=lambda c: c.seconds):
                 if c.seconds >= choice[i].seconds:
                     break
-                trial = choice[:i] + [c] + choice[i + 1 :]
-                if fits(trial):
-                    choice, quicker = trial, True
+                trial = values + (choice[i].freed_bytes - c.freed_bytes) * holds
+                for k in own.get(i, ()):
+                    kind = segments[k].place.kind
+                    trial[k] += corrections.of_own(i, c.label, kind) - corrections.of_own(i, choice[i].label, kind)
+                if int(trial.max()) <= budget_bytes:
+                    choice[i], values, quicker = c, trial, True
                     break
     return choice
 

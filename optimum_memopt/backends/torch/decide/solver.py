@@ -9,6 +9,7 @@ answers "free N bytes for the least time" from step one's profile. Pure (numpy f
 """
 
 import bisect
+import functools
 import math
 from dataclasses import dataclass
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
@@ -32,7 +33,7 @@ class Candidate:
     freed_bytes: int
     seconds: float
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
         if self.whole:
             return "Layer+"
