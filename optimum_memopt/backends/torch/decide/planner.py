@@ -712,10 +712,12 @@ class BudgetPlanner:
 
     def _learn(self, result: Fit) -> bool:
         """What the check just read beyond `result`'s prediction, segment by segment (`Corrections.learn`), from its
-        step's watch (`_check_watch`); whether it was read (a step whose marks came out of order is not)."""
+        step's watch (`_check_watch`); whether it was read (a step whose marks came out of order is not, nor one of
+        several processes': the solver's segments are then every process's, the watch's this one's)."""
         watch = self.search.watch
         memory = watch.memory if watch is not None else None
-        if memory is None or not result.choice or self.step_one is None:
+        several = self.reading.ranks is not None and self.reading.ranks.size > 1
+        if memory is None or not result.choice or self.step_one is None or several:
             return False
         one = self.step_one
         freed = [c.freed_bytes for c in result.choice]
