@@ -583,8 +583,8 @@ def run(
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
     (`backend=False`: the plain step). The optimizer's state is made before the first step (`_prime`), so one step
     holds what every later one does. Under `auto` step one measures and each step after it runs a choice, checked
-    as the next one starts (`BudgetPlanner.search`: at most `search_checks` choices, the budget the solver is given
-    moved by what each check measured), and the last runs the least recompute whose step fitted: `DryRun.fit`, its
+    as its step ends (`BudgetPlanner.search`: at most `search_checks` choices, each solved with what the checks
+    before it read segment by segment), and the last runs the least recompute whose step fitted: `DryRun.fit`, its
     figure that step's, and `step_peaks[answer_step]` / `step_parts[answer_step]` the step a run's step one runs
     (where the answer is an earlier check's and no step is priced, no step runs it again: `answer_step` that
     check's step; else the last). The ops' times the

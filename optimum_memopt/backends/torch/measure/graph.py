@@ -19,7 +19,7 @@ PARAM = -1  # an input that is a parameter (or a leaf that requires grad): alway
 
 # a graph's signature -> plan names -> (freed, recomputed, bytes freed): `LayerGraph.effects_known`; and
 # ("frontier", limit, each node's op time) -> that frontier (`frontier`)
-_KNOWN: Dict[tuple, Dict[FrozenSet[str], tuple]] = {}
+_KNOWN: Dict[tuple, Dict[object, object]] = {}
 
 
 @dataclass
@@ -47,7 +47,7 @@ class LayerGraph:
         nodes = tuple((n.plan, n.nbytes, n.call, n.inputs, n.own, n.boundary, n.routing) for n in self.nodes)
         return nodes, tuple(self.saved), self.input
 
-    def effects_known(self) -> Dict[FrozenSet[str], tuple]:
+    def effects_known(self) -> Dict[object, object]:
         """What `effect` found for each set of plan names on a graph of this signature (the rule's replay depends on
         the structure alone, not the op times): shared by the layers of a model's repeated blocks and kept across the
         solver's calls. Read again where the graph grew since (step one records it op by op)."""
