@@ -90,6 +90,81 @@ def test_backward_fetches_a_layer_as_it_reaches_the_one_ahead_of_it():
     handle.remove()
 
 
+def test_the_last_layers_offloaded_are_fetched_as_backward_reaches_the_layer_ahead_not_as_their_own_asks():
+    """Reaching a layer that is not offloaded but is `ahead` of one that is fetches that one's tensors: without it the
+    last layer offloaded came back only as its own backward unpacked them (a copy waited for on a card, and held a
+    layer later than the figures said)."""
+    model = model_of("llama", num_hidden_layers=3)
+    model.train()
+    handle = optimum_memopt.optimize_memory(model, "Offload+:1:-1@0-1", reports_steps=True)
+    lever = handle.levers["offload"]
+    fetched, reaching = [], []
+    fetch, reached = offload.Mover.fetch, offload.Mover.reached
+
+    def seen(mover, copy):
+        if copy.fetched is None:
+            owner = next(i for i, copies in mover._copies.items() if copy in copies)
+            fetched.append((owner, reaching[-1] if reaching else None))
+        return fetch(mover, copy)
+
+    def reach(mover, index):
+        reaching.append(index)
+        try:
+            return reached(mover, index)
+        finally:
+            reaching.pop()
+
+    lever.mover = None  # made again at the next forward, its fetches watched
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = model(input_ids=ids, labels=ids).loss
+    lever.mover.fetch = seen.__get__(lever.mover)
+    lever.mover.reached = reach.__get__(lever.mover)
+    loss.backward()
+    # layer 1's as backward reaches layer 2 (not offloaded), layer 0's as it reaches layer 1: none by an unpack
+    assert sorted(set(fetched)) == [(0, 1), (1, 2)], fetched
+    handle.remove()
+
+
+def test_a_dry_runs_offload_figures_are_the_steps_own_segment_by_segment():
+    """What each offload option holds less, by segment, as `auto` weighs it from step one (every layer recomputed
+    whole), is what a step running it reads, in every layer's forward and backward: Llama's forward holds its first
+    layer's input (`inputs_embeds`) until its layers end, which offloading the first layer does not free (seen in the
+    forward that finds the layers' order before step one: `LayerProfile.input_gone_at`), and the last layers offloaded
+    come back as backward reaches the layer ahead of them. A dry run for a card (its kernels, its link to the host)."""
+    from transformers import LlamaConfig
+
+    from optimum_memopt.backends.torch import fake_step
+    from optimum_memopt.backends.torch.decide.budget import freed_bytes, segment_peaks
+    from optimum_memopt.backends.torch.levers.offload.measure import choices
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
+    from optimum_memopt.backends.torch.measure.profile import FORWARD
+    from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
+    from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
+    from optimum_memopt.planning.dry_run import StepSpec, instruments
+
+    config = LlamaConfig(num_hidden_layers=4, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                         vocab_size=512, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    spec = StepSpec(config, batch=2, seq=256)
+    card = dict(kernels=CudaKernels((9, 0)), host_mb=1e6)
+    device = DEVICES[DEFAULT_DEVICE]
+    one = fake_step.run(spec, instruments(device), "auto", budget_mb=1e6, **card).profile  # step one, then eager fits
+    assert [layer.input_gone_at for layer in one.layers] == [4, 2, 3, 4]  # the first held until the head
+    measured = RecomputePolicy([LayerPolicy(LAYER) for _ in one.layers])
+    q = freed_bytes(one, measured)
+    loss = one.levers["loss"].ran  # the head as step one ran it
+    options = choices(one, one.levers["offload"])
+    assert [c.plan for c in options[1:]] == ["Offload+:1:-1@0", "Offload+:1:-1@0-1", "Offload+:1:-1@0-2",
+                                             "Offload+:1:-1"]  # fmt: skip
+    for option in options[1:]:
+        predicted = dict(segment_peaks(one.memory, q, q, 0, [option]))
+        plans = ",".join(p for p in ("Layer+:1:-1", loss, option.plan) if p)
+        step = fake_step.run(spec, instruments(device), plans, **card).profile.memory
+        layers = [seg for seg in step.segments if seg.place.layer is not None]
+        assert len(layers) == 8 and any(seg.place.kind == FORWARD for seg in layers)
+        apart = {str(seg.place): seg.peak_bytes - predicted[seg.place] for seg in layers}
+        assert not any(apart.values()), (option.plan, apart)
+
+
 def test_on_a_cards_streams_every_copy_is_ordered_and_waited_for(monkeypatch):
     """The card's stream protocol, held on the CPU by streams that log what a card's would do (`mover.Streams`): each
     copy (out, then back) is queued on the side stream after the compute queued before it, the device tensor it reads

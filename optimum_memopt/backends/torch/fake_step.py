@@ -39,7 +39,7 @@ from .apply.layers import STATE, find_layers, run_order_problem
 from .measure import dropout
 from .measure.attention import CudaKernels, on_cuda
 from .measure.op_costs import OpCosts, clock_for
-from .measure.profile import Place
+from .measure.profile import INPUT_KEPT, Place
 from .measure.storages import StorageCount, block_bytes
 from .nested import tensors_in
 
@@ -514,22 +514,60 @@ class LayerOrderError(ValueError):
     one layer several times."""
 
 
-def layer_order(model, layers, forward: Callable[[], object]) -> Optional[List[int]]:
+def layer_order(
+    model, layers, forward: Callable[[], object], inputs_gone: Optional[Dict[int, int]] = None
+) -> Optional[List[int]]:
     """The layers a training step runs, from one forward of it (`forward`, run here without autograd: nothing is
     kept, so the dry run's count is not raised): None where it runs the whole list in order; the indices it runs,
     in order, where it leaves some out (a vision-language model's tower on text alone). Raises `LayerOrderError`
     where it runs a layer before one listed earlier (BLT's patchers, listed after the layers they feed) or one layer
-    several times (HRM's cycles): `apply.layers.run_order_problem`."""
+    several times (HRM's cycles): `apply.layers.run_order_problem`.
+
+    `inputs_gone`, filled with where the model's own code lets go of each layer's input (its first argument, the
+    hidden states): layer -> the first layer whose forward starts with that storage freed, `len(layers)` where only
+    the head's does (the model's output embeddings), `INPUT_KEPT` where not even then. Without autograd nothing but
+    the model's code holds it, so this is what is left of it once autograd's saves are taken off (what the offload
+    lever copies to the host): a decoder's loop lets go of layer i's input as layer i + 1 starts, but Llama's forward
+    keeps `inputs_embeds`, the first layer's input, in a local through every layer (an 8B model at 8,192 tokens:
+    64 MiB the offload lever does not free until the head). A layer whose input is still held as the forward ends,
+    with no head seen, is left out (not known)."""
     calls: List[int] = []
-    hooks = [
-        layer.register_forward_pre_hook(lambda module, args, k=k: calls.append(k)) for k, layer in enumerate(layers)
-    ]
+    pending: Dict[int, object] = {}  # layer -> a weak reference to its input's storage, until seen freed
+
+    def starts(k: int, module, args, kwargs) -> None:
+        calls.append(k)
+        if inputs_gone is None:
+            return
+        seen_freed(k)
+        first = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+        if first is not None and k not in pending and k not in inputs_gone:
+            pending[k] = _torch_api.storage_ref(first)
+
+    def seen_freed(at: int) -> None:
+        for i, ref in list(pending.items()):
+            if ref.expired():
+                inputs_gone[i] = at
+                del pending[i]
+
+    hooks = [layer.register_forward_pre_hook(partial(starts, k), with_kwargs=True) for k, layer in enumerate(layers)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_seen = []
+
+    def head_starts(module, args) -> None:
+        head_seen.append(True)
+        seen_freed(len(layers))
+
+    if inputs_gone is not None and isinstance(head, torch.nn.Module):
+        hooks.append(head.register_forward_pre_hook(head_starts))
     try:
         with torch.no_grad():
             forward()
     finally:
         for h in hooks:
             h.remove()
+    if inputs_gone is not None and head_seen:
+        for i in pending:
+            inputs_gone[i] = INPUT_KEPT
     problem = run_order_problem(calls, [type(layer).__name__ for layer in layers], type(model).__name__)
     if problem is not None:
         raise LayerOrderError(problem)
@@ -682,11 +720,12 @@ def run(
                     model(*args, **kwargs)
 
             count.aside += 1  # finding the order runs a forward of its own, before the steps: none of their peak
+            gone: Dict[int, int] = {}
             try:
-                running = layer_order(model, layers, forward)
+                running = layer_order(model, layers, forward, gone)
             finally:
                 count.aside -= 1
-            getattr(model, STATE).run_over(running)
+            getattr(model, STATE).run_over(running, gone)
             if running_into is not None:  # known before the steps, which may raise (`auto` finding nothing fits)
                 running_into.append(running)
         if mesh is not None:

@@ -237,9 +237,12 @@ class RecomputeState:
         """Where the steps so far ran layers but not the list's first: what to say and the flag (`StepClock`)."""
         return self.clock.first_layer_idle()
 
-    def run_over(self, running: Optional[List[int]]) -> None:
-        """A step runs these layers (a dry run of it found so, before step one)."""
+    def run_over(self, running: Optional[List[int]], inputs_gone: Optional[Dict[int, int]] = None) -> None:
+        """A step runs these layers (a dry run of it found so, before step one), and the model's code lets go of
+        their inputs where `inputs_gone` says (`fake_step.layer_order`; step one's profile keeps it)."""
         self.clock.run_over(running)
+        if inputs_gone is not None:
+            self.recorder.inputs_gone = dict(inputs_gone)
 
     def step_done(self) -> None:
         """The trainer's word that an optimizer step ended: the next training forward starts a new step, and step

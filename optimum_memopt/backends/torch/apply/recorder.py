@@ -14,7 +14,7 @@ The rules (tests/test_torch_profile.py, tests/test_step_memory.py, tests/test_to
 - An MoE whose routers train: step one's aux loss must carry a gradient, or the step stops with why.
 """
 
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 from torch import nn
@@ -45,6 +45,8 @@ class StepRecorder:
         self._readings: Optional[StepReadings] = None
         self._hooks: list = []  # the aux loss's check, the marks inside the layers (`mark_inside`)
         self._aux_checked = False
+        # where the model's code lets go of each layer's input, found before step one (`fake_step.layer_order`)
+        self.inputs_gone: Dict[int, int] = {}
 
     def install(self, measuring: Callable[[], bool], before_forward: Callable, routers_train: bool) -> None:
         """Read the steps `measuring()` says are measured; `before_forward(args, kwargs)` before each training forward
@@ -117,6 +119,9 @@ class StepRecorder:
         if self.profile is not None or self._recording is not None:
             return
         self._recording = [LayerProfile() for _ in range(self.n_layers)]
+        for i, at in self.inputs_gone.items():
+            if i < self.n_layers:
+                self._recording[i].input_gone_at = at
         if self.watch is None and device in READABLE_DEVICES:
             self.watch = StepWatch(self.n_layers, meter_for(device), self.reset_peaks or device == "cpu", running)
 

@@ -14,6 +14,9 @@ OTHER_DTYPE = "it is saved through another dtype"
 ROUTING = "it is an MoE's routing, kept: never recomputed (`apply/routing.py`)"
 
 
+INPUT_KEPT = -1  # `LayerProfile.input_gone_at` where the model's code holds a layer's input through the head
+
+
 @dataclass
 class LayerProfile:
     recomputable: Dict[str, int] = field(default_factory=dict)  # plan -> bytes kept, recomputable from kept tensors
@@ -28,6 +31,11 @@ class LayerProfile:
     # mask: what a layer recomputed whole saves through its checkpoint), in CUDA's blocks
     input_bytes: int = 0
     arguments_bytes: int = 0
+    # where the model's own code lets go of that input in the forward (what is left once autograd's saves are taken
+    # off, as the offload lever takes them): the first layer whose forward starts with it freed, the number of
+    # layers where the head's does, `INPUT_KEPT` where the model holds it through the head; None: not seen (a run
+    # measured without a dry run), taken as the next layer's (`fake_step.layer_order`)
+    input_gone_at: Optional[int] = None
     graph: Optional[LayerGraph] = None  # the forward's storages and saves: what any plan would free (`graph`)
     # tensors autograd kept whose storage could not be read (tensor subclasses without one), by type: their bytes are
     # in no figure, and said so (`report`)

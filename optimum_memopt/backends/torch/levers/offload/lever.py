@@ -72,20 +72,33 @@ class Offload(Lever):
         return self._option if self.installed else None
 
     def around_layer(self, index: int, forward: Callable[[], object]):
-        """A chosen layer's training forward under the mover's saved-tensor hooks; where backward reaches its output,
-        its tensors and those of the layers up to `ahead` before it fetched."""
-        if not self.installed or index not in self.chosen:
+        """A chosen layer's training forward under the mover's saved-tensor hooks. Where backward reaches the output
+        of a chosen layer or of one up to `ahead` layers after a chosen one (the layers after the last chosen one
+        too), the tensors of the chosen layers it is ahead of are fetched: without that mark, the last chosen layer's
+        would come back only as its own backward asked for them, a copy waited for, not run under the backward
+        before it (and held later than its figures say)."""
+        if not self.installed:
+            return forward()
+        chosen = index in self.chosen
+        if not chosen and not self._fetches_at(index):
             return forward()
         if self.mover is None:
             device = next((p.device for p in self.layers[index].parameters()), torch.device("cpu"))
             self.mover = Mover(self.chosen, device)
         mover = self.mover
-        with mover.saving(index):
+        if chosen:
+            with mover.saving(index):
+                out = forward()
+        else:
             out = forward()
         first = first_grad_tensor(out)
         if first is not None:
             first.register_hook(lambda grad: mover.reached(index))
         return out
+
+    def _fetches_at(self, index: int) -> bool:
+        """Whether backward reaching layer `index`'s output fetches a chosen layer's tensors (one `ahead` of it)."""
+        return any(i < index <= i + ahead for i, ahead in self.chosen.items())
 
     def host_peak(self) -> int:
         return self.mover.host_peak if self.mover is not None else 0

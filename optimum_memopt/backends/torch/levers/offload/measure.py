@@ -14,8 +14,11 @@ layers' arguments alone:
   its forward to the backward of the layer `ahead` layers after it; the first layers' wait longest, through every
   segment a step's peak can fall in (the last layers' forward, the head, the first backwards).
 - What it holds less: layer `i`'s first argument (the hidden states the layer before made; `LayerProfile.input_bytes`),
-  in every later layer's forward, the head, and the backward of each layer more than `ahead` after it. Its other
-  arguments (the positions' embeddings, a mask) are held by the model for every layer: copied, freed nowhere.
+  in every later layer's forward from where the model's own code lets go of it (a decoder's loop, as the next layer
+  starts; Llama's forward keeps the first layer's in a local until the layers end: `LayerProfile.input_gone_at`, seen
+  in a dry run's forward before step one), the head, and the backward of each layer more than `ahead` after it.
+  Its other arguments (the positions' embeddings, a mask) are held by the model for every layer: copied, freed
+  nowhere.
 - What it costs: the copies run on a stream of their own, out while the next layer's forward runs and back while the
   `ahead` layers after it run their backward (a layer recomputed whole: its forward again and its backward, three of
   its forwards' time); only what the copies take past that compute costs (`LeverChoice.cost`). Both summed over the
@@ -36,7 +39,7 @@ from .....memory import MIB
 from .....plans import LeverOption
 from ...decide.budget import LeverChoice
 from ...measure.aside import held_aside
-from ...measure.profile import HEAD_PLACE, Place
+from ...measure.profile import HEAD_PLACE, INPUT_KEPT, Place
 from ...measure.storages import counting
 from .option import DEFAULT_AHEAD, SYNTAX, layer_option
 
@@ -173,15 +176,20 @@ def _ran_option(ran: Dict[int, int], n: int):
 
 def _less(profile, chosen: Dict[int, int]) -> Dict[Place, int]:
     """What offloading `chosen` (layer -> ahead) holds less than offloading nothing, by segment: each layer's input in
-    every later layer's forward, the head, and the backward of each layer more than `ahead` after it."""
+    every later layer's forward from where the model's code lets go of it (`LayerProfile.input_gone_at`: the next
+    layer's, unless seen later), the head where it is let go of by then, and the backward of each layer more than
+    `ahead` after it."""
     layers = profile.layers
     n = len(layers)
     less: Dict[Place, int] = {}
     for i, ahead in chosen.items():
         held = layers[i].input_bytes
-        for j in range(i + 1, n):
+        gone = layers[i].input_gone_at
+        gone = i + 1 if gone is None else (n + 1 if gone == INPUT_KEPT else max(gone, i + 1))
+        for j in range(gone, n):
             less[Place.forward(j)] = less.get(Place.forward(j), 0) + held
-        less[HEAD_PLACE] = less.get(HEAD_PLACE, 0) + held
+        if gone <= n:
+            less[HEAD_PLACE] = less.get(HEAD_PLACE, 0) + held
         for j in range(i + ahead + 1, n):
             less[Place.backward(j)] = less.get(Place.backward(j), 0) + held
     return less
