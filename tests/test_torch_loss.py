@@ -625,3 +625,49 @@ def test_a_run_with_chunks_resumes_exactly_and_saves_the_plain_model(tmp_path):
     ids, labels = batch(0)
     loaded.train()
     assert loaded(input_ids=ids, labels=labels).logits.shape == (BATCH, SEQ, VOCAB)
+
+
+def test_a_dry_runs_head_figures_move_the_chunks_stretches_not_the_final_norms():
+    """Each way of chunking the head, as `auto` weighs it from step one (the head marked: its segment read stretch by
+    stretch), gives the head segment a step running it reads: the ways move the stretches the chunks run in, not the
+    final norm's backward after them, where a LoRA step's head segment peaks (no head weight's gradient): the way's
+    change had been counted on top of that peak (2 MiB over here, 129 MiB at 8B and 8,192 tokens). A dry run for a
+    card."""
+    from transformers import LlamaConfig
+
+    from optimum_memopt.backends.torch import fake_step
+    from optimum_memopt.backends.torch.decide.budget import freed_bytes, segment_peaks
+    from optimum_memopt.backends.torch.levers.loss.measure import HEAD_STRETCHES, choices, head_marked
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
+    from optimum_memopt.backends.torch.measure.profile import HEAD_PLACE
+    from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
+    from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
+    from optimum_memopt.planning.dry_run import StepSpec, instruments
+
+    config = LlamaConfig(num_hidden_layers=2, hidden_size=512, intermediate_size=1792, num_attention_heads=8,
+                         num_key_value_heads=2, vocab_size=8192, max_position_embeddings=1024,
+                         tie_word_embeddings=False)  # fmt: skip
+    lora = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    spec = StepSpec(config, batch=1, seq=1024, dtype="bfloat16", autocast="bfloat16", lora=lora)
+    card = dict(kernels=CudaKernels((9, 0)))
+    device = DEVICES[DEFAULT_DEVICE]
+    one = fake_step.run(spec, instruments(device), "auto", budget_mb=1e6, **card).profile  # step one, then eager fits
+    assert head_marked(one.memory)
+    head_of = lambda memory: next(s for s in memory.segments if s.place == HEAD_PLACE)  # noqa: E731
+    head = head_of(one.memory)
+    tags = [tag for tag, _ in head.parts]
+    assert set(HEAD_STRETCHES) <= set(tags) and tags[0] == "" and tags[-1] == "after head backward"
+    assert head.parts[-1][1] == head.peak_bytes  # step one's head segment peaks in the final norm's backward
+    measured = RecomputePolicy([LayerPolicy(LAYER) for _ in one.layers])
+    q = freed_bytes(one, measured)
+    ways = [c for c in choices(one.levers["loss"], marked=True) if c.plan]
+    whole = {c.plan: c for c in choices(one.levers["loss"])}  # weighed on the whole segment, as before
+    assert len(ways) >= 2 and not any(c.less for c in ways) and any(c.less_parts for c in ways)
+    for way in (ways[0], ways[-1]):  # the most rows a chunk, the fewest
+        predicted = dict(segment_peaks(one.memory, q, q, 0, [way]))[HEAD_PLACE]
+        read = head_of(fake_step.run(spec, instruments(device), f"Layer+:1:-1,{way.plan}", **card).profile.memory)
+        # a way's held bytes, read alone, are what it adds in the step, to the allocator's blocks of its scalars
+        assert abs(read.peak_bytes - predicted) <= 8 * 1024, (way.plan, read.peak_bytes - predicted)
+        if way.less_parts:  # on the whole segment it was counted on top of the final norm's backward
+            before = dict(segment_peaks(one.memory, q, q, 0, [whole[way.plan]]))[HEAD_PLACE]
+            assert before - read.peak_bytes > 1024 * 1024, (way.plan, before - read.peak_bytes)

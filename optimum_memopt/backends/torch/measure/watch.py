@@ -105,11 +105,11 @@ class StepWatch:
         return current
 
     def inside(self, mark: str) -> None:
-        """An inner mark in a layer's forward or backward segment (a lever's module starting or ending its forward or
-        its backward: `engine.mark_inside`): the stretch since the last mark closes with its peak, and one named
-        `mark` opens; the segment keeps each stretch's peak (`Segment.parts`), its own the highest of them. Only where
-        the peak counter is reset at the marks (else a stretch's peak cannot be told from the segment's)."""
-        if not self.resets or self._open is None or self._stage not in ("forward", "forward-last", "backward"):
+        """An inner mark in a layer's forward or backward segment, or the head's (a lever's module starting or ending
+        its forward or its backward: `engine.mark_inside`): the stretch since the last mark closes with its peak, and
+        one named `mark` opens; the segment keeps each stretch's peak (`Segment.parts`), its own the highest of them.
+        Only where the peak counter is reset at the marks (else a stretch's peak cannot be told from the segment's)."""
+        if not self.resets or self._open is None or self._stage not in ("forward", "forward-last", "head", "backward"):
             return
         current, peak = self._read()
         self._parts.append((self._part, max(peak, current)))

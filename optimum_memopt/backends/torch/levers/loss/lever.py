@@ -19,8 +19,8 @@ from ...decide.budget import LeverChoice
 from ..protocol import Lever
 from .chunks import chunk_losses, smoother_counts_items
 from .head_form import head_form
+from .measure import HEAD_MARK, head_marked, how_measured, measure
 from .measure import choices as options_of
-from .measure import how_measured, measure
 from .measure import rows as rows_of
 from .option import SYNTAX, Chunking, plan_of
 
@@ -235,6 +235,13 @@ class ChunkedLoss(Lever):
         if self.chunking is not None:
             self.install()
 
+    def marks(self):
+        """The head (the model's output embeddings), marked as `HEAD_MARK`: the head's segment holds the peak of each
+        stretch it runs in apart from the rest of the segment (the final norm's forward and backward), which its ways
+        move (`measure.choices`)."""
+        head = self.lm.get_output_embeddings()
+        return [(head, HEAD_MARK)] if isinstance(head, nn.Module) and not self.trl else []
+
     def after_step_one(self, profile, resets: bool) -> None:
         """Between step one and step two (a step reported ended): measure each way the head can run (`measure`)
         into the profile, for the table and the solver."""
@@ -245,10 +252,11 @@ class ChunkedLoss(Lever):
             profile.levers[self.name] = result
 
     def choices(self, profile, measured=None) -> List[LeverChoice]:
-        return options_of(profile.levers.get(self.name), self.chunking if self.installed else None)
+        ran = self.chunking if self.installed else None
+        return options_of(profile.levers.get(self.name), ran, head_marked(profile.memory))
 
     def rows(self, profile, drop) -> List[FoundPlan]:
-        return rows_of(profile.levers.get(self.name), drop)
+        return rows_of(profile.levers.get(self.name), drop, head_marked(profile.memory))
 
     def notes(self, profile) -> List[str]:
         measured, problem = profile.levers.get(self.name), profile.lever_problems.get(self.name)

@@ -21,6 +21,12 @@ from .option import SYNTAX, Chunking, candidate_chunks, plan_of
 
 REPEATS = 3  # each way of running the head is timed this many times (interleaved), its median taken
 
+HEAD_MARK = "head"  # the head's stretches in its segment, as the watch names them (`engine.mark_inside`)
+# the stretches a way of running the head moves: a chunk's head forward, what follows it to the next chunk (its
+# logits' loss), a chunk's head backward; not the final norm's forward before the first, nor what follows the last
+# chunk's backward (the final norm's backward)
+HEAD_STRETCHES = (f"{HEAD_MARK} forward", f"after {HEAD_MARK} forward", f"{HEAD_MARK} backward")
+
 
 BOUND_MARGIN = 0.25  # a way of running the head is run only where its bound, this much higher, fits (`measure`)
 
@@ -177,11 +183,29 @@ def measure(lever, profile, resets: bool = True):
     return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits, _torch_api.is_fake(weight))
 
 
-def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None) -> List[LeverChoice]:
+def head_marked(memory) -> bool:
+    """Whether step one's head segment was read stretch by stretch around the head (`HEAD_MARK`: the lever's
+    `marks`; not where the peak counter is not reset at the marks)."""
+    if memory is None:
+        return False
+    return any(
+        seg.place.in_step() == HEAD_PLACE and any(tag in HEAD_STRETCHES for tag, _ in seg.parts)
+        for seg in memory.segments
+    )
+
+
+def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None, marked: bool = False) -> List[LeverChoice]:
     """The ways the head and loss can run, as the solver weighs them (`budget.LeverChoice`, in the head's segment):
     the bytes each holds less than the way the step ran, and the seconds it takes more than the fastest way (a
     constant apart from what the step ran: the least total time is the same); where none was measured, the way the
     step ran (`ran`, its chunking; None: the model's own head) alone.
+
+    Where step one's head segment was read stretch by stretch (`marked`: `head_marked`), a way moves the stretches
+    the head's chunks run in (`HEAD_STRETCHES`: a chunk's head forward, what follows it to the next chunk, its
+    backward) and not the rest of the segment, the final norm's forward before the head and its backward after it
+    (`LeverChoice.less_parts`): a step whose head segment peaked in the final norm's backward, the chunks lower, was
+    predicted the chunks' change on top of that peak (2.05 MiB over a check's reading at a 4-layer decoder's size,
+    129 MiB at 8B and 8,192 tokens; exact to 4 KiB so).
 
     The rule (tests/test_torch_budget.py, `test_the_heads_ways_are_weighed_...`): a way that holds more than the
     step's way, or makes more rows of logits at once, is weighed by its bound where that is higher than what it held
@@ -208,19 +232,26 @@ def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None) -> List
             ran_option.held_bytes - held(o),
             head.seconds(o) - fastest,
             head.logits_bytes if o.chunking is None and not head.fake else 0,
+            marked,
         )
         for o in head.options
     ]
 
 
-def _choice(chunking: Optional[Chunking], less: int = 0, seconds: float = 0.0, returned: int = 0) -> LeverChoice:
-    """The `LeverChoice` of the head run in `chunking` (None: the model's own head, the lever off)."""
+def _choice(
+    chunking: Optional[Chunking], less: int = 0, seconds: float = 0.0, returned: int = 0, marked: bool = False
+) -> LeverChoice:
+    """The `LeverChoice` of the head run in `chunking` (None: the model's own head, the lever off); `marked`: its
+    bytes held less in the head's stretches (`choices`), else in the whole head segment."""
     option = None if chunking is None else chunking.option
+    if marked:
+        parts = tuple((HEAD_PLACE, tag, less) for tag in HEAD_STRETCHES) if less else ()
+        return LeverChoice(SYNTAX.name, option, plan_of(chunking), (), seconds, returned, less_parts=parts)
     where = ((HEAD_PLACE, less),) if less else ()
     return LeverChoice(SYNTAX.name, option, plan_of(chunking), where, seconds, returned)
 
 
-def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:
+def rows(head: Optional[HeadMeasure], drop, marked: bool = False) -> List[FoundPlan]:
     """One row per way of chunking the head and loss measured after step one: SAVING, what the head's own peak holds
     less than the model's own head (or, where the step ran chunks, than the chunks it ran); PEAK DROP, how much lower
     step one's peak would be with it alone; TIME, what it adds to a step."""
@@ -244,7 +275,11 @@ def rows(head: Optional[HeadMeasure], drop) -> List[FoundPlan]:
                 applied_saving_bytes=float(saving if on else 0),
                 recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
                 lever=SYNTAX.name,
-                **(drop([_choice(option.chunking, ran.held_bytes - option.held_bytes)]) if drop is not None else {}),
+                **(
+                    drop([_choice(option.chunking, ran.held_bytes - option.held_bytes, marked=marked)])
+                    if drop is not None
+                    else {}
+                ),
             )
         )
     return out
