@@ -216,6 +216,33 @@ def test_each_check_is_read_as_its_step_ends_and_the_answer_runs_again_only_wher
     assert ways == {False, True}, "these budgets no longer take both ways: choose others that do"
 
 
+def test_a_choice_recomputing_no_less_than_one_that_fitted_is_not_checked(recipes, monkeypatch):
+    """Once a check fitted, a next choice that recomputes no less is not checked: that check is the answer, and the
+    dry run ends at it (a corrected solve, counting bytes in rounded units, returned 153.3 ms at 8B where the check it
+    learned from, 153.0 ms, fitted: a third step of the dry run, 4.7 s, for nothing). The solve after the first check
+    is made to return a choice for less memory (more recompute) here."""
+    from optimum_memopt.backends.torch.decide.planner import BudgetPlanner
+
+    fit, offered = BudgetPlanner._fit, []
+
+    def slower(self, step, budget_bytes, corrections=None):
+        if corrections is None:
+            return fit(self, step, budget_bytes)
+        found = fit(self, step, int(budget_bytes * 0.9), corrections)
+        offered.append(found)
+        return found
+
+    monkeypatch.setattr(BudgetPlanner, "_fit", slower)
+    low, high = recipes["level 1 + Loss+"].peak_bytes / MIB, recipes["eager"].peak_bytes / MIB
+    budget = low + 6 * (high - low) / 15
+    result = dry_run(SPEC, "auto", budget_mb=budget, kernels=CARD["kernels"])
+    checks = result.auto["checks"]
+    assert len(checks) == 1 and len(result.step_peaks) == 2, checks
+    assert result.fit.config() == checks[0]["config"] and result.fit.predicted.peak_bytes <= budget * MIB
+    assert offered and offered[0].choice is not None and offered[0].config() != checks[0]["config"]
+    assert offered[0].recompute_seconds >= result.fit.recompute_seconds > 0
+
+
 def test_the_start_benchmark_times_each_phase_of_the_dry_run(tmp_path):
     """benchmarks/dry_run_start.py at a tiny size: the phases it times add up within the dry run's seconds, one time a
     step, and the dry run it timed chose within the budget."""

@@ -652,10 +652,11 @@ class BudgetPlanner:
         is the answer. Where a check's segments could not be read (or nothing fits so corrected), the budget the
         solver is given moves by what the check measured instead: up by the room a choice left under the budget,
         down by what one went over it (and `MARGIN`), no lower than the floor. Until a choice recomputes nothing,
-        comes again, or `SEARCH_CHECKS` were checked. The answer (`searched`) is the least recompute whose step
-        fitted, its figure the one that step measured (where none fitted, the least peak measured, over the budget:
-        the caller says nothing fits); the step after the last check runs it, unless that check was read as its step
-        ended (`at_end`: `check_ended`) and is the answer: its step was the answer's."""
+        comes again, recomputes no less than one that fitted, or `SEARCH_CHECKS` were checked. The answer
+        (`searched`) is the least recompute whose step fitted, its figure the one that step measured (where none
+        fitted, the least peak measured, over the budget: the caller says nothing fits); the step after the last check
+        runs it, unless that check was read as its step ended (`at_end`: `check_ended`) and is the answer: its step
+        was the answer's."""
         self.search.tried.append((result, peak))
         budget = self.budget_bytes
         given = result.budget_bytes
@@ -665,12 +666,18 @@ class BudgetPlanner:
         else:
             following = max(given - (peak - budget) - int(MARGIN * budget), result.floor.peak_bytes)
         checked = {f.config() for f, _ in self.search.tried}
+        # the least recompute a check measured within the budget: a choice that recomputes no less is not checked (a
+        # corrected solve, counting bytes in rounded units, may return one: at 8B it returned 153.3 ms of recompute
+        # where the check it learned from, 153.0 ms, fitted by its corrected figure too)
+        fitted = min((f.recompute_seconds for f, p in self.search.tried if p <= budget), default=None)
         candidate = None
         if len(self.search.tried) < SEARCH_CHECKS and (peak > budget or result.recompute_seconds > 0):
             if learned:  # solved for the budget itself with what the checks read: a choice checked is the answer
                 candidate = self._fit(step, budget, self.search.corrections)
             if (candidate is None or candidate.choice is None) and following is not None and following != given:
                 candidate = self._fit(step, following)  # nothing read, or nothing fits so corrected: the budget moved
+        if candidate is not None and fitted is not None and candidate.recompute_seconds >= fitted:
+            candidate = None  # no less recompute than a choice that fitted: that one is the answer
         if candidate is not None:
             if candidate.choice is not None and candidate.config() not in checked:
                 self.choices.fits.append(candidate)
