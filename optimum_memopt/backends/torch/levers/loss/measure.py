@@ -119,12 +119,13 @@ def measure(lever, profile, resets: bool = True):
     autocast = getattr(torch, profile.autocast) if profile.autocast else None
     itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else weight.element_size()
     # what any way holds besides its rows: the head's gradients (summed, and a chunk's), the hidden states' gradient
-    # (by chunk, then whole), under autocast the weight's copy and its gradient; and what each row adds at most: a
+    # (by chunk, then whole) and the hidden states the head reads (made inside the way, as the step's final norm makes
+    # them in the head's segment), under autocast the weight's copy and its gradient; and what each row adds at most: a
     # chunk's logits and their gradient (in the head's dtype), their fp32 copy and log-softmax (its gradient), soft-
     # capped the cap's two intermediates, under autocast the chunk's hidden states cast and their gradient cast back.
     # Checked against what each way held (tests/test_torch_loss.py); every bound is taken `BOUND_MARGIN` higher, for
     # what the allocator rounds.
-    fixed = 2 * sum(p.numel() * p.element_size() for p in params) + 2 * tokens * hidden * weight.element_size()
+    fixed = 2 * sum(p.numel() * p.element_size() for p in params) + 3 * tokens * hidden * weight.element_size()
     upcast = 8 if itemsize != 4 else 4  # in fp32 the loss's upcast is the logits themselves
     per_row = vocab * (2 * itemsize + upcast + (0 if lever.form.bare else 2 * itemsize))
     if autocast is not None:
@@ -139,14 +140,18 @@ def measure(lever, profile, resets: bool = True):
     labels = torch.randint(0, vocab, (tokens,), generator=own, device=weight.device)
 
     def run(chunking: Optional[Chunking]) -> None:
+        # the head reads a copy made inside the way, as the step's head reads the final norm's output made in its
+        # segment: held through the backward where the way keeps it (the chunks' checkpoints; a trained head's weight
+        # gradient), let go of after the forward where nothing does (the model's own head, frozen under LoRA: one
+        # hidden state less at its backward's peak than the chunks, which the leaf made before the way hid)
         with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
             if chunking is None:
-                logits = lever.logits_of(hidden_states)
+                logits = lever.logits_of(hidden_states.clone())
                 loss = F.cross_entropy(logits.float(), labels, reduction="sum")
                 del logits
             else:
                 rows = chunking.rows(tokens, hidden, vocab)
-                parts = chunk_losses(lever.logits_of, hidden_states, labels, rows, -100, None)
+                parts = chunk_losses(lever.logits_of, hidden_states.clone(), labels, rows, -100, None)
                 loss = functools.reduce(torch.add, parts)
                 del parts
         grads = torch.autograd.grad(loss, [hidden_states, *params])
