@@ -675,3 +675,34 @@ def test_a_dry_runs_head_figures_move_the_chunks_stretches_not_the_final_norms()
         if way.less_parts:  # on the whole segment it was counted on top of the final norm's backward
             before = dict(segment_peaks(one.memory, q, q, 0, [whole[way.plan]]))[HEAD_PLACE]
             assert before - read.peak_bytes > 1024 * 1024, (way.plan, before - read.peak_bytes)
+
+
+def test_the_way_the_step_ran_is_read_from_the_count_with_its_rows_not_run_twice(monkeypatch):
+    """Where the chunking step one ran (`Loss+:1:-1`: a chunk's logits no more than the hidden states) makes as many
+    rows a chunk as one of the counts measured, it is read from that count: the same work, run once (at 8B, 8,192
+    tokens, 32 chunks of 256 rows were run twice, a sixth of the dry run's step one's lever time)."""
+    from transformers import LlamaConfig
+
+    from optimum_memopt.backends.torch import fake_step
+    from optimum_memopt.backends.torch.measure import ways
+    from optimum_memopt.planning.devices import DEFAULT_DEVICE, DEVICES
+    from optimum_memopt.planning.dry_run import StepSpec, instruments
+
+    run_ways, ran = ways.run_ways, []
+
+    def watched(order, rows, bound, run, *args, **kwargs):
+        if run.__module__.endswith("levers.loss.measure"):  # the loss lever's ways (not the MLP lever's)
+            ran.append([rows(w) for w in order])
+        return run_ways(order, rows, bound, run, *args, **kwargs)
+
+    monkeypatch.setattr(ways, "run_ways", watched)
+    config = LlamaConfig(num_hidden_layers=1, hidden_size=64, intermediate_size=176, num_attention_heads=4,
+                         vocab_size=1024, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
+    head = fake_step.run(StepSpec(config, seq=256), instruments(DEVICES[DEFAULT_DEVICE]), "auto", budget_mb=1e6)
+    measured = head.profile.levers["loss"]
+    (rows,) = ran
+    assert len(rows) == len(set(rows)), rows
+    by_plan = {o.plan: o for o in measured.options}
+    assert measured.ran == "Loss+:1:-1" and "Loss+:1:-1@chunks16" in by_plan  # vocabulary / hidden = 16
+    twin, same = by_plan["Loss+:1:-1"], by_plan["Loss+:1:-1@chunks16"]
+    assert (twin.held_bytes, twin.seconds, twin.rows) == (same.held_bytes, same.seconds, same.rows)

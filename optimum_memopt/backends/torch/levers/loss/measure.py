@@ -85,10 +85,11 @@ def measure(lever, profile, resets: bool = True):
     """The head and loss of `lever` (a `ChunkedLoss`) run each way worth offering on step one's shapes, on the shared
     harness (`measure.ways`: from the fewest rows up, each only where its bound fits what step one's peak left free,
     read aside, interleaved repeats): the model's own head, each chunk count of `candidate_chunks`, and the chunking
-    the step ran. A way's bound is what the way before it held (at first what every way holds besides its rows) and
-    the most each further row can add, `BOUND_MARGIN` higher (tests/test_torch_loss.py holds every way under its
-    bound). The hidden states and labels come from a generator of the measurement's own (its figures depend on the
-    shapes alone; the process's streams stay the user's). A `HeadMeasure`, or the reason there is none."""
+    the step ran (read from a count that makes as many rows a chunk, where one does: the same work). A way's bound
+    is what the way before it held (at first what every way holds besides its rows) and the most each further row
+    can add, `BOUND_MARGIN` higher (tests/test_torch_loss.py holds every way under its bound). The hidden states and
+    labels come from a generator of the measurement's own (its figures depend on the shapes alone; the process's
+    streams stay the user's). A `HeadMeasure`, or the reason there is none."""
     from ... import _torch_api
     from ...measure.storages import block_bytes
     from ...measure.ways import run_ways
@@ -113,8 +114,6 @@ def measure(lever, profile, resets: bool = True):
     device = weight.device.type
     ran = lever.chunking if lever.installed else None
     ways: List[Optional[Chunking]] = [None] + [Chunking(chunks=c) for c in candidate_chunks(tokens, hidden, vocab)]
-    if ran not in ways:
-        ways.append(ran)
     params = [p for p in head.parameters() if p.requires_grad]
     autocast = getattr(torch, profile.autocast) if profile.autocast else None
     itemsize = torch.finfo(autocast).bits // 8 if autocast is not None else weight.element_size()
@@ -164,6 +163,15 @@ def measure(lever, profile, resets: bool = True):
         last_rows, last_held = last or (0, fixed)  # before any: what any way holds besides its rows
         return int((last_held + (rows - last_rows) * per_row) * (1 + BOUND_MARGIN))
 
+    # the way the step ran, where it makes as many rows a chunk as a count above (the same work: at 8B, 8,192 tokens,
+    # `Loss+:1:-1` is 32 chunks of 256 rows), is read from that count, not run a second time
+    same = None
+    if ran not in ways:
+        same = next((w for w in ways if ran is not None and w is not None and rows_of(w) == rows_of(ran)), None)
+        if same is None:
+            ways.append(ran)
+    read_as = ran if same is None else same
+
     # on the head's GPU as the current one: read there, and its generator given back (`held_aside`)
     with torch.cuda.device(weight.device) if device == "cuda" else contextlib.nullcontext():
         got = run_ways(
@@ -178,12 +186,14 @@ def measure(lever, profile, resets: bool = True):
             resets,
         )
     why_not = {plan_of(way): why for way, why in got.why_not.items()}
-    if not got.ran(ran):
+    if not got.ran(read_as):
         how = plan_of(ran) or "the model's own head"
-        return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(ran)]}"
+        return f"the way the step ran the head ({how}) was not run alone: {why_not[plan_of(read_as)]}"
     options = [
         HeadOption(way, got.held[way], got.seconds[way], got.bounds[way], rows_of(way)) for way in ways if got.ran(way)
     ]
+    if same is not None:  # the way the step ran, read from the count with its rows
+        options.append(HeadOption(ran, got.held[same], got.seconds[same], got.bounds[same], rows_of(ran)))
     logits = block_bytes(tokens * vocab * itemsize)
     return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits, _torch_api.is_fake(weight))
 
