@@ -6,7 +6,7 @@ before the step's first layer runs. The planner writes no field of the engine's,
 the levers' options only through `Orders`, at a step's start (tests/test_torch_budget.py holds a run's choices)."""
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from .policy import RecomputePolicy
 
@@ -22,6 +22,10 @@ class StepStart:
     policy: RecomputePolicy  # what the layers ran under in the step before
     levers: Dict[str, object]  # the levers beyond the layers on the model (`levers.protocol.Lever`), by name
     layer_lists: List[str]  # where the layers come from several lists, one line a list (`apply.layers.towers`)
+    # a dry run's: one layer run alone under a configuration, on step one's argument shapes (`RecomputeState.probe`):
+    # (the most its forward held, the most its backward held), each above the level before its forward; None where
+    # it cannot be run so (a real step: its tensors would cost the device's memory)
+    probe: Optional[Callable[[int, object], Optional[Tuple[int, int]]]] = None
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,10 @@ profiled into a `ModelProfile`: one owner each (`LayerRunner` here, `clock.StepC
 together on the model by `RecomputeState`, which alone carries events between them and `auto`'s planner (`steps`:
 the planner is told a step starts and answers with orders, carried out before the step's first layer)."""
 
+import dataclasses
 import logging
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +22,7 @@ from .checkpoint import checkpointed, holds_cache, without_cache
 from .clock import StepClock
 from .hooks import finish, tracked
 from .layers import LayerForwards, towers
-from .recorder import StepRecorder
+from .recorder import StepRecorder, made_again
 from .routing import Routing
 from .tracking import LayerRun
 
@@ -283,9 +284,68 @@ class RecomputeState:
         recorder.step_starts(device, self.running)
 
     def _step_start(self, device: Optional[str]) -> StepStart:
+        probe = self.probe if self.recorder.argument_shapes else None
         return StepStart(
-            device or "", len(self.layers), self.running, self.profile, self.policy, self.levers, self.layer_lists
-        )
+            device or "", len(self.layers), self.running, self.profile, self.policy, self.levers, self.layer_lists,
+            probe,
+        )  # fmt: skip
+
+    def probe(self, index: int, layer_policy) -> Optional[Tuple[int, int]]:
+        """Layer `index` run alone under `layer_policy` (`policy.LayerPolicy`), in a dry run between steps, on step
+        one's argument shapes made again (`recorder.TensorShape`): its forward, then its backward from a gradient of
+        its output, each read aside (`aside.held_aside`: unseen by the step's readings, the generators given back).
+        Returns (the most its forward held, the most its backward held), each above the level before its forward, or
+        None where step one's arguments were not kept. Its input is let go of after the forward, as the step's is
+        (unless an op saved it), and its parameters' gradients after the backward."""
+        from ..measure.aside import current_bytes, held_aside
+        from ..measure.storages import counting
+
+        shapes = self.recorder.argument_shapes.get(index)
+        if shapes is None:
+            return None
+        count = counting()
+        if count is None:
+            return None
+        peak, count.aside = count.peak, count.aside + 1  # its arguments too: neither the step's peak nor its time
+        try:
+            return self._probe(index, layer_policy, shapes, current_bytes, held_aside)
+        finally:
+            count.aside -= 1
+            count.peak = max(peak, count.current)
+
+    def _probe(self, index: int, layer_policy, shapes, current_bytes, held_aside) -> Optional[Tuple[int, int]]:
+        runner = self.runner
+        before = runner.policy
+        layers = list(before.layers)
+        layers[index] = layer_policy
+        runner.policy = dataclasses.replace(before, layers=layers)
+        params = [p for p in self.layers[index].parameters() if p.grad is None]
+        try:
+            made = [made_again(shapes)]  # (args, kwargs): the input let go of after the forward
+            outs: list = []
+            start = current_bytes("cpu")
+            dtype = self.profile.autocast if self.profile is not None else None
+
+            def forward() -> None:
+                args, kwargs = made.pop()
+                with torch.autocast(
+                    "cpu", dtype=getattr(torch, dtype), enabled=dtype is not None, cache_enabled=False
+                ):
+                    outs.append(runner._under_policy(index, args, kwargs, None))
+
+            forward_held, _ = held_aside(forward, "cpu")
+            out = first_grad_tensor(outs.pop())
+            if out is None:
+                return None
+            ends = [out, torch.empty_like(out)]  # the output and its gradient, let go of after the backward
+            level = current_bytes("cpu") - start
+            backward_held, _ = held_aside(lambda: torch.autograd.backward(*ends), "cpu")
+            ends.clear()
+            return forward_held, level + backward_held
+        finally:
+            runner.policy = before
+            for p in params:
+                p.grad = None
 
     def _carry_out(self, orders: Optional[Orders]) -> None:
         """The planner's orders for the step about to run."""

@@ -14,7 +14,8 @@ The rules (tests/test_torch_profile.py, tests/test_step_memory.py, tests/test_to
 - An MoE whose routers train: step one's aux loss must carry a gradient, or the step stops with why.
 """
 
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -25,9 +26,41 @@ from ..measure.live import meter_for
 from ..measure.profile import LayerProfile, ModelProfile
 from ..measure.storages import block_bytes
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
-from ..nested import tensors_in
+from ..nested import map_tensors, tensors_in
 from .routing import aux_loss_problem
 from .tracking import storage_bytes, storage_key
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """A tensor of a dry run's step one as its shape alone: what a layer run alone is given again (`made`)."""
+
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> "TensorShape":
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.requires_grad)
+
+    def made(self) -> torch.Tensor:
+        """A tensor of this shape (under a dry run's fake mode: no memory, no values); one that required grad made
+        the output of an op, as a layer's input is the layer before's output (a leaf that requires grad is taken for
+        a parameter by the engine's rule: `tracking.is_param`)."""
+        t = torch.empty_strided(self.size, self.stride, dtype=self.dtype)
+        return t.requires_grad_(True).clone() if self.requires_grad and t.is_floating_point() else t
+
+
+def made_again(shapes):
+    """`shapes` (nested lists, tuples and dicts holding `TensorShape`s) with each shape made a tensor."""
+    if isinstance(shapes, TensorShape):
+        return shapes.made()
+    if isinstance(shapes, (list, tuple)):
+        return type(shapes)(made_again(v) for v in shapes)
+    if isinstance(shapes, dict):
+        return {k: made_again(v) for k, v in shapes.items()}
+    return shapes
 
 
 class StepRecorder:
@@ -47,6 +80,9 @@ class StepRecorder:
         self._aux_checked = False
         # where the model's code lets go of each layer's input, found before step one (`fake_step.layer_order`)
         self.inputs_gone: Dict[int, int] = {}
+        # a dry run's step one: each layer's arguments as shapes (`TensorShape` for each tensor), what a layer run
+        # alone is given (`engine.RecomputeState.probe`); none in a real step (nothing of its tensors is kept)
+        self.argument_shapes: Dict[int, tuple] = {}
 
     def install(self, measuring: Callable[[], bool], before_forward: Callable, routers_train: bool) -> None:
         """Read the steps `measuring()` says are measured; `before_forward(args, kwargs)` before each training forward
@@ -139,6 +175,8 @@ class StepRecorder:
             record.input_bytes = block_bytes(storage_bytes(first)) if first is not None else 0
             storages = {storage_key(t): storage_bytes(t) for t in tensors if not isinstance(t, torch.nn.Parameter)}
             record.arguments_bytes = sum(block_bytes(b) for key, b in storages.items() if key)
+            if first is not None and _torch_api.is_fake(first):
+                self.argument_shapes[index] = map_tensors((args, kwargs), TensorShape.of)
         return record
 
     def layer_ends(self, index: int, out, autocast: Callable[[], Optional[str]], first: int, last: int) -> None:

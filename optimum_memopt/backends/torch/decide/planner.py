@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional
 from ....callbacks.base import atomic_write
 from ....memory import MIB, READABLE_DEVICES, MemoryMeter
 from ..measure.live import held_outside, make_library_workspaces, meter_for
-from ..measure.profile import StepMemory
+from ..measure.profile import BACKWARD, FORWARD, StepMemory
 from ..measure.watch import StepWatch
 from ..ranks import Ranks
 from ..steps import Orders, StepStart
@@ -63,6 +63,7 @@ class Refusal:
 
 
 MARGIN = 0.005  # of the budget, kept by a re-plan after a check over its prediction
+PROBE_ROUNDS = 4  # at most this many solves of a dry run's first choice with its layers read alone (`_probed`)
 SEARCH_CHECKS = 4  # a dry run's choices checked by a step each, at most (`BudgetPlanner.search`)
 
 
@@ -494,7 +495,7 @@ class BudgetPlanner:
         result = None
         if self.reading.ranks.rank == 0:
             try:
-                result = self._confirmed(step, budget_bytes) or self._fit(step, budget_bytes)
+                result = self._confirmed(step, budget_bytes) or self._probed(step, self._fit(step, budget_bytes))
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.reading.ranks.from_rank0(result)
@@ -514,6 +515,61 @@ class BudgetPlanner:
             self.reading.meter.reset_peak()
         self.reading.start_bytes = self._current()
         self.stage = Stage.VERIFY
+
+    def _probed(self, step: StepStart, result: Fit) -> Fit:
+        """A dry run's first choice, its layers' own segments read before any check (`StepStart.probe`): each
+        configuration the choice gives a layer is run alone in one layer of each structure (`graph.signature`), beside
+        the configuration step one ran there, and what its forward and backward held beyond what `budget.predict`
+        moves them by is laid on every layer of that structure (`Corrections.own`); the choice is solved again for the
+        budget with them, until every configuration it gives is read (at most `PROBE_ROUNDS`). A layer alone holds
+        what it holds in the step (the storages it makes and keeps, one for one, on the tests' decoders), so the first
+        check lands where the step's other segments are exact. Where a probe cannot run, or the corrected solve finds
+        nothing, the first choice as it was."""
+        if step.probe is None or self.search is None or result.choice is None or self.ask.share is not None:
+            return result
+        if self.reading.ranks is not None and self.reading.ranks.size > 1:
+            return result  # several processes' segments: the solver's are every process's, a probe this one's
+        try:
+            return self._probe_rounds(step, result)
+        except Exception as e:  # a layer that cannot run alone (FSDP2's sharded weights): the first choice as it was
+            logger.debug("optimum-memopt: a dry run's layers could not be run alone (%s: %s)", type(e).__name__, e)
+            return result
+
+    def _probe_rounds(self, step: StepStart, result: Fit) -> Fit:
+        one = self.step_one
+        groups: Dict[object, List[int]] = {}
+        for i, rec in enumerate(step.profile.layers):
+            if rec.graph is not None and i < len(one.per_layer):
+                groups.setdefault(rec.graph.signature(), []).append(i)
+        sample = {i: members[1] if len(members) > 1 else members[0] for members in groups.values() for i in members}
+        read: Dict[tuple, tuple] = {}  # (sampled layer, label) -> (forward, backward) held alone
+        corrections = self.search.corrections
+        for _ in range(PROBE_ROUNDS):
+            wanted = {(sample[i], c.label): c for i, c in enumerate(result.choice) if i in sample}
+            wanted = {key: c for key, c in wanted.items() if key not in read}
+            if not wanted:
+                return result
+            for (k, label), c in wanted.items():
+                for key, policy in (((k, None), step.policy.layers[k]), ((k, label), c.layer_policy())):
+                    if key not in read:
+                        got = step.probe(k, policy)
+                        if got is None:
+                            return result
+                        read[key] = got
+                ran_forward, ran_backward = read[k, None]
+                forward, backward = read[k, label]
+                for i in (i for i, s in sample.items() if s == k):
+                    same = next((o for o in one.per_layer[i] if o.label == label), None)
+                    if same is None:
+                        continue
+                    moved = one.freed[i] - same.freed_bytes  # what `predict` moves the layer's own forward by
+                    corrections.own[i, label, FORWARD] = forward - ran_forward - moved
+                    corrections.own[i, label, BACKWARD] = backward - ran_backward
+            again = self._fit(step, self.budget_bytes, corrections)
+            if again.choice is None:
+                return result
+            result = again
+        return result
 
     def _confirmed(self, step: StepStart, budget_bytes: Optional[int]) -> Optional[Fit]:
         """The dry run's choice, which step one ran, kept where step one's own memory with what later steps hold more
