@@ -286,15 +286,16 @@ class LeverChoice:
 
 @dataclass
 class Corrections:
-    """What a dry run's checks read beyond their predictions (`learn`), segment by segment, for the solves after them:
-    the figures `predict` gives are exact but for a layer's own forward and backward under a configuration other than
-    the measured step's (a planned tensor let go of only after its last use; a layer replayed in its own backward
-    bringing its tensors back one at a time: `predict_range`) and a segment the levers' options are weighed in by a
-    bound (the head's ways). A dry run's readings are exact and the same each time, so each difference is one
-    configuration's (or one combination of the levers' options'): `own` by layer, then `alike` for a layer not yet
-    checked under that configuration (the most any layer of the step read under it: the model's layers are alike),
-    and `shared` for the segments no layer owns, by the levers' options, then `shared_alike` for options not yet
-    checked (the most any read there). Empty: every figure as `predict` gives it."""
+    """What a dry run's checks read beyond their predictions (`learn`), segment by segment, for the solves after them
+    (and, before the first check, what a layer run alone under a configuration held beyond them, laid on `own` by
+    `planner.BudgetPlanner._probed`): the figures `predict` gives are exact but for a layer's own forward and backward
+    under a configuration other than the measured step's (a planned tensor let go of only after its last use; a layer
+    replayed in its own backward bringing its tensors back one at a time: `predict_range`) and a segment the levers'
+    options are weighed in by a bound (the head's ways). A dry run's readings are exact and the same each time, so
+    each difference is one configuration's (or one combination of the levers' options'): `own` by layer, then `alike`
+    for a layer not yet checked under that configuration (the most any layer of the step read under it: the model's
+    layers are alike), and `shared` for the segments no layer owns, by the levers' options, then `shared_alike` for
+    options not yet checked (the most any read there). Empty: every figure as `predict` gives it."""
 
     own: Dict[Tuple[int, str, str], int] = field(default_factory=dict)  # (layer, its configuration, kind) -> bytes
     alike: Dict[Tuple[str, str], int] = field(default_factory=dict)  # (configuration, kind) -> bytes
