@@ -27,3 +27,14 @@ def map_tensors(value, fn):
     if isinstance(value, dict):
         return {k: map_tensors(v, fn) for k, v in value.items()}
     return value
+
+
+def map_instances(value, kind: type, fn):
+    """`value` (nested lists, tuples and dicts) with each instance of `kind` replaced by `fn(it)`."""
+    if isinstance(value, kind):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_instances(v, kind, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_instances(v, kind, fn) for k, v in value.items()}
+    return value

@@ -26,7 +26,7 @@ from ..measure.live import meter_for
 from ..measure.profile import LayerProfile, ModelProfile
 from ..measure.storages import block_bytes
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
-from ..nested import map_tensors, tensors_in
+from ..nested import map_instances, map_tensors, tensors_in
 from .routing import aux_loss_problem
 from .tracking import storage_bytes, storage_key
 
@@ -54,13 +54,7 @@ class TensorShape:
 
 def made_again(shapes):
     """`shapes` (nested lists, tuples and dicts holding `TensorShape`s) with each shape made a tensor."""
-    if isinstance(shapes, TensorShape):
-        return shapes.made()
-    if isinstance(shapes, (list, tuple)):
-        return type(shapes)(made_again(v) for v in shapes)
-    if isinstance(shapes, dict):
-        return {k: made_again(v) for k, v in shapes.items()}
-    return shapes
+    return map_instances(shapes, TensorShape, TensorShape.made)
 
 
 class StepRecorder:
