@@ -220,10 +220,12 @@ def test_a_choice_recomputing_no_less_than_one_that_fitted_is_not_checked(recipe
     """Once a check fitted, a next choice that recomputes no less is not checked: that check is the answer, and the
     dry run ends at it (a corrected solve, counting bytes in rounded units, returned 153.3 ms at 8B where the check it
     learned from, 153.0 ms, fitted: a third step of the dry run, 4.7 s, for nothing). The solve after the first check
-    is made to return a choice for less memory (more recompute) here."""
+    is made to return a choice for less memory (more recompute) here, and the first choice is checked as solved from
+    step one (no layers read alone before it: their solves would be made slower too)."""
     from optimum_memopt.backends.torch.decide.planner import BudgetPlanner
 
     fit, offered = BudgetPlanner._fit, []
+    monkeypatch.setattr(BudgetPlanner, "_probed", lambda self, step, result: result)
 
     def slower(self, step, budget_bytes, corrections=None):
         if corrections is None:
@@ -277,6 +279,27 @@ def test_a_dry_runs_first_choice_is_solved_with_its_layers_read_alone_as_the_che
             assert abs(step - alone) <= (MIB if last_forward else 0) + 16 * 1024, (i, label, kind, step - alone)
             compared += 1
     assert compared == 2 * len(labels)
+
+
+def test_a_dry_run_without_autocast_reads_its_layers_alone_too(recipes, monkeypatch, caplog):
+    """The layers read alone before the first check run as the step ran: in fp32 without autocast too (they once asked
+    for an autocast of no dtype there, failed, and the first choice went to its check unread, said nowhere)."""
+    from optimum_memopt.backends.torch.apply.engine import RecomputeState
+
+    probe, read = RecomputeState.probe, []
+
+    def counted(self, index, layer_policy):
+        got = probe(self, index, layer_policy)
+        read.append(got)
+        return got
+
+    monkeypatch.setattr(RecomputeState, "probe", counted)
+    low, high = recipes["level 1 + Loss+"].peak_bytes / MIB, recipes["eager"].peak_bytes / MIB
+    with caplog.at_level("WARNING", logger="optimum_memopt"):
+        result = dry_run(SPEC, "auto", budget_mb=(low + high) / 2, **CARD)
+    assert SPEC.autocast is None and result.fit.predicted.peak_bytes <= (low + high) / 2 * MIB
+    assert read and all(got is not None and got[0] > 0 and got[1] > 0 for got in read), read
+    assert not [r for r in caplog.records if "run alone" in r.getMessage()]
 
 
 def test_the_start_benchmark_times_each_phase_of_the_dry_run(tmp_path):

@@ -328,9 +328,10 @@ class RecomputeState:
 
             def forward() -> None:
                 args, kwargs = made.pop()
-                with torch.autocast(
-                    "cpu", dtype=getattr(torch, dtype), enabled=dtype is not None, cache_enabled=False
-                ):
+                if dtype is None:  # the step ran without autocast
+                    outs.append(runner._under_policy(index, args, kwargs, None))
+                    return
+                with torch.autocast("cpu", dtype=getattr(torch, dtype), cache_enabled=False):
                     outs.append(runner._under_policy(index, args, kwargs, None))
 
             forward_held, _ = held_aside(forward, "cpu")

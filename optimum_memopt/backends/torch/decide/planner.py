@@ -531,8 +531,13 @@ class BudgetPlanner:
             return result  # several processes' segments: the solver's are every process's, a probe this one's
         try:
             return self._probe_rounds(step, result)
-        except Exception as e:  # a layer that cannot run alone (FSDP2's sharded weights): the first choice as it was
-            logger.debug("optimum-memopt: a dry run's layers could not be run alone (%s: %s)", type(e).__name__, e)
+        except Exception as e:  # a layer that cannot run alone: the first choice as it was, its check reads them
+            logger.warning(
+                "optimum-memopt: a dry run's layers could not be run alone before its first check (%s: %s); the first "
+                "choice is checked as solved from step one",
+                type(e).__name__,
+                e,
+            )
             return result
 
     def _probe_rounds(self, step: StepStart, result: Fit) -> Fit:
