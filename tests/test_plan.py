@@ -331,6 +331,46 @@ def _cli(*args, cwd=None):
     )
 
 
+_NO_FAKE_LEFT = """
+import sys, torch
+from transformers import LlamaConfig
+from optimum_memopt.planning.dry_run import StepSpec, dry_run
+from torch._subclasses.fake_tensor import FakeTensor
+config = LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                     num_key_value_heads=2, vocab_size=128, max_position_embeddings=64)
+dry_run(StepSpec(config, batch=1, seq=16), plans="Layer+:1:-1")
+def faked(v):
+    try:
+        d = getattr(getattr(v, "__func__", v), "__defaults__", None)
+        return isinstance(v, FakeTensor) or any(isinstance(x, FakeTensor) for x in (d if isinstance(d, tuple) else ()))
+    except Exception:  # a lazy attribute that raises when read (torch.backends.cuda's without CUDA)
+        return False
+fake = []
+for name, module in list(sys.modules.items()):
+    for attr, value in list(getattr(module, "__dict__", {}).items()):
+        inside = list(vars(value).items()) if isinstance(value, type) else []
+        for where, v in [(attr, value)] + [(attr + "." + a, v) for a, v in inside]:
+            if faked(v):
+                fake.append(name + "." + where)
+print("fake:", fake)
+from peft.tuners.loha.layer import HadaWeight  # its `scale` default is a tensor made as the module is imported
+w = [torch.ones(4, 2, requires_grad=True), torch.ones(2, 4), torch.ones(4, 2), torch.ones(2, 4)]
+print("loha:", float(HadaWeight.apply(*w).sum()))
+"""
+
+
+@pytest.mark.slow
+def test_a_dry_run_leaves_no_fake_tensor_in_the_process():
+    """A fresh process's first dry run imports nothing under its fake mode: a module first imported there keeps fake
+    tensors for the rest of the process (the package's callbacks, imported as the backend was put on the model, pulled
+    in transformers' trainer and PEFT, whose LoHa then failed on real tensors: "Please convert all Tensors to
+    FakeTensors first"). No module, class or function default holds a fake tensor after it, and LoHa's weight runs."""
+    pytest.importorskip("peft")
+    res = subprocess.run([sys.executable, "-c", _NO_FAKE_LEFT], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "fake: []" in res.stdout and "loha: 64.0" in res.stdout, res.stdout
+
+
 @pytest.mark.slow
 def test_memopt_plan_reads_a_local_config_and_writes_json(tmp_path):
     folder = tmp_path / "model"

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch_engine import engine, keep, ops, pair, step
 
 from optimum_memopt.backends.torch.measure.graph import effect, frontier, saved_bytes, whole_layer
+from optimum_memopt.backends.torch.measure.storages import block_bytes
 from optimum_memopt.backends.torch.policy import RecomputePolicy
 
 pytestmark = pytest.mark.torch_backend
@@ -74,7 +75,8 @@ def test_the_graph_predicts_every_plan_set_exactly(fn, recomputed):
 def test_whole_layer_frees_everything_but_the_layers_input_and_output():
     layer = graph_of(gated_mlp)
     whole = whole_layer(layer.graph, layer.op_seconds)
-    assert whole.freed_bytes == layer.kept_bytes == 4 * (4 * 8 * 4)  # gate, up, silu's output, the product
+    # gate, up, silu's output, the product: 4 x 8 floats each, in one 512-byte block each (as the step counts them)
+    assert whole.freed_bytes == layer.kept_bytes == 4 * block_bytes(4 * 8 * 4)
     assert whole.seconds == layer.op_seconds
 
 
@@ -83,7 +85,7 @@ def test_a_layer_checkpointed_whole_in_step_one_is_recorded_too():
     state = engine(model, RecomputePolicy.from_plans([], 1, 1))
     step(model, torch.randn(4, 8))
     graph = state.profile.layers[0].graph
-    assert effect(graph, ["MatMul", "silu", "Mul"]).freed_bytes == 4 * (4 * 8 * 4)
+    assert effect(graph, ["MatMul", "silu", "Mul"]).freed_bytes == 4 * block_bytes(4 * 8 * 4)
 
 
 def test_the_frontier_offers_chains_that_free_more_for_their_time():

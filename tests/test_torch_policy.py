@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch_engine import engine, pair, step
 
 from optimum_memopt.backends.torch.decide.report import plan_report
+from optimum_memopt.backends.torch.measure.storages import block_bytes
 from optimum_memopt.backends.torch.policy import KEEP, LAYER, OPS, LayerPolicy, RecomputePolicy
 from optimum_memopt.plans import parse_plans
 
@@ -213,7 +214,8 @@ def test_a_mixed_plan_from_the_grammar_trains_as_plain_pytorch():
         got, want = step(model, x, seed), step(plain, x, seed)
         assert all(torch.equal(a, b) for a, b in zip(got, want))
     applied = [rec.applied for rec in state.profile.layers]
-    assert applied[0] == applied[2] == {} and applied[1] == applied[3] == {"MatMul": 4 * 8 * 4, "Gelu": 4 * 8 * 4}
+    block = block_bytes(4 * 8 * 4)  # a planned output of 4 x 8 floats, counted in one 512-byte block
+    assert applied[0] == applied[2] == {} and applied[1] == applied[3] == {"MatMul": block, "Gelu": block}
     report = plan_report(state.policy, state.profile)
     assert report.applied == ["MatMul+:1:-1", "Gelu+:1:-1", "Layer+:1:-1@every2"]
     assert any(n.startswith("layers 0, 2 are checkpointed whole") for n in report.notes)

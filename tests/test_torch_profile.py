@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch_engine import engine, ops, pair, step
 
 from optimum_memopt.backends.torch.measure.profile import CHANGED_IN_PLACE
+from optimum_memopt.backends.torch.measure.storages import block_bytes
 from optimum_memopt.backends.torch.policy import LAYER, LayerPolicy, RecomputePolicy
 
 pytestmark = pytest.mark.torch_backend
@@ -39,7 +40,7 @@ def test_what_cannot_be_recomputed_says_why():
     state = engine(model, ops())
     step(model, torch.randn(4, 8))
     rec = state.profile.layers[0]
-    assert rec.not_recomputable == {"MatMul": 4 * 8 * 4} and rec.why_not["MatMul"] == [CHANGED_IN_PLACE]
+    assert rec.not_recomputable == {"MatMul": block_bytes(4 * 8 * 4)} and rec.why_not["MatMul"] == [CHANGED_IN_PLACE]
 
 
 def test_a_layer_checkpointed_whole_is_profiled_too():

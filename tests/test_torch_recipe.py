@@ -8,8 +8,12 @@ import torch.nn.functional as F
 from torch_engine import Counting, engine, ops, pair, step
 
 from optimum_memopt.backends.torch.measure.profile import INPUT_NOT_KEPT
+from optimum_memopt.backends.torch.measure.storages import block_bytes
 
 pytestmark = pytest.mark.torch_backend
+
+# what a planned output of 4 x 8 floats is counted at: one of CUDA's 512-byte blocks, as the step counts it
+BLOCK = block_bytes(4 * 8 * 4)
 
 
 def three_ops(block, x):
@@ -30,7 +34,7 @@ def trained_as_plain(fn, plan: str):
 def test_a_planned_output_is_recomputed_bitwise(recomputed):
     plain, planned, x, state = trained_as_plain(three_ops, "Gelu")
     assert recomputed == ["gelu"]
-    assert state.profile.layers[0].applied == {"Gelu": 4 * 8 * 4}
+    assert state.profile.layers[0].applied == {"Gelu": BLOCK}
     # a second step (not profiled) recomputes again and still matches
     got, want = step(planned, x, seed=1), step(plain, x, seed=1)
     assert all(torch.equal(a, b) for a, b in zip(got, want)) and len(recomputed) == 2
@@ -103,7 +107,7 @@ def test_a_chain_of_planned_outputs_is_recomputed_once_each(recomputed):
         got = step(planned, x)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert sorted(recomputed) == ["gelu", "mm"]  # each once, though the matmul's output is read twice
-    assert state.profile.layers[0].applied == {"MatMul": 4 * 8 * 4, "Gelu": 4 * 8 * 4}
+    assert state.profile.layers[0].applied == {"MatMul": BLOCK, "Gelu": BLOCK}
     assert outer_planned.nbytes == outer_plain.nbytes - 2 * 4 * 8 * 4
 
 
@@ -140,13 +144,13 @@ def test_a_chain_runs_through_an_output_autograd_never_kept(recomputed):
     state = engine(planned, ops("Mul", "Gelu"))
     assert all(torch.equal(a, b) for a, b in zip(step(planned, x), step(plain, x)))
     layer = state.profile.layers[0]
-    assert layer.why_not["Mul"] == [INPUT_NOT_KEPT] and layer.applied == {"Gelu": 4 * 8 * 4}
+    assert layer.why_not["Mul"] == [INPUT_NOT_KEPT] and layer.applied == {"Gelu": BLOCK}
 
     plain, planned = pair(scaled)
     state = engine(planned, ops("MatMul", "Mul", "Gelu"))
     recomputed.clear()
     assert all(torch.equal(a, b) for a, b in zip(step(planned, x), step(plain, x)))
-    assert state.profile.layers[0].applied == {"Mul": 4 * 8 * 4, "Gelu": 4 * 8 * 4}
+    assert state.profile.layers[0].applied == {"Mul": BLOCK, "Gelu": BLOCK}
     assert sorted(recomputed) == ["gelu", "mm", "mul"]
 
 
@@ -254,4 +258,4 @@ def test_an_output_after_a_none_is_recomputed_as_the_one_saved(recomputed):
 
     state = trained_as_plain(none_between, "sin_none_cos")[3]
     assert recomputed == ["sin_none_cos"]
-    assert state.profile.layers[0].applied == {"sin_none_cos": 4 * 8 * 4 * 2}
+    assert state.profile.layers[0].applied == {"sin_none_cos": 2 * BLOCK}

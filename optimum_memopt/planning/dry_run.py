@@ -7,6 +7,12 @@ from typing import Optional
 
 # the planning side's names for the step and its figures
 from ..backends.torch.fake_step import NOT_SEEN, OPTIMIZERS, PARTS, DryRun, Instruments, LayerOrderError, StepSpec, run  # noqa: F401
+
+# What `optimize_memory` imports when first called, imported before any dry run enters its fake mode: a module first
+# imported under `FakeTensorMode` makes its tensors fake for the rest of the process (transformers' trainer modules
+# pull in PEFT, whose LoHa `HadaWeight.forward` takes `scale=torch.tensor(1)` as a default: a dry run counted it,
+# and a later real LoHa step in the same process met a fake tensor).
+from ..callbacks import base as _callbacks  # noqa: F401
 from .devices import DEFAULT_DEVICE, DEVICES
 
 

@@ -296,7 +296,10 @@ class RecomputeState:
         its output, each read aside (`aside.held_aside`: unseen by the step's readings, the generators given back).
         Returns (the most its forward held, the most its backward held), each above the level before its forward, or
         None where step one's arguments were not kept. Its input is let go of after the forward, as the step's is
-        (unless an op saved it), and its parameters' gradients after the backward."""
+        (unless an op saved it), its other arguments (the positions, one storage for every layer) after the backward,
+        as a step keeps them while any layer recomputed whole is yet to run its backward (step one, every layer whole,
+        kept them: a layer of op plans read alone without them stood one positions' storage under the check, 64 KiB
+        at 8B, 8,192 tokens), and its parameters' gradients after the backward."""
         from ..measure.aside import current_bytes, held_aside
         from ..measure.storages import counting
 
@@ -322,12 +325,15 @@ class RecomputeState:
         params = [p for p in self.layers[index].parameters() if p.grad is None]
         try:
             made = [made_again(shapes)]  # (args, kwargs): the input let go of after the forward
+            others: list = []  # the other arguments (the positions), held through the backward
             outs: list = []
             start = current_bytes("cpu")
             dtype = self.profile.autocast if self.profile is not None else None
 
             def forward() -> None:
                 args, kwargs = made.pop()
+                given = tensors_in(args) + tensors_in(kwargs)
+                others.extend(given[1:])
                 if dtype is None:  # the step ran without autocast
                     outs.append(runner._under_policy(index, args, kwargs, None))
                     return
@@ -342,6 +348,7 @@ class RecomputeState:
             level = current_bytes("cpu") - start
             backward_held, _ = held_aside(lambda: torch.autograd.backward(*ends), "cpu")
             ends.clear()
+            others.clear()
             return forward_held, level + backward_held
         finally:
             runner.policy = before

@@ -24,7 +24,6 @@ from ....memory import READABLE_DEVICES
 from .. import _torch_api
 from ..measure.live import meter_for
 from ..measure.profile import LayerProfile, ModelProfile
-from ..measure.storages import block_bytes
 from ..measure.watch import StepReadings, StepWatch, first_grad_tensor
 from ..nested import map_instances, map_tensors, tensors_in
 from .routing import aux_loss_problem
@@ -166,9 +165,9 @@ class StepRecorder:
             tensors = positional + named
             first = (positional or named or [None])[0]
             record.shape = tuple(first.shape) if first is not None else ()
-            record.input_bytes = block_bytes(storage_bytes(first)) if first is not None else 0
+            record.input_bytes = storage_bytes(first) if first is not None else 0
             storages = {storage_key(t): storage_bytes(t) for t in tensors if not isinstance(t, torch.nn.Parameter)}
-            record.arguments_bytes = sum(block_bytes(b) for key, b in storages.items() if key)
+            record.arguments_bytes = sum(b for key, b in storages.items() if key)
             if first is not None and _torch_api.is_fake(first):
                 self.argument_shapes[index] = map_tensors((args, kwargs), TensorShape.of)
         return record

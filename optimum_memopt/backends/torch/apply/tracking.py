@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import _torch_api
 from ..measure.profile import LayerProfile
-from ..measure.storages import counting
+from ..measure.storages import block_bytes, counting
 from ..names import plan_name
 from ..nested import map_tensors, tensors_in
 from .recipe import Recipe, rng_state
@@ -34,8 +34,12 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def storage_bytes(t: torch.Tensor) -> int:
+    """The bytes a tensor's storage is counted at, as the step's count counts it (`storages.block_bytes`: whole blocks
+    of 512 bytes, as CUDA's caching allocator hands them out): a layer's graph that weighed a kept scalar at its own
+    8 bytes (cuDNN attention's random seed and offset, kept for its backward) stood 504 bytes under the step for each
+    (at 8B, 1,008 bytes more for every layer planned by ops than the choice's prediction)."""
     try:
-        return t.untyped_storage().nbytes()
+        return block_bytes(t.untyped_storage().nbytes())
     except Exception:
         return 0
 
