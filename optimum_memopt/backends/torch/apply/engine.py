@@ -4,6 +4,7 @@ profiled into a `ModelProfile`: one owner each (`LayerRunner` here, `clock.StepC
 together on the model by `RecomputeState`, which alone carries events between them and `auto`'s planner (`steps`:
 the planner is told a step starts and answers with orders, carried out before the step's first layer)."""
 
+import contextlib
 import dataclasses
 import logging
 from functools import partial
@@ -334,10 +335,12 @@ class RecomputeState:
                 args, kwargs = made.pop()
                 given = tensors_in(args) + tensors_in(kwargs)
                 others.extend(given[1:])
-                if dtype is None:  # the step ran without autocast
-                    outs.append(runner._under_policy(index, args, kwargs, None))
-                    return
-                with torch.autocast("cpu", dtype=getattr(torch, dtype), cache_enabled=False):
+                as_step = (  # autocast as the step ran it (none where it ran without)
+                    torch.autocast("cpu", dtype=getattr(torch, dtype), cache_enabled=False)
+                    if dtype is not None
+                    else contextlib.nullcontext()
+                )
+                with as_step:
                     outs.append(runner._under_policy(index, args, kwargs, None))
 
             forward_held, _ = held_aside(forward, "cpu")
