@@ -1,6 +1,8 @@
 """Each private torch access of the torch backend (`backends/torch/_torch_api.py`) against the installed torch:
 when a torch release moves one, this fails in CI, before a user's run does."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -166,6 +168,44 @@ def test_a_fake_storage_has_an_identity_its_views_share():
     assert _torch_api.storage_identity(real.untyped_storage()) == _torch_api.storage_identity(
         real[1:].untyped_storage()
     )
+
+
+def test_a_fake_tensors_device_is_answered_as_the_fake_mode_answers_it_and_not_passed_down():
+    """The autograd engine asks `prim.device` of every tensor it takes; a mode of the backend answers it for a fake
+    tensor as the fake mode would (its fake device, `meta` inside a kernel), and a mode under it never sees the query;
+    every other op passes down."""
+    from optimum_memopt.backends.torch import _torch_api
+    from optimum_memopt.backends.torch.measure.storages import StorageCount
+
+    class Under(_torch_api.TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.asked, self.ops = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.prim.device.default:
+                self.asked += 1
+            else:
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    fake = _torch_api.fake_mode()
+    with fake:
+        x = torch.randn(4, 4, requires_grad=True)
+    for answering in (False, True):
+        under = Under()
+        with fake, under, StorageCount() if answering else contextlib.nullcontext():
+            assert torch.ops.prim.device.default(x) == torch.device("cpu") == x.device
+            (x * 2).sum().backward()  # the engine asks each input's device
+        assert under.ops > 0
+        assert (under.asked == 0) if answering else (under.asked > 0)
+    with fake:
+        fake.in_kernel_invocation = True
+        try:
+            with StorageCount():
+                assert torch.ops.prim.device.default(x) == torch.device("meta")
+        finally:
+            fake.in_kernel_invocation = False
 
 
 def test_backward_is_told_from_forward():

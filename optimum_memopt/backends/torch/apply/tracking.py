@@ -210,6 +210,7 @@ class TrackingMode(_torch_api.TorchDispatchMode):
         super().__init__()
         self.run = run
 
+    @_torch_api.answers_fake_device
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if _torch_api.returns_no_tensor(func):  # a query of metadata: nothing made, kept or timed

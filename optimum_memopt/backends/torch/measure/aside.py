@@ -61,6 +61,7 @@ class _MostAfterOps(_torch_api.TorchDispatchMode):
         self.clocked = 0.0
         self.live = live  # the CPU's live count, which counts the work's ops here (a dry run's counts its own)
 
+    @_torch_api.answers_fake_device
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if _torch_api.returns_no_tensor(func):  # a query of metadata: nothing made, no time

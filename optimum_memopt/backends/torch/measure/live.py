@@ -66,6 +66,7 @@ class CountOps(_torch_api.TorchDispatchMode):
         watch_resizes()
         return out
 
+    @_torch_api.answers_fake_device
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not _torch_api.returns_no_tensor(func):  # a query of metadata makes no storage

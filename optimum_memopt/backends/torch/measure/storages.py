@@ -113,6 +113,7 @@ class StorageCount(_torch_api.TorchDispatchMode):
         follow_resizes(self, False)
         return super().__exit__(*exc)
 
+    @_torch_api.answers_fake_device
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not _torch_api.returns_no_tensor(func):  # a query of metadata makes no storage

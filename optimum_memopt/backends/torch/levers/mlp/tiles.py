@@ -59,6 +59,7 @@ class _Draws(_torch_api.TorchDispatchMode):
         super().__init__()
         self.count = 0
 
+    @_torch_api.answers_fake_device
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
             self.count += 1
