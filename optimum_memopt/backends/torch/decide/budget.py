@@ -387,12 +387,22 @@ class _Corrected:
             out[has] = np.maximum.reduceat(over[order], starts)
         return out.tolist()
 
-    def needs(self, over: np.ndarray, levers: Sequence[LeverChoice], per_layer) -> Tuple[np.ndarray, list]:
-        """`over` (each segment's figure with every layer kept, less the budget) with the segments no layer owns
-        moved by what `levers`' options read there, and each layer's own segments as the solver meets them."""
-        over = over.copy()
-        for k in self.others:
-            over[k] += self.corrections.of_shared(self.memory.segments[k].place, levers)
+    def shared(self, combos: Sequence[Sequence[LeverChoice]]) -> np.ndarray:
+        """For each combination of the levers' options, what each segment no layer owns read beyond its prediction
+        with them (0 in the segments a layer owns): a row per combination."""
+        out = np.zeros((len(combos), len(self.memory.segments)), dtype=np.int64)
+        places = [(k, self.memory.segments[k].place.in_step()) for k in self.others]
+        shared, alike = self.corrections.shared, self.corrections.shared_alike
+        for row, levers in enumerate(combos):
+            key = _options_key(levers)
+            for k, place in places:
+                known = shared.get((place, key))
+                out[row, k] = known if known is not None else alike.get(place, 0)
+        return out
+
+    def own_needs(self, over: np.ndarray, per_layer) -> list:
+        """Each layer's own segments as the solver meets them (`solver.OwnNeeds`; None for a layer without any), from
+        `over`: each segment's figure with every layer kept, less the budget."""
         known = self._offsets.get(id(per_layer))
         if known is None:
             of_own = self.corrections.of_own
@@ -402,11 +412,10 @@ class _Corrected:
             ]  # fmt: skip
             known = self._offsets[id(per_layer)] = (per_layer, offsets)
         forward, backward = self._most(over, FORWARD), self._most(over, BACKWARD)
-        own = [
+        return [
             OwnNeeds(f, b, known[1][i]) if (f != LEAST or b != LEAST) else None
             for i, (f, b) in enumerate(zip(forward, backward))
         ]
-        return over, own
 
 
 LEAST = -(1 << 62)  # the need of a segment a layer does not have: nothing
@@ -521,16 +530,15 @@ def fit(
     bounded = []  # each combination with its needs and the least time it can take for them (`solver.Relaxation`)
     relaxed: Dict[int, Relaxation] = {}  # id(allowed) -> its bound (the combinations share a few lists of candidates)
     corrected = _Corrected(corrections, memory, len(per_layer)) if corrections is not None else None
-    for order, combo, allowed, floor, _ in combos:
-        extra = extra_bytes + sum(c.returned for c in combo)
-        needs, own, why_not = _needs(moved, q, budget_bytes, extra, combo, allowed, corrected)
+    needed = _Needs(moved, q, budget_bytes, extra_bytes, [c for _, c, _, _, _ in combos], len(per_layer), corrected)
+    for row, (order, combo, allowed, floor, _) in enumerate(combos):
         if id(allowed) not in relaxed:
             relaxed[id(allowed)] = Relaxation(allowed)
-        at_least = sum(c.cost for c in combo) + relaxed[id(allowed)].least_seconds(max(needs, default=0))
-        bounded.append((at_least * (1 - BOUND_SLACK), order, combo, allowed, floor, (needs, own), why_not))
+        at_least = sum(c.cost for c in combo) + relaxed[id(allowed)].least_seconds(needed.most(row))
+        bounded.append((at_least * (1 - BOUND_SLACK), order, combo, allowed, floor, row, needed.why_not(row)))
     bounded.sort(key=lambda entry: entry[:2])
     best, closest = None, None  # closest: (the least peak of a combination that does not fit, its order, why not)
-    for at_least, order, combo, allowed, floor, (needs, own), why_not in bounded:
+    for at_least, order, combo, allowed, floor, row, why_not in bounded:
         if best is not None and at_least > best[0]:
             break  # sorted: every combination after it takes more than the one found
         if best is not None and at_least >= best[0] and order > best[3]:
@@ -541,7 +549,9 @@ def fit(
                 f"with each layer recomputing the most it can, the step still peaks at "
                 f"{result.floor.peak_mb:,.1f} MiB ({result.floor.where}), over the budget"
             )
-        choice = choose(allowed, 0, prefix_needs=needs, own=own) if why_not is None else None
+        choice = None
+        if why_not is None:
+            choice = choose(allowed, 0, prefix_needs=needed.needs(row), own=needed.own(row, allowed))
         if why_not is None and choice is None:  # the bytes are there, but not in the solver's units
             why_not = "no choice frees the bytes needed in the units the solver counts in"
         if choice is None:
@@ -612,46 +622,71 @@ def _polished(
     return choice
 
 
-def _needs(
-    moved: _Moved,
-    q,
-    budget_bytes: int,
-    extra_bytes: int,
-    levers: Sequence[LeverChoice],
-    per_layer,
-    corrected: Optional[_Corrected] = None,
-):
-    """Per layer, the bytes the first i + 1 layers must free for every segment to fit (the solver's prefix needs),
-    with the segments the levers' options act in moved, and, `corrected`, each layer's own segments apart
-    (`solver.OwnNeeds`, else None); or why recompute cannot meet the budget (a segment no layer's tensors are held
-    in peaks over it)."""
-    layers = len(per_layer)
-    needs = [0] * layers
-    over = moved.peaks(q, [0] * len(q), extra_bytes, levers) - budget_bytes  # every layer's tensors kept
-    own = None
-    if corrected is not None:  # the segments no layer owns moved by what the options read; a layer's own apart
-        over, own = corrected.needs(over, levers, per_layer)
-    for k in np.flatnonzero(over > 0):
-        seg, need = moved.memory.segments[k], int(over[k])
-        if own is not None and corrected.owns(seg):
-            continue  # met by the layer's configuration (`own`)
-        if seg.held == 0:
-            where = (
-                "where no other layer's tensors are held and its own are all back for its backward, whatever its "
-                "policy"
-                if seg.place.layer is not None
-                else "where no layer's tensors are held"
-            )
-            return (
-                needs,
-                own,
-                (
-                    f"the step peaks at {(need + budget_bytes) / MIB:,.1f} MiB "
-                    f"{'in ' if seg.place.layer is not None else ''}{seg.name}, {where}: recompute cannot lower it"
-                ),
-            )
-        needs[seg.held - 1] = max(needs[seg.held - 1], need)
-    return needs, own, None
+class _Needs:
+    """What every combination of the levers' options (`combos`) needs the layers to free for each segment to fit,
+    weighed at once, a row of arrays per combination (a fit weighs a few thousand): each segment's figure with every
+    layer's tensors kept (`_Moved.peaks`, the segments the options act in moved) less the budget, `over`; where a
+    segment is over, the first `held` layers must free that much (the solver's prefix needs, `needs`), unless a layer
+    owns it and `corrected` is given (met by that layer's configuration: `own`, `solver.OwnNeeds`), or it holds no
+    layer's tensors (`why_not`: recompute cannot lower it)."""
+
+    def __init__(
+        self,
+        moved: _Moved,
+        q,
+        budget_bytes: int,
+        extra_bytes: int,
+        combos: Sequence[Sequence[LeverChoice]],
+        layers: int,
+        corrected: Optional[_Corrected] = None,
+    ):
+        self.moved, self.budget_bytes, self.corrected = moved, budget_bytes, corrected
+        segments = moved.memory.segments
+        kept = np.zeros(len(moved._peaks), dtype=np.int64)
+        less = np.array([sum((moved._less_of(option) for option in combo), kept) for combo in combos], dtype=np.int64)
+        bases = np.maximum.reduceat(moved._peaks - less, moved._starts, axis=1)
+        q_sums = np.array(_sums(q), dtype=np.int64)
+        over = bases + q_sums[np.minimum(moved.held, len(q_sums) - 1)] - budget_bytes
+        over[:, :-1] += np.array([extra_bytes + sum(c.returned for c in combo) for combo in combos])[:, None]
+        owned = np.zeros(len(segments), dtype=bool)
+        if corrected is not None:  # the segments no layer owns moved by what the options read; a layer's own apart
+            over += corrected.shared(combos)
+            owned = np.array([corrected.owns(seg) for seg in segments], dtype=bool)
+        self.over = over
+        self._needs = np.zeros((len(combos), layers), dtype=np.int64)
+        for layer in range(layers):  # the segments holding the first layer + 1 layers' tensors
+            ks = np.flatnonzero((moved.held == layer + 1) & ~owned)
+            if len(ks):
+                self._needs[:, layer] = np.maximum(over[:, ks].max(axis=1), 0)
+        self._alone = np.flatnonzero((moved.held == 0) & ~owned)  # no layer's tensors held: recompute cannot help
+
+    def most(self, row: int) -> int:
+        """The most any prefix of the layers must free for combination `row`."""
+        return int(self._needs[row].max()) if self._needs.shape[1] else 0
+
+    def needs(self, row: int) -> List[int]:
+        return self._needs[row].tolist()
+
+    def own(self, row: int, per_layer) -> Optional[list]:
+        return self.corrected.own_needs(self.over[row], per_layer) if self.corrected is not None else None
+
+    def why_not(self, row: int) -> Optional[str]:
+        """Why recompute cannot meet the budget with combination `row` (a segment no layer's tensors are held in
+        peaks over it: the first such), else None."""
+        over = self.over[row, self._alone]
+        if not len(over) or over.max() <= 0:
+            return None
+        k = int(self._alone[int(np.argmax(over > 0))])
+        seg, need = self.moved.memory.segments[k], int(self.over[row, k])
+        where = (
+            "where no other layer's tensors are held and its own are all back for its backward, whatever its policy"
+            if seg.place.layer is not None
+            else "where no layer's tensors are held"
+        )
+        return (
+            f"the step peaks at {(need + self.budget_bytes) / MIB:,.1f} MiB "
+            f"{'in ' if seg.place.layer is not None else ''}{seg.name}, {where}: recompute cannot lower it"
+        )
 
 
 def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice], wholes: Optional[dict] = None):
