@@ -675,3 +675,53 @@ def test_mlps_drawing_several_dropout_masks_are_no_floor_auto_reaches():
         tiny(layers=2, vocab=256), batch=1, seq=128, lora={**lora, "lora_dropout": 0.0}, rows=floors[1:]
     )
     assert [c.note for c in without.configurations] == [None]
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3_moe", "lfm2", "bart", "gemma3", "rwkv"])
+def test_the_order_forward_with_layers_replayed_reads_what_the_full_one_reads(kind):
+    """The forward that finds the layers a step runs (`fake_step.layer_order`) runs each layer once for each form of
+    call and makes its output again for the others: the layers run, in their order, and where the model's own code
+    lets go of each layer's input read the same as a forward running every layer, on families whose layers return a
+    tensor, a tuple, carry a state (RWKV) or route to experts, and a VLM on text alone (Gemma 3, its tower left out);
+    with four layers alike, three are replayed (fewer fake ops)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts"))
+    import families
+
+    from optimum_memopt.backends.torch import _torch_api, fake_step
+    from optimum_memopt.backends.torch.apply.layers import find_layers
+
+    families.SMALL.update(num_hidden_layers=4, num_layers=4, n_layer=4, n_layers=4, decoder_layers=4)
+    try:
+        with torch.device("meta"):
+            model = families.build(kind)
+    finally:
+        families.SMALL.update(num_hidden_layers=2, num_layers=2, n_layer=2, n_layers=2, decoder_layers=2)
+    layers = find_layers(model)
+    vocab = model.config.get_text_config().vocab_size
+
+    class Ops(_torch_api.TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.n += 1
+            return func(*args, **(kwargs or {}))
+
+    read = {}
+    with _torch_api.fake_mode(), fake_step._experts_kernel():  # an MoE's experts as a dry run runs them
+        fake_step._materialize(model)
+        model.train()
+        ids = torch.randint(0, min(vocab, 256), (2, 16))
+        for replayed in (False, True):
+            gone = {}
+            Ops.n = 0
+            with Ops():
+                running = fake_step.layer_order(
+                    model, layers, lambda: model(input_ids=ids, labels=ids), gone, replayed
+                )
+            read[replayed] = (running, gone, Ops.n)
+    assert read[True][:2] == read[False][:2]
+    assert read[True][1], "no layer's input was seen let go of"
+    assert read[True][2] < read[False][2]

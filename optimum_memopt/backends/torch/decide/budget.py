@@ -164,6 +164,12 @@ class _Moved:
             peaks = peaks - self._less_of(option)
         return np.maximum.reduceat(peaks, self._starts)
 
+    def bases_of(self, combos: Sequence[Sequence["LeverChoice"]]) -> np.ndarray:
+        """`bases` for each of `combos` (combinations of the levers' options), a row each."""
+        kept = np.zeros(len(self._peaks), dtype=np.int64)
+        less = np.array([sum((self._less_of(option) for option in combo), kept) for combo in combos], dtype=np.int64)
+        return np.maximum.reduceat(self._peaks - less.reshape(len(combos), len(kept)), self._starts, axis=1)
+
     def peaks(self, q: Sequence[int], freed: Sequence[int], extra: int, levers: Sequence["LeverChoice"]) -> np.ndarray:
         """Each segment's predicted peak (`segment_peaks`' figures)."""
         q_sums, f_sums = np.array(_sums(q), dtype=np.int64), np.array(_sums(freed), dtype=np.int64)
@@ -642,11 +648,8 @@ class _Needs:
     ):
         self.moved, self.budget_bytes, self.corrected = moved, budget_bytes, corrected
         segments = moved.memory.segments
-        kept = np.zeros(len(moved._peaks), dtype=np.int64)
-        less = np.array([sum((moved._less_of(option) for option in combo), kept) for combo in combos], dtype=np.int64)
-        bases = np.maximum.reduceat(moved._peaks - less, moved._starts, axis=1)
         q_sums = np.array(_sums(q), dtype=np.int64)
-        over = bases + q_sums[np.minimum(moved.held, len(q_sums) - 1)] - budget_bytes
+        over = moved.bases_of(combos) + q_sums[np.minimum(moved.held, len(q_sums) - 1)] - budget_bytes
         over[:, :-1] += np.array([extra_bytes + sum(c.returned for c in combo) for combo in combos])[:, None]
         owned = np.zeros(len(segments), dtype=bool)
         if corrected is not None:  # the segments no layer owns moved by what the options read; a layer's own apart
@@ -758,21 +761,33 @@ def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Seq
     once)."""
     wholes: Dict[int, Candidate] = {}
     lists: Dict[frozenset, tuple] = {}  # the layers forced whole -> (each layer's candidates, the most each frees)
-    out = []
+    runs = []
     for order, combo in enumerate(itertools.product(*levers)):
         forced = frozenset(i for c in combo for i in c.recomputed if i < len(per_layer))
         if forced not in lists:
             allowed = _allowed(profile, per_layer, combo, wholes)
-            most = None if allowed is None else [max(c.freed_bytes for c in options) for options in allowed]
+            most = None if allowed is None else _sums([max(c.freed_bytes for c in options) for options in allowed])
             lists[forced] = (allowed, most)
         allowed, most = lists[forced]
-        if allowed is None:
-            continue
-        at_least = sum(c.cost for c in combo) + sum(wholes[i].seconds for i in forced)
-        floor = moved.predict(q, most, extra_bytes + sum(c.returned for c in combo), combo)  # each freeing the most
-        out.append((order, combo, allowed, floor, at_least))
-    out.sort(key=lambda entry: (entry[4], entry[0]))
-    return out
+        if allowed is not None:
+            runs.append(
+                (order, combo, allowed, most, sum(c.cost for c in combo) + sum(wholes[i].seconds for i in forced))
+            )
+    runs.sort(key=lambda entry: (entry[4], entry[0]))
+    if not runs:
+        return []
+    # each one's floor (each layer freeing the most it can), as `_Moved.predict` gives it, on one array
+    q_sums = np.array(_sums(q), dtype=np.int64)
+    most_sums = np.array([most for _, _, _, most, _ in runs], dtype=np.int64)
+    held = np.minimum(moved.held, min(len(q_sums), most_sums.shape[1]) - 1)
+    values = moved.bases_of([combo for _, combo, _, _, _ in runs]) + q_sums[held] - most_sums[:, held]
+    values[:, :-1] += np.array([extra_bytes + sum(c.returned for c in combo) for _, combo, _, _, _ in runs])[:, None]
+    top = values.argmax(axis=1)
+    names = [seg.name for seg in moved.memory.segments]
+    return [
+        (order, combo, allowed, Prediction(int(values[row, top[row]]), names[top[row]]), at_least)
+        for row, (order, combo, allowed, _, at_least) in enumerate(runs)
+    ]
 
 
 def plan_entries(choice: Sequence[Candidate]) -> List[PlanEntry]:
