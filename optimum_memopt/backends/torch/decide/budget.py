@@ -535,11 +535,12 @@ def fit(
     result.budget_bytes = budget_bytes
     bounded = []  # each combination with its needs and the least time it can take for them (`solver.Relaxation`)
     relaxed: Dict[int, Relaxation] = {}  # id(allowed) -> its bound (the combinations share a few lists of candidates)
+    hulls: dict = {}  # each layer's hull in the bounds, by its candidates (the lists share most layers')
     corrected = _Corrected(corrections, memory, len(per_layer)) if corrections is not None else None
     needed = _Needs(moved, q, budget_bytes, extra_bytes, [c for _, c, _, _, _ in combos], len(per_layer), corrected)
     for row, (order, combo, allowed, floor, _) in enumerate(combos):
         if id(allowed) not in relaxed:
-            relaxed[id(allowed)] = Relaxation(allowed)
+            relaxed[id(allowed)] = Relaxation(allowed, hulls)
         at_least = sum(c.cost for c in combo) + relaxed[id(allowed)].least_seconds(needed.most(row))
         bounded.append((at_least * (1 - BOUND_SLACK), order, combo, allowed, floor, row, needed.why_not(row)))
     bounded.sort(key=lambda entry: entry[:2])
@@ -696,7 +697,8 @@ def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice], wh
     """Each layer's candidates with the levers' options `levers`: only the whole layer where an option needs it
     recomputed whole (`LeverChoice.recomputed`; offered even where a set of op plans frees as much for less, which
     `solver.candidates` keeps instead); None where such a layer has no graph to recompute it by. `wholes`: each
-    layer's whole-layer candidate found so far (index -> candidate), filled as they are found."""
+    layer's whole-layer candidate found so far, as the one list of candidates every combination forcing it gets
+    (index -> [candidate]; `solver.Relaxation` finds each list's hull once), filled as they are found."""
     whole = {i for c in levers for i in c.recomputed if i < len(per_layer)}
     if not whole:
         return per_layer
@@ -708,8 +710,8 @@ def _allowed(profile: ModelProfile, per_layer, levers: Sequence[LeverChoice], wh
             if rec is None or rec.graph is None:
                 return None
             done = whole_layer(rec.graph, rec.op_seconds)
-            wholes[i] = Candidate(frozenset(), True, done.freed_bytes, done.seconds)
-        allowed[i] = [wholes[i]]
+            wholes[i] = [Candidate(frozenset(), True, done.freed_bytes, done.seconds)]
+        allowed[i] = wholes[i]
     return allowed
 
 
@@ -759,7 +761,7 @@ def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Seq
     and the whole-layer recompute they force, every other layer kept), ordered by that least time, then by place.
     Combinations that force the same layers whole share one list of candidates (one object: `fit` bounds each list
     once)."""
-    wholes: Dict[int, Candidate] = {}
+    wholes: Dict[int, List[Candidate]] = {}
     lists: Dict[frozenset, tuple] = {}  # the layers forced whole -> (each layer's candidates, the most each frees)
     runs = []
     for order, combo in enumerate(itertools.product(*levers)):
@@ -771,7 +773,7 @@ def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Seq
         allowed, most = lists[forced]
         if allowed is not None:
             runs.append(
-                (order, combo, allowed, most, sum(c.cost for c in combo) + sum(wholes[i].seconds for i in forced))
+                (order, combo, allowed, most, sum(c.cost for c in combo) + sum(wholes[i][0].seconds for i in forced))
             )
     runs.sort(key=lambda entry: (entry[4], entry[0]))
     if not runs:

@@ -174,21 +174,20 @@ class Relaxation:
     `choose` walks its table: what lets `budget.fit` pass over combinations of the levers' options that cannot beat
     one already found."""
 
-    def __init__(self, per_layer: Sequence[Sequence[Candidate]]):
+    def __init__(self, per_layer: Sequence[Sequence[Candidate]], hulls: Optional[dict] = None):
+        """`hulls`: each layer's hull found so far, by its list of candidates (id -> (the list, kept alive; its
+        start and steps)), for relaxations of lists of candidates that share most layers' (a fit's: the levers'
+        options force a few layers whole and leave the others' lists as they are)."""
         self.seconds, self.freed, steps = 0.0, 0, []
+        hulls = {} if hulls is None else hulls
         for options in per_layer:
-            quickest: Dict[int, float] = {}  # bytes -> the least seconds that free them
-            for c in options:
-                quickest[c.freed_bytes] = min(c.seconds, quickest.get(c.freed_bytes, math.inf))
-            start = min(quickest.items(), key=lambda p: (p[1], -p[0]))  # the quickest, freeing the most of those
+            known = hulls.get(id(options))
+            if known is None:
+                known = hulls[id(options)] = (options, *_hull(options))
+            _, start, mine = known
             self.seconds += start[1]
             self.freed += start[0]
-            hull = [start]
-            for point in sorted(p for p in quickest.items() if p[0] > start[0]):  # each takes no less than the start
-                while len(hull) >= 2 and _turns_up(hull[-2], hull[-1], point):
-                    hull.pop()
-                hull.append(point)
-            steps += [((b[1] - a[1]) / (b[0] - a[0]), b[0] - a[0]) for a, b in zip(hull, hull[1:])]
+            steps += mine
         steps.sort()
         self._per_byte = [per_byte for per_byte, _ in steps]
         self._bytes, self._seconds = [0], [0.0]  # after the first k steps: the bytes they free, the seconds they take
@@ -205,6 +204,21 @@ class Relaxation:
             return math.inf
         k = bisect.bisect_left(self._bytes, missing)  # the k-th step is the one taken in part
         return self.seconds + self._seconds[k - 1] + self._per_byte[k - 1] * (missing - self._bytes[k - 1])
+
+
+def _hull(options: Sequence[Candidate]) -> Tuple[Tuple[int, float], list]:
+    """One layer's quickest configuration (bytes, seconds; of equal times, the one freeing the most) and the steps
+    along the lower convex hull of its (bytes, seconds) from there, each (seconds per byte, bytes)."""
+    quickest: Dict[int, float] = {}  # bytes -> the least seconds that free them
+    for c in options:
+        quickest[c.freed_bytes] = min(c.seconds, quickest.get(c.freed_bytes, math.inf))
+    start = min(quickest.items(), key=lambda p: (p[1], -p[0]))
+    hull = [start]
+    for point in sorted(p for p in quickest.items() if p[0] > start[0]):  # each takes no less than the start
+        while len(hull) >= 2 and _turns_up(hull[-2], hull[-1], point):
+            hull.pop()
+        hull.append(point)
+    return start, [((b[1] - a[1]) / (b[0] - a[0]), b[0] - a[0]) for a, b in zip(hull, hull[1:])]
 
 
 def _turns_up(a, b, c) -> bool:
