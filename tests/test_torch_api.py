@@ -267,3 +267,19 @@ def test_whether_the_profiler_records_can_be_read():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
         assert _torch_api.profiling() is True
     assert _torch_api.profiling() is False
+
+
+def test_a_structure_of_tensors_is_flattened_and_made_again():
+    """The order forward makes a layer's output again from its leaves (`fake_step._layers_replayed`): tuples, dicts
+    and transformers' `ModelOutput`s are opened, other objects are leaves."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    marker = object()
+    value = (BaseModelOutputWithPast(last_hidden_state=torch.ones(2)), {"a": torch.zeros(3), "b": 4}, marker)
+    leaves, spec = _torch_api.flatten(value)
+    assert [type(leaf) for leaf in leaves] == [torch.Tensor, torch.Tensor, int, object] and leaves[3] is marker
+    again = _torch_api.unflatten([torch.full((2,), 7.0), torch.zeros(3), 4, marker], spec)
+    assert isinstance(again[0], BaseModelOutputWithPast) and again[0].last_hidden_state.tolist() == [7.0, 7.0]
+    assert again[1]["b"] == 4 and again[2] is marker

@@ -217,6 +217,23 @@ def answers_fake_device(dispatch: Callable) -> Callable:
     return answered
 
 
+def flatten(value) -> tuple:
+    """`value`'s leaves (tensors, values, objects torch's pytree does not open) and its structure, to make it again
+    with `unflatten`: a layer's output made again in the order forward (`fake_step._layers_replayed`). Private:
+    `torch.utils._pytree` (tuples, lists, dicts, namedtuples, and the classes registered with it: transformers
+    registers its `ModelOutput`s); no public fallback (there the order forward runs every layer)."""
+    from torch.utils._pytree import tree_flatten
+
+    return tree_flatten(value)
+
+
+def unflatten(leaves: list, spec) -> object:
+    """`flatten`'s inverse: the structure `spec` with `leaves` in it."""
+    from torch.utils._pytree import tree_unflatten
+
+    return tree_unflatten(leaves, spec)
+
+
 try:
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass as _is_wrapper
 except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py

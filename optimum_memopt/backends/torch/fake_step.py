@@ -564,7 +564,7 @@ def _replayed_call(forms: Dict[tuple, object], layer, forward: Callable, *args, 
     form = forms.get(key, _ALWAYS_RUN)
     if form is not _ALWAYS_RUN:
         spec, leaves = form
-        return torch.utils._pytree.tree_unflatten([v.again() if isinstance(v, _Made) else v for v in leaves], spec)
+        return _torch_api.unflatten([v.again() if isinstance(v, _Made) else v for v in leaves], spec)
     out = forward(*args, **kwargs)
     if key not in forms:
         forms[key] = _output_form(out, args, kwargs)
@@ -578,7 +578,7 @@ def _leaf_form(leaf) -> object:
 
 
 def _call_form(layer, args, kwargs) -> tuple:
-    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    leaves, spec = _torch_api.flatten((args, kwargs))
     weights = tuple((name, tuple(t.shape), t.dtype) for name, t in [*layer.named_parameters(), *layer.named_buffers()])
     return (type(layer), weights, str(spec), tuple(_leaf_form(leaf) for leaf in leaves))
 
@@ -586,7 +586,7 @@ def _call_form(layer, args, kwargs) -> tuple:
 def _output_form(out, args, kwargs) -> object:
     """What `_replayed_call` makes a later call's output from: its structure, and each leaf a tensor's
     `empty_strided` arguments or the value itself; `_ALWAYS_RUN` where it cannot be made again."""
-    leaves, spec = torch.utils._pytree.tree_flatten(out)
+    leaves, spec = _torch_api.flatten(out)
     seen = {_torch_api.storage_identity(t.untyped_storage()) for t in tensors_in(args) + tensors_in(kwargs)}
     made = []
     for leaf in leaves:
