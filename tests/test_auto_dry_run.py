@@ -248,7 +248,7 @@ def test_a_choice_recomputing_no_less_than_one_that_fitted_is_not_checked(recipe
 def test_a_dry_runs_first_choice_is_solved_with_its_layers_read_alone_as_the_check_then_reads_them(monkeypatch):
     """Before the first check, each configuration the first choice gives a layer is run alone in one layer of each
     structure (`BudgetPlanner._probed`, `RecomputeState.probe`), and what it held beyond the prediction is laid on
-    those layers (`Corrections.own`): the check then reads the same in each layer's own segments, to 16 KiB, but the
+    those layers (`Corrections.own`), each configuration read once (the one step one ran there too): the check then reads the same in each layer's own segments, to 16 KiB, but the
     last layer's own forward, which read up to one hidden state (1 MiB here) more in the step than alone (the cause
     not found yet). A layer's backward alone is read with its other arguments held, as layers recomputed whole ahead
     of it hold them in a step: where none is (as here), the step reads one positions' storage less (8 KiB here).
@@ -268,6 +268,15 @@ def test_a_dry_runs_first_choice_is_solved_with_its_layers_read_alone_as_the_che
         seen.append((before, dict(self.own), [c.label for c in choice]))
 
     monkeypatch.setattr(budget_module.Corrections, "learn", watched)
+    from optimum_memopt.backends.torch.apply.engine import RecomputeState
+
+    probe, probed = RecomputeState.probe, []
+
+    def counted(self, index, layer_policy):
+        probed.append((index, layer_policy.mode, layer_policy.ops))
+        return probe(self, index, layer_policy)
+
+    monkeypatch.setattr(RecomputeState, "probe", counted)
     eager = dry_run(spec, backend=False, kernels=CARD["kernels"]).peak_bytes / MIB
     result = dry_run(spec, "auto", budget_mb=eager / 2, kernels=CARD["kernels"])
     (first, read, labels), *_ = seen
@@ -281,6 +290,11 @@ def test_a_dry_runs_first_choice_is_solved_with_its_layers_read_alone_as_the_che
             assert abs(step - alone) <= (MIB if last_forward else 0) + 16 * 1024, (i, label, kind, step - alone)
             compared += 1
     assert compared == 2 * len(labels)
+    assert probed and len(probed) == len(set(probed)), probed  # each configuration read once
+    probed.clear()  # a budget whose first choice recomputes every layer whole, as step one ran them: read once
+    whole = dry_run(spec, "auto", budget_mb=eager * 0.35, kernels=CARD["kernels"])
+    assert [c.label for c in whole.fit.choice] == ["Layer+", "Layer+"]
+    assert sorted(probed) == [(0, "layer", frozenset()), (1, "layer", frozenset())], probed
 
 
 def test_a_dry_run_without_autocast_reads_its_layers_alone_too(recipes, monkeypatch, caplog):

@@ -555,7 +555,10 @@ class BudgetPlanner:
             if not wanted:
                 return result
             for (k, label), c in wanted.items():
-                for key, policy in (((k, None), step.policy.layers[k]), ((k, label), c.layer_policy())):
+                ran = step.policy.layers[k]
+                for key, policy in (((k, None), ran), ((k, label), c.layer_policy())):
+                    if key not in read and key[1] is not None and (policy.mode, policy.ops) == (ran.mode, ran.ops):
+                        read[key] = read[k, None]  # the configuration step one ran there: read once
                     if key not in read:
                         got = step.probe(k, policy)
                         if got is None:
