@@ -186,7 +186,7 @@ def in_backward() -> bool:
     return task is not None and task() != -1
 
 
-try:  # private: the class of a dry run's tensors (`is_fake`, `fake_device`)
+try:  # private: the class of a dry run's tensors (`is_fake`, `answers_fake_device`)
     from torch._subclasses.fake_tensor import FakeTensor as _FakeTensor
 except ImportError:  # pragma: no cover - checked by tests/test_torch_api.py
     _FakeTensor = None

@@ -157,26 +157,28 @@ class _Moved:
             known = self._less[id(option)] = (option, np.array(less, dtype=np.int64))
         return known[1]
 
-    def bases(self, levers: Sequence["LeverChoice"]) -> np.ndarray:
-        """Each segment's peak moved by what `levers` hold less there, before what the layers free."""
-        peaks = self._peaks
-        for option in levers:
-            peaks = peaks - self._less_of(option)
-        return np.maximum.reduceat(peaks, self._starts)
-
-    def bases_of(self, combos: Sequence[Sequence["LeverChoice"]]) -> np.ndarray:
-        """`bases` for each of `combos` (combinations of the levers' options), a row each."""
+    def bases(self, combos: Sequence[Sequence["LeverChoice"]]) -> np.ndarray:
+        """Each segment's peak moved by what each of `combos` (combinations of the levers' options) holds less there,
+        before what the layers free: a row per combination."""
         kept = np.zeros(len(self._peaks), dtype=np.int64)
         less = np.array([sum((self._less_of(option) for option in combo), kept) for combo in combos], dtype=np.int64)
         return np.maximum.reduceat(self._peaks - less.reshape(len(combos), len(kept)), self._starts, axis=1)
 
+    def peaks_of(
+        self, q: Sequence[int], freed: np.ndarray, extras: np.ndarray, combos: Sequence[Sequence["LeverChoice"]]
+    ) -> np.ndarray:
+        """Each segment's predicted peak for each of `combos`, a row each: `freed`, the prefix sums (`_sums`) of
+        what the layers free, a row per combination or one for all; `extras`, what later steps hold more, one per
+        combination (`predict`'s `extra`, counted in every segment but the last)."""
+        q_sums = np.array(_sums(q), dtype=np.int64)
+        held = np.minimum(self.held, min(len(q_sums), freed.shape[1]) - 1)
+        values = self.bases(combos) + q_sums[held] - freed[:, held]
+        values[:, :-1] += np.asarray(extras, dtype=np.int64)[:, None]
+        return values
+
     def peaks(self, q: Sequence[int], freed: Sequence[int], extra: int, levers: Sequence["LeverChoice"]) -> np.ndarray:
         """Each segment's predicted peak (`segment_peaks`' figures)."""
-        q_sums, f_sums = np.array(_sums(q), dtype=np.int64), np.array(_sums(freed), dtype=np.int64)
-        held = np.minimum(self.held, min(len(q_sums), len(f_sums)) - 1)
-        values = self.bases(levers) + q_sums[held] - f_sums[held]
-        values[:-1] += extra
-        return values
+        return self.peaks_of(q, np.array([_sums(freed)], dtype=np.int64), [extra], [levers])[0]
 
     def predict(
         self, q: Sequence[int], freed: Sequence[int], extra: int, levers: Sequence["LeverChoice"]
@@ -649,9 +651,9 @@ class _Needs:
     ):
         self.moved, self.budget_bytes, self.corrected = moved, budget_bytes, corrected
         segments = moved.memory.segments
-        q_sums = np.array(_sums(q), dtype=np.int64)
-        over = moved.bases_of(combos) + q_sums[np.minimum(moved.held, len(q_sums) - 1)] - budget_bytes
-        over[:, :-1] += np.array([extra_bytes + sum(c.returned for c in combo) for combo in combos])[:, None]
+        extras = [extra_bytes + sum(c.returned for c in combo) for combo in combos]
+        kept = np.zeros((1, len(q) + 1), dtype=np.int64)  # every layer's tensors kept
+        over = moved.peaks_of(q, kept, extras, combos) - budget_bytes
         owned = np.zeros(len(segments), dtype=bool)
         if corrected is not None:  # the segments no layer owns moved by what the options read; a layer's own apart
             over += corrected.shared(combos)
@@ -779,11 +781,9 @@ def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Seq
     if not runs:
         return []
     # each one's floor (each layer freeing the most it can), as `_Moved.predict` gives it, on one array
-    q_sums = np.array(_sums(q), dtype=np.int64)
     most_sums = np.array([most for _, _, _, most, _ in runs], dtype=np.int64)
-    held = np.minimum(moved.held, min(len(q_sums), most_sums.shape[1]) - 1)
-    values = moved.bases_of([combo for _, combo, _, _, _ in runs]) + q_sums[held] - most_sums[:, held]
-    values[:, :-1] += np.array([extra_bytes + sum(c.returned for c in combo) for _, combo, _, _, _ in runs])[:, None]
+    extras = [extra_bytes + sum(c.returned for c in combo) for _, combo, _, _, _ in runs]
+    values = moved.peaks_of(q, most_sums, extras, [combo for _, combo, _, _, _ in runs])
     top = values.argmax(axis=1)
     names = [seg.name for seg in moved.memory.segments]
     return [
