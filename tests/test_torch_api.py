@@ -208,6 +208,34 @@ def test_a_fake_tensors_device_is_answered_as_the_fake_mode_answers_it_and_not_p
             fake.in_kernel_invocation = False
 
 
+def test_a_fake_splits_pieces_are_keyed_alike_in_the_fake_tensor_cache():
+    """FakeTensor's cache keys an op by its inputs' storage offsets: the pieces of a split labels tensor each missed
+    it in every op on them. `split_keyed_alike` views each piece of a fake tensor without gradient from its storage's
+    start: the same storage (counted once), shapes and strides; an op on a second piece of the same size hits the
+    cache. A real tensor, or one a gradient flows through, is split as it is."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from optimum_memopt.backends.torch import _torch_api
+
+    with _torch_api.fake_mode():
+        labels = torch.randint(0, 10, (1, 17))[..., 1:].reshape(-1)  # offset 1, as the shifted labels are
+        plain, alike = labels.split(5), _torch_api.split_keyed_alike(labels, 5)
+        assert [p.shape for p in alike] == [p.shape for p in plain] and len(alike) == 4
+        assert [p.stride() for p in alike] == [p.stride() for p in plain]
+        assert {p.storage_offset() for p in plain} == {1, 6, 11, 16} and {p.storage_offset() for p in alike} == {0}
+        key = _torch_api.storage_identity(labels.untyped_storage())
+        assert all(_torch_api.storage_identity(p.untyped_storage()) == key for p in alike)
+        for pieces, misses_expected in ((plain, 1), (alike, 0)):
+            pieces[0].ne(-100)  # the first piece of its size: in the cache from here on
+            before = FakeTensorMode.cache_info().misses
+            pieces[1].ne(-100)
+            assert FakeTensorMode.cache_info().misses - before == misses_expected
+        grads = torch.randn(16, requires_grad=True)
+        assert [p.storage_offset() for p in _torch_api.split_keyed_alike(grads, 5)] == [0, 5, 10, 15]
+    real = torch.arange(16)
+    assert [p.storage_offset() for p in _torch_api.split_keyed_alike(real, 5)] == [0, 5, 10, 15]
+
+
 def test_backward_is_told_from_forward():
     from optimum_memopt.backends.torch import _torch_api
 

@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from ... import _torch_api
+
 
 @functools.lru_cache(maxsize=None)
 def smoother_counts_items() -> bool:
@@ -22,7 +24,7 @@ def chunk_losses(logits_of: Callable, hidden, target, rows: int, ignore: int, sm
     """Each chunk of `rows` tokens' loss sums (`_chunk_sums`), its logits let go after and made again in backward."""
     return [
         checkpoint(_chunk_sums, logits_of, h, y, ignore, smoothing, use_reentrant=False)
-        for h, y in zip(hidden.split(rows), target.split(rows))
+        for h, y in zip(hidden.split(rows), _torch_api.split_keyed_alike(target, rows))
     ]
 
 
