@@ -137,7 +137,21 @@ def test_chunks_give_the_models_own_losses_and_gradients_over_20_steps(arch, chu
 
 
 def test_the_default_chunk_holds_no_more_logits_than_the_hidden_states():
+    """The bare `Loss+`: as few chunks as keep a chunk's logits within the hidden states, the tokens spread evenly
+    (rows rounded up from tokens x hidden / vocabulary made 31 chunks of 262 rows and one of 70 at 8B's 8,192
+    tokens, each chunk's logits 0.15% over the hidden states)."""
     assert Chunking().rows(8192, 256, 8192) == 256  # vocabulary / hidden = 32: 32 chunks
+    assert Chunking().rows(8192, 4096, 128256) == 256 == Chunking(chunks=32).rows(8192, 4096, 128256)
+    assert Chunking().rows(16384, 2048, 128256) == 261  # 63 chunks: 62 of 261 rows and one of 202
+    assert Chunking().rows(16, 32, 1000) == 1  # the logits of one row hold more than all the hidden states
+    for tokens in (1, 7, 100, 1000, 4097, 8192, 65536):
+        for hidden, vocab in ((4096, 128256), (2048, 151936), (64, 1000), (3, 1000)):
+            rows = Chunking().rows(tokens, hidden, vocab)
+            chunks = -(-tokens // rows)
+            assert rows == 1 or rows * vocab <= tokens * hidden, (tokens, hidden, vocab, rows)
+            assert chunks * rows - tokens < chunks, (tokens, hidden, vocab, rows)  # spread evenly: no short tail
+            most = tokens * hidden // vocab  # the most rows a chunk within the hidden states may have
+            assert chunks == (-(-tokens // most) if most else tokens), (tokens, hidden, vocab, rows)  # as few as that
     assert Chunking(chunks=3).rows(10, 4, 100) == 4 and Chunking(tokens=7).rows(10, 4, 100) == 7
 
 
