@@ -422,6 +422,34 @@ def test_the_plan_for_a_card_has_an_offload_row_a_host_column_and_auto_offloads_
     assert auto.peak_mb <= int(budget)
 
 
+@pytest.mark.slow
+def test_the_largest_sizes_found_by_offloading_say_what_the_host_must_hold():
+    """Where the least memory `auto` reaches offloads (the plan's floor row, `Offload+`), the largest batch and
+    sequence it finds hold their offloaded tensors on the host: the line says how much at each, as the search's own
+    dry runs read it, and that the training machine must hold it where the host's room was not given (without it the
+    line read as if the card alone held that batch: an 8B plan's batch 42 at 8,192 tokens needs 84 GiB of host)."""
+    from test_plan import tiny
+
+    from optimum_memopt.planning.plan import _OFFLOADED, plan
+
+    config = tiny(layers=2, vocab=256)
+    spec = dict(batch=1, seq=128, bf16=True, device="H100-80GB", rows=[_OFFLOADED])
+    (row,) = plan(config, **spec, search=False, budget_mb=1e6).configurations
+    found = plan(config, **spec, budget_mb=row.peak_mb + 1.0)  # room for a few more samples or tokens
+    reach = found.reach
+    assert reach["under"] == _OFFLOADED and reach["batch"] > 1 and reach["seq"] > 128, reach
+    hosts = reach["host_mb"]
+    for field in ("batch", "seq"):
+        run = next(r for r in reach["runs"] if r.get(field) == reach[field])
+        assert hosts[field] == run["host_mb"] > 0, (field, reach)
+    for host_mb in (None, 1e6):  # the room given or not: only what the line says of it differs
+        found.host_mb = host_mb
+        line = next(x for x in found.table().splitlines() if x.startswith("auto fits up to batch"))
+        assert f"its offloaded tensors hold on the host {hosts['batch']:.1f} MiB at batch {reach['batch']:,}, " in line
+        assert f"{hosts['seq']:.1f} MiB at {reach['seq']:,} tokens" in line, line
+        assert ("the host's room not given" in line) == (host_mb is None), line
+
+
 def test_its_options_are_weighed_against_what_the_measured_step_offloaded():
     """Where the step measured ran offload already (a plan file's choice, a dry run's), each option holds less than
     that: the same layers nothing, none of them the inputs back (more), more layers the difference."""

@@ -159,11 +159,22 @@ def format_plan(plan: Plan) -> str:
     if plan.reach is not None:
         r = plan.reach
         capped = " (the model's max_position_embeddings)" if r["seq"] and r["seq"] >= r["seq_cap"] else ""
-        lines.append(
+        line = (
             f"auto fits up to batch {_n(r['batch'])} at {plan.spec.seq:,} tokens, and up to {_n(r['seq'])} tokens"
             f"{capped} at batch {plan.spec.batch} (where {r['under']} fits: the least memory it reaches; each a dry "
             f"run)"
         )
+        hosts = r.get("host_mb") or {}
+        if any(hosts.values()):  # the floor offloads: what the host must hold there is part of the answer
+            at = {"batch": f"batch {_n(r['batch'])}", "seq": f"{_n(r['seq'])} tokens"}
+            held = ", ".join(f"{_mb(hosts[k])} MiB at {at[k]}" for k in at if hosts.get(k) is not None)
+            line += f"; its offloaded tensors hold on the host {held}"
+            if plan.host_mb is None:
+                line += (
+                    " (the host's room not given: the training machine's available memory must hold them, "
+                    "`--memory_host_mb` checks it)"
+                )
+        lines.append(line)
     fitting = [c for c in plan.configurations if c.fits]
     timed = [c for c in fitting if c.step_seconds is not None]
     if timed:
@@ -459,7 +470,24 @@ def _reach(spec: StepSpec, floor: Configuration, budget_mb: float, held: int = 0
     batch, batch_runs = largest(spec, "batch", budget, kwargs, known, cap=1 << 16, host_bytes=host)
     seq, seq_runs = largest(spec, "seq", budget, kwargs, known, cap=int(most_tokens), step=128, host_bytes=host)
     runs = batch_runs + seq_runs
-    return {"batch": batch, "seq": seq, "seq_cap": int(most_tokens), "under": floor.name, "runs": runs}
+
+    def host_at(field: str, n: Optional[int]) -> Optional[float]:
+        """What the floor's offloaded tensors hold on the host at the value found (the plan's own: its row's)."""
+        if n is None:
+            return None
+        if n == getattr(spec, field):
+            return floor.host_mb
+        return next((run.get("host_mb", 0.0) for run in runs if run.get(field) == n), None)
+
+    hosts = {"batch": host_at("batch", batch), "seq": host_at("seq", seq)}
+    return {
+        "batch": batch,
+        "seq": seq,
+        "seq_cap": int(most_tokens),
+        "under": floor.name,
+        "host_mb": hosts,
+        "runs": runs,
+    }
 
 
 def _fill(
