@@ -430,12 +430,16 @@ def test_the_largest_sizes_found_by_offloading_say_what_the_host_must_hold():
     line read as if the card alone held that batch: an 8B plan's batch 42 at 8,192 tokens needs 84 GiB of host)."""
     from test_plan import tiny
 
-    from optimum_memopt.planning.plan import _OFFLOADED, plan
+    from optimum_memopt.backends.torch.measure.attention import CudaKernels
+    from optimum_memopt.planning.devices import DEVICES, WORKSPACES_MIB
+    from optimum_memopt.planning.dry_run import StepSpec, dry_run
+    from optimum_memopt.planning.plan import _FLOOR_PLANS, _OFFLOADED, plan
 
     config = tiny(layers=2, vocab=256)
     spec = dict(batch=1, seq=128, bf16=True, device="H100-80GB", rows=[_OFFLOADED])
     (row,) = plan(config, **spec, search=False, budget_mb=1e6).configurations
-    found = plan(config, **spec, budget_mb=row.peak_mb + 1.0)  # room for a few more samples or tokens
+    budget = row.peak_mb + 4.0  # room for some more samples or tokens, not for every one
+    found = plan(config, **spec, budget_mb=budget)
     reach = found.reach
     assert reach["under"] == _OFFLOADED and reach["batch"] > 1 and reach["seq"] > 128, reach
     hosts = reach["host_mb"]
@@ -448,6 +452,20 @@ def test_the_largest_sizes_found_by_offloading_say_what_the_host_must_hold():
         assert f"its offloaded tensors hold on the host {hosts['batch']:.1f} MiB at batch {reach['batch']:,}, " in line
         assert f"{hosts['seq']:.1f} MiB at {reach['seq']:,} tokens" in line, line
         assert ("the host's room not given" in line) == (host_mb is None), line
+    # a host's room below what the largest batch held binds first: the search follows the host's line down to the
+    # largest batch whose copies it holds (moved down by the memory's overshoot alone, it stopped at the plan's own)
+    room = hosts["batch"] / 2
+    bound = plan(config, **spec, budget_mb=budget, host_mb=room).reach
+    batch = bound["batch"]
+    assert 1 < batch < reach["batch"] and bound["host_mb"]["batch"] <= room, bound
+    floor = dict(  # the search's own dry run of the floor row, as `plan` makes it for the card
+        plans=_FLOOR_PLANS[_OFFLOADED],
+        held_bytes=int(WORKSPACES_MIB * 2**20),
+        kernels=CudaKernels(DEVICES["H100-80GB"].capability),
+        peak_only=True,
+    )
+    more = dry_run(StepSpec(config, batch=batch + 1, seq=128, dtype="float32", autocast="bfloat16"), **floor)
+    assert more.host_peak_bytes > room * 2**20 or more.peak_bytes > budget * 2**20
 
 
 def test_its_options_are_weighed_against_what_the_measured_step_offloaded():

@@ -412,21 +412,26 @@ def largest(
     cap: int,
     step: int = 1,
     host_bytes: Optional[float] = None,
+    known_host: float = 0.0,
 ):
     """The largest `field` ("batch" or "seq", a multiple of `step`, at most `cap`) whose dry run under `kwargs` peaks
     within `budget_bytes` (and, with `host_bytes`, whose offloaded tensors hold no more on the host): a line through
-    two dry runs (the plan's own value, whose peak is `known`, and twice it), then dry runs at its prediction, moved
-    down until one fits (at most four); the value and every run's figures. A value is dry-run once: one already run
-    (twice the plan's value, where the cap makes it the prediction too) gives its peak again. A run whose host figure
-    is over `host_bytes` counts as over the budget."""
-    peaks = {}  # each value run, in the order run: its peak
+    two dry runs (the plan's own value, whose peak is `known` and host figure `known_host`, and twice it), then dry
+    runs at its prediction, moved down until one fits (at most four); the value and every run's figures. With
+    `host_bytes` the host's figures are a line too, and each prediction is the lower of the two lines' (the host's
+    room bound the 8B plan at batch 31 while its memory allowed 42: moved down by the memory's overshoot alone, a
+    step at a time, the search gave up at batch 1). A value is dry-run once: one already run (twice the plan's value,
+    where the cap makes it the prediction too) gives its peak again. A run whose host figure is over `host_bytes`
+    counts as over the budget."""
+    peaks = {}  # each value run, in the order run: its peak (over the budget where the host cannot hold it)
+    held = {}  # its peak as counted
     hosts = {}  # and what its offloaded tensors held on the host
 
     def peak_at(n: int) -> int:
         if n not in peaks:
             with _quiet():
                 result = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True)
-            peaks[n], hosts[n] = result.peak_bytes, result.host_peak_bytes
+            peaks[n], held[n], hosts[n] = result.peak_bytes, result.peak_bytes, result.host_peak_bytes
             if host_bytes is not None and hosts[n] > host_bytes:
                 peaks[n] = max(peaks[n], int(budget_bytes) + 1)  # the host cannot hold it: it does not fit
         return peaks[n]
@@ -444,19 +449,27 @@ def largest(
     slope = (peak_at(twice) - known) / (twice - start)
     if slope <= 0:
         return None, runs()
+    host_slope = (hosts[twice] - known_host) / (twice - start) if host_bytes is not None else 0.0
+
+    def reaches(n: int, peak: float, host: float) -> float:
+        """Where the lines through `n`'s figures meet the budget and, where it binds, the host's room."""
+        at = n + (budget_bytes - peak) / slope
+        if host_slope > 0:
+            at = min(at, n + (host_bytes - host) / host_slope)
+        return at
+
     fits, over = (start if known <= budget_bytes else 0), cap + step
-    n = start + (budget_bytes - known) / slope
+    n = reaches(start, known, known_host)
     for _ in range(4):
         n = max(step, min(cap, int(n) // step * step))
         if n <= fits or n >= over:
             break
-        peak = peak_at(n)
-        if peak <= budget_bytes:
+        if peak_at(n) <= budget_bytes:
             fits = n
-            n = n + (budget_bytes - peak) / slope
+            n = reaches(n, held[n], hosts[n])
         else:
             over = n
-            n = n - max((peak - budget_bytes) / slope, step)
+            n = min(n - step, reaches(n, held[n], hosts[n]))
     return (fits or None), runs()
 
 
@@ -467,8 +480,13 @@ def _reach(spec: StepSpec, floor: Configuration, budget_mb: float, held: int = 0
     known = int((floor.peak_mb or 0) * MIB)
     most_tokens = getattr(spec.config.get_text_config(), "max_position_embeddings", None) or 1 << 20
     host = None if host_mb is None else host_mb * MIB
-    batch, batch_runs = largest(spec, "batch", budget, kwargs, known, cap=1 << 16, host_bytes=host)
-    seq, seq_runs = largest(spec, "seq", budget, kwargs, known, cap=int(most_tokens), step=128, host_bytes=host)
+    known_host = (floor.host_mb or 0.0) * MIB
+    batch, batch_runs = largest(
+        spec, "batch", budget, kwargs, known, cap=1 << 16, host_bytes=host, known_host=known_host
+    )
+    seq, seq_runs = largest(
+        spec, "seq", budget, kwargs, known, cap=int(most_tokens), step=128, host_bytes=host, known_host=known_host
+    )
     runs = batch_runs + seq_runs
 
     def host_at(field: str, n: Optional[int]) -> Optional[float]:
