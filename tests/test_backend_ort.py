@@ -41,13 +41,18 @@ def test_directories_of_dead_processes_are_swept(tmp_path):
 
 
 def test_sigterm_removes_the_directory(tmp_path):
+    # the child waits in short sleeps: importing torch starts a thread of its own, and where the kernel hands SIGTERM
+    # to that thread, Python runs the handler in the main thread only when it next checks, which one sleep of 60 s
+    # put off past this test's 30 s (once in the suite, 2026-11-28; SIGTERM sent to that thread alone with `tgkill`
+    # leaves a 60 s sleep running, and ends this loop in 0.1 s)
     code = (
         "import sys, time\n"
         "from optimum_memopt.backends.ort import ConfigFiles\n"
         "from optimum_memopt.plans import parse_inline\n"
         f"f = ConfigFiles({str(tmp_path / 'root')!r})\n"
         "print(f.write(parse_inline('Gelu+:1:-1')), flush=True)\n"
-        "time.sleep(60)\n"
+        "for _ in range(1200):\n"
+        "    time.sleep(0.05)\n"
     )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     path = proc.stdout.readline().strip()
