@@ -168,7 +168,8 @@ def format_plan(plan: Plan) -> str:
         if any(hosts.values()):  # the floor offloads: what the host must hold there is part of the answer
             at = {"batch": f"batch {_n(r['batch'])}", "seq": f"{_n(r['seq'])} tokens"}
             held = ", ".join(f"{_mb(hosts[k])} MiB at {at[k]}" for k in at if hosts.get(k) is not None)
-            line += f"; its offloaded tensors hold on the host {held}"
+            whose = "each process's" if max(plan.spec.fsdp, plan.spec.ddp) > 1 else "its"  # the dry run is one's
+            line += f"; {whose} offloaded tensors hold on the host {held}"
             if plan.host_mb is None:
                 line += (
                     " (the host's room not given: the training machine's available memory must hold them, "
@@ -422,19 +423,19 @@ def largest(
     room bound the 8B plan at batch 31 while its memory allowed 42: moved down by the memory's overshoot alone, a
     step at a time, the search gave up at batch 1). A value is dry-run once: one already run (twice the plan's value,
     where the cap makes it the prediction too) gives its peak again. A run whose host figure is over `host_bytes`
-    counts as over the budget."""
-    peaks = {}  # each value run, in the order run: its peak (over the budget where the host cannot hold it)
-    held = {}  # its peak as counted
+    does not fit (its figures as counted)."""
+    peaks = {}  # each value run, in the order run: its peak
     hosts = {}  # and what its offloaded tensors held on the host
 
     def peak_at(n: int) -> int:
         if n not in peaks:
             with _quiet():
                 result = dry_run(replace(spec, **{field: n}), **kwargs, peak_only=True)
-            peaks[n], held[n], hosts[n] = result.peak_bytes, result.peak_bytes, result.host_peak_bytes
-            if host_bytes is not None and hosts[n] > host_bytes:
-                peaks[n] = max(peaks[n], int(budget_bytes) + 1)  # the host cannot hold it: it does not fit
+            peaks[n], hosts[n] = result.peak_bytes, result.host_peak_bytes
         return peaks[n]
+
+    def fits_at(n: int) -> bool:
+        return peak_at(n) <= budget_bytes and (host_bytes is None or hosts[n] <= host_bytes)
 
     def runs() -> list:
         return [
@@ -464,12 +465,12 @@ def largest(
         n = max(step, min(cap, int(n) // step * step))
         if n <= fits or n >= over:
             break
-        if peak_at(n) <= budget_bytes:
+        if fits_at(n):
             fits = n
-            n = reaches(n, held[n], hosts[n])
+            n = reaches(n, peaks[n], hosts[n])
         else:
             over = n
-            n = min(n - step, reaches(n, held[n], hosts[n]))
+            n = min(n - step, reaches(n, peaks[n], hosts[n]))
     return (fits or None), runs()
 
 
