@@ -44,7 +44,19 @@ def test_the_trainer_and_the_arguments_import_nothing_of_a_backend(module):
 # three share (plan names, the recompute rule, the policy model, nested arguments) and the glue to the seam.
 JOBS = {
     "apply": {"engine", "clock", "recorder", "hooks", "recipe", "checkpoint", "tracking", "layers", "routing"},
-    "measure": {"watch", "profile", "graph", "aside", "ways", "storages", "live", "op_costs", "attention", "dropout"},
+    "measure": {
+        "watch",
+        "profile",
+        "graph",
+        "aside",
+        "ways",
+        "storages",
+        "live",
+        "op_costs",
+        "attention",
+        "dropout",
+        "replay",
+    },
     "decide": {"solver", "budget", "planner", "report", "from_plan", "messages"},
 }
 SHARED = {"names", "rule", "policy", "nested", "steps"}

@@ -41,6 +41,7 @@ from .measure import dropout
 from .measure.attention import CudaKernels, on_cuda
 from .measure.op_costs import OpCosts, clock_for
 from .measure.profile import INPUT_KEPT, Place
+from .measure.replay import LayerReplay, ReplayMismatch
 from .measure.storages import StorageCount, block_bytes
 from .nested import tensors_in
 
@@ -95,6 +96,10 @@ class PartsCount(StorageCount):
         self.step_top_parts: Dict[str, int] = dict(self.parts)  # the step's highest count by part, and where
         self.step_top_at = ""
         self.ops: Optional[OpCosts] = None  # each op's FLOPs and bytes, where the driver counts them
+        # while a layer's forward or backward is recorded (`measure.replay`): the count and its parts at each op's end
+        self.points: Optional[list] = None
+        self._born: Dict[int, int] = {}  # a storage's identity -> its birth's number (one address, several storages)
+        self._births = 0
 
     def see(self, t: torch.Tensor) -> None:
         super().see(t)
@@ -115,8 +120,56 @@ class PartsCount(StorageCount):
         self.top, self.top_parts, self.top_at = self.current, dict(self.parts), "before training"
 
     def _grew(self, key: int, nbytes: int) -> None:
+        if key not in self._part:
+            self._births += 1
+            self._born[key] = self._births
         part = self._part.setdefault(key, self.phase)
         self.parts[part] += nbytes
+
+    def alive(self) -> set:
+        """The storages counted now, each as (identity, birth): told apart from a later one at the same address."""
+        return {(key, self._born.get(key)) for key in self._live}
+
+    def identity(self, t: torch.Tensor) -> tuple:
+        """`t`'s storage as `alive` names it."""
+        key = _torch_api.storage_identity(t.untyped_storage())
+        return key, self._born.get(key)
+
+    def forget(self, t: torch.Tensor) -> None:
+        key = _torch_api.storage_identity(t.untyped_storage())
+        super().forget(t)
+        self._part.pop(key, None)
+        self._born.pop(key, None)
+
+    @contextmanager
+    def adopting_as(self, part: str) -> Iterator[None]:
+        """The tensors made inside stand for storages a replayed record counted already (`measure.replay`): each taken
+        in, in `part`, at no growth, and no peak read from them (held aside)."""
+        phase, self.phase = self.phase, part
+        self.adopting, self.aside = True, self.aside + 1
+        try:
+            yield
+        finally:
+            self.phase, self.adopting, self.aside = phase, False, self.aside - 1
+
+    def follow(self, start: tuple, points: list, end: tuple, mark: Optional[Callable[[str], None]] = None) -> None:
+        """Walk a recorded stretch (`measure.replay`): the count and its parts moved from where they stand now as they
+        moved from `start` to each op's end in `points` (each read into the peaks as an op's end is), then to `end`;
+        a point that is a watch's mark, `("mark", name)`, made again with `mark(name)`."""
+        base, base_parts = self.current, dict(self.parts)
+        first, first_parts = start
+        for current, parts in points:
+            if current == "mark":
+                if mark is not None:
+                    mark(parts)
+                continue
+            self.current = base + current - first
+            self.parts = {p: base_parts[p] + parts[p] - first_parts[p] for p in base_parts}
+            self.peak = max(self.peak, self.current)
+            self._reached()
+        current, parts = end
+        self.current = base + current - first
+        self.parts = {p: base_parts[p] + parts[p] - first_parts[p] for p in base_parts}
 
     def resized(self, storage) -> None:
         """Resized in place outside any op: FSDP2's gathered weights (freed after a layer's forward and gathered
@@ -125,6 +178,7 @@ class PartsCount(StorageCount):
         self._to_part(_torch_api.storage_identity(storage), WEIGHTS)
 
     def _gone(self, key: int, ref) -> None:
+        self._born.pop(key, None)
         part = self._part.pop(key, None)
         if part is not None:
             self.parts[part] -= self._live.get(key, 0)
@@ -159,15 +213,23 @@ class PartsCount(StorageCount):
             for t in tensors_in(out) + tensors_in(args):
                 if _torch_api.wrapped_tensors(t) is None:
                     self._to_part(_torch_api.storage_identity(t.untyped_storage()), WEIGHTS)
-        if self.ops is not None and not self.aside:  # a lever's measurement aside is not the step's time either
+        if self.aside:  # a lever's measurement aside is neither the step's time nor its peak
+            return out
+        if self.ops is not None:
             self.ops.add(func, args, kwargs or {}, out)
-        if self.current > self.step_top and not self.aside:  # a lever's measurement aside is not the step's
+        self._reached()
+        if self.points is not None:
+            self.points.append((self.current, dict(self.parts)))
+        return out
+
+    def _reached(self) -> None:
+        """The count at an op's end read into the step's highest and the run's."""
+        if self.current > self.step_top:
             self.step_top = self.current
             self.step_top_parts, self.step_top_at = dict(self.parts), f"step {self.step}, {self.where}"
             if self.current > self.top:
                 self.top, self.top_parts = self.current, dict(self.parts)
                 self.top_at = f"step {self.step}, {self.where}"
-        return out
 
 
 @dataclass
@@ -237,6 +299,8 @@ class DryRun:
     attention: Optional[Dict[str, int]] = None
     # what the layers' offloaded tensors held on the host at their most (`Offload+`), in bytes: 0 where none ran
     host_peak_bytes: int = 0
+    # the layer calls replayed from a record instead of run (`measure.replay`): 0 where every layer ran
+    layers_replayed: int = 0
 
 
 @contextmanager
@@ -716,6 +780,8 @@ def run(
     peak_only: bool = False,
     mask_attends_all: bool = False,
     host_mb: Optional[float] = None,
+    replay_layers: bool = True,
+    remake: Optional[Callable[[], object]] = None,
 ) -> DryRun:
     """Train `spec`'s step on fake tensors under one configuration: the torch backend with `plans` (`auto` with
     `budget_mb`) or `level`, or transformers' own checkpointing (`checkpointing`, no backend), or nothing
@@ -751,6 +817,11 @@ def run(
     `mask_attends_all`: the batch's attention mask, read where it is real (a run's own step), attends to every token:
     SDPA gets no mask, as in the real step (`_mask_read_as`).
 
+    `replay_layers`: alike layers replayed from records (`measure.replay`) on fake tensors, without checkpointing or
+    sharding: the plain step's, and the engine's after step one; where a record does not hold as the step goes on,
+    the dry run is run again without, on the model built again (`remake()` makes a given `model` again: without
+    it, a given model's layers all run).
+
     `peak_only`: the peak, its parts and the steps' peaks alone (what a search for the largest size needs): the last
     step is not reported ended to the backend, so its levers measure nothing after it and no table is made
     (`DryRun.report` None). The peak is the same (a lever's measurement after a step is held aside from the count:
@@ -779,7 +850,8 @@ def run(
     masks = _mask_read_as(mask_attends_all and fake)
     handle = None
     handles = []
-    model = _build(spec) if model is None else model
+    built_here = model is None  # a step replayed in part runs again on a model of its own where a record fails
+    model = _build(spec) if built_here else model
     count.hold(held_bytes)
     card = dropout.on_cuda(kernels is not None)  # a card's dropout keeps a one-byte mask, the CPU's the input's dtype
     with (
@@ -837,6 +909,16 @@ def run(
         for b in buckets:
             count.move(b, GRADIENTS)
         handles = _marks(model, layers, count)
+        replay = None
+        if replay_layers and fake and (built_here or remake is not None) and not checkpointing and mesh is None:
+            ran = attention.ran if attention is not None else None
+            state = getattr(model, STATE, None) if handle is not None else None
+            if handle is None:  # the plain step: the layers' forwards replaced
+                replay = LayerReplay(layers, count, ran)
+                replay.install()
+            elif state is not None:  # the engine's: each layer it runs after step one
+                replay = LayerReplay(layers, count, ran, watch=lambda: state.watch, variant_of=state.alike_by)
+                state.replay = replay
         before = count.current
         _prime(optimizer, params, count)
         step_peaks, step_parts, answer_step = [], [], -1
@@ -860,11 +942,17 @@ def run(
                 if price_step and step >= steps:  # every step that may be the last, priced
                     count.ops = OpCosts()
                 for _ in range(spec.grad_accum):
+                    if replay is not None:
+                        replay.reset()
                     args, kwargs = inputs()
                     with _autocast(spec.autocast, device):
                         loss = _loss(model(*args, **kwargs))
                     (loss / spec.grad_accum).backward()
+                    if replay is not None:  # what the recorded layers kept past their backwards goes with the graph
+                        replay.graph_goes()
                     del loss, args, kwargs
+                    if replay is not None:
+                        replay.graph_gone()
                 for p in params:  # FSDP2 stores a sharded gradient itself, past the parameters' hooks
                     count.move(p.grad, GRADIENTS)
                 count.phase, count.where = OPTIMIZER, "the optimizer step"
@@ -888,10 +976,25 @@ def run(
                     break
                 if step >= steps + planner.search_checks:
                     break
+        except ReplayMismatch as e:
+            logger.debug("optimum-memopt: the dry run's step runs again without replayed layers: %s", e)
+            mismatch = True
+        else:
+            mismatch = False
         finally:
             for h in handles:
                 h.remove()
+            if replay is not None:
+                replay.remove()
+                if handle is not None and getattr(model, STATE, None) is not None:
+                    getattr(model, STATE).replay = None
             del buckets
+    if mismatch:
+        return run(
+            spec, instruments, plans, level, checkpointing, budget_mb, backend, price_step, fake, device,
+            None if built_here else remake(), batch, optimizer_from, held_bytes, running_into, kernels, peak_only,
+            mask_attends_all, host_mb, replay_layers=False,
+        )  # fmt: skip
     result = DryRun(
         peak_bytes=count.top,
         before_training_bytes=before,
@@ -904,6 +1007,7 @@ def run(
         answer_step=answer_step,
         running=running,
         attention=dict(attention.ran) if attention is not None else None,
+        layers_replayed=replay.replayed if replay is not None else 0,
     )
     if count.ops is not None:
         result.step_seconds = count.ops.seconds(instruments.device)

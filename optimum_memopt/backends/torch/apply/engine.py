@@ -15,6 +15,7 @@ from torch import nn
 
 from .. import _torch_api
 from ..measure.profile import LayerProfile, ModelProfile
+from ..measure.replay import RUN_ALWAYS
 from ..measure.watch import first_grad_tensor
 from ..nested import tensors_in
 from ..policy import LAYER, OPS, RecomputePolicy
@@ -139,6 +140,9 @@ class RecomputeState:
         self.clock = StepClock([type(layer).__name__ for layer in layers], owner, steps_reported)
         self.recorder = StepRecorder(len(layers), model, reset_peaks)
         self.planner = planner  # `auto`'s (`decide.planner.BudgetPlanner`): told where steps start
+        # a dry run's alike layers replayed from records (`measure.replay.LayerReplay`), where the dry run puts one
+        # here: the layers of the steps after step one (none of step one's profile is replayed)
+        self.replay = None
         self._model = model
         self._levers_measured = False  # after step one, each lever measured what it would do
 
@@ -266,11 +270,23 @@ class RecomputeState:
         if starts:
             self._step_starts(ended, _device(args, kwargs))
         record = self.recorder.layer_starts(index, args, kwargs)
-        out = self.runner.run(index, args, kwargs, record)
+        if self.replay is not None and record is None:
+            run = partial(self.runner.run, index, args, kwargs, None)
+            out = self.replay.call(index, run, args, kwargs)
+        else:
+            out = self.runner.run(index, args, kwargs, record)
         self.recorder.layer_ends(index, out, lambda: _autocast(args, kwargs), self.clock.first, self.clock.last)
         if starts and self.planner is not None and not self.steps_reported:
             _at_backward_end(out, self.clock.backward_ended)
         return out
+
+    def alike_by(self, index: int):
+        """What else two layers must share to be replayed one from the other's record: the policy each runs under,
+        and what each lever does to it (`Lever.at_layer`); None where a lever needs the layer run."""
+        states = tuple((name, lever.at_layer(index)) for name, lever in self.levers.items())
+        if any(state == RUN_ALWAYS for _, state in states):
+            return None
+        return self.policy.layers[index], states
 
     def _step_starts(self, ended: bool, device: str) -> None:
         """A step starts at its first layer: the last one's watch closed where the loop does not report steps (its

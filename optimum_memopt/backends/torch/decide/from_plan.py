@@ -122,6 +122,7 @@ def dry_run_choice(
 
     mask = kwargs.get("attention_mask")
     every_token = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
+    spare = copy.deepcopy(twin)  # untouched, for a dry run that runs again without replayed layers (`fake_step.run`)
     spec = StepSpec(getattr(twin, "config", None), grad_accum=start.grad_accum, autocast=start.autocast, ddp=start.ddp)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     devices = list(range(torch.cuda.device_count())) if cuda else []  # every device's generator given back
@@ -139,4 +140,5 @@ def dry_run_choice(
             kernels=CudaKernels.here(device) if device is not None and torch.device(device).type == "cuda" else None,
             host_mb=start.host_mb,
             mask_attends_all=every_token,  # read here, where the mask is real: a fake one's values cannot be
+            remake=lambda: spare,
         )

@@ -77,6 +77,12 @@ class Lever:
         too); returns what `forward()` returned. By default, run as it is."""
         return forward()
 
+    def at_layer(self, index: int):
+        """What the lever does to layer `index`'s training forward now, as a value two layers' can be told alike by
+        (a dry run replays a layer from another's record only where these agree: `measure.replay`); `RUN_ALWAYS` where
+        the layer must run (what the lever does there is not in a storage count alone). By default None: nothing."""
+        return None
+
     def host_peak(self) -> int:
         """What the lever held in the host's memory at its most (an offload's copies), in bytes; 0 by default."""
         return 0

@@ -99,6 +99,9 @@ class StorageCount(_torch_api.TorchDispatchMode):
         # on CUDA: the host scalars some kernels make, a flash kernel's random state without dropout, are not the
         # card's); None: every storage (fake tensors, which stand for the card's wherever they are)
         self.only: Optional[str] = None
+        # True while a replayed layer's tensors are made (`measure.replay`): a storage first seen is taken in at its
+        # size without the count growing (the replayed record already counted its bytes)
+        self.adopting = False
         self._live: Dict[int, int] = {}  # a storage's identity -> the bytes counted for it
         self._refs: Dict[int, weakref.ref] = {}
 
@@ -152,6 +155,10 @@ class StorageCount(_torch_api.TorchDispatchMode):
         known = self._live.get(key)
         if known is None:
             self._refs[key] = weakref.ref(storage, partial(self._gone, key))
+            if self.adopting:
+                self._live[key] = nbytes
+                self._grew(key, 0)
+                return 0
         elif known == nbytes:
             return 0
         self._live[key] = nbytes
@@ -167,6 +174,13 @@ class StorageCount(_torch_api.TorchDispatchMode):
         """A storage resized in place outside any op (FSDP2 freeing or gathering a layer's weights)."""
         self.count(storage)
         self.peak = max(self.peak, self.current)
+
+    def forget(self, t: torch.Tensor) -> None:
+        """Take `t`'s storage out of the count without its bytes leaving it: a replayed record (`measure.replay`) lets
+        go of them where the layer it stands for did, and the storage's end, whenever it comes, takes nothing back."""
+        key = _torch_api.storage_identity(t.untyped_storage())
+        self._live.pop(key, None)
+        self._refs.pop(key, None)
 
     def held_except(self, identities) -> int:
         """The bytes counted now for storages other than those `identities` (`_torch_api.storage_identity`) name."""

@@ -147,6 +147,10 @@ class TiledMLP(Lever):
             return None
         return self.tiles[index] or default_tiles(self.mlps[index])
 
+    def at_layer(self, index: int) -> Optional[int]:
+        """The tiles layer `index`'s MLP runs in now (None: whole)."""
+        return self.tiles_at(index)
+
     # -- its measurement --------------------------------------------------------------------------------------------
     def marks(self):
         """Every layer's MLP, marked as "mlp": step one's segments hold the peak of the stretches it runs in."""

@@ -10,6 +10,7 @@ from .....memory import MIB
 from .....plans import LeverOption
 from ...apply.layers import distinct, find_layers
 from ...decide.budget import LeverChoice
+from ...measure.replay import RUN_ALWAYS
 from ...measure.watch import first_grad_tensor
 from ..protocol import Lever
 from .measure import HOST_IS_DEVICE, OffloadMeasure, measure
@@ -95,6 +96,13 @@ class Offload(Lever):
         if first is not None:
             first.register_hook(lambda grad: mover.reached(index))
         return out
+
+    def at_layer(self, index: int):
+        """A layer offloaded, or one whose backward fetches one, runs in a dry run (its copies are the host's count and
+        the mover's, which a replayed layer's record does not hold); None elsewhere."""
+        if self.installed and (index in self.chosen or self._fetches_at(index)):
+            return RUN_ALWAYS
+        return None
 
     def _fetches_at(self, index: int) -> bool:
         """Whether backward reaching layer `index`'s output fetches a chosen layer's tensors (one `ahead` of it)."""
