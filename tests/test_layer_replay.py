@@ -192,3 +192,26 @@ def test_a_given_model_runs_again_on_the_one_made_again(monkeypatch):
     spare = fake_step._build(spec)
     again = fake_step.run(spec, instruments, backend=False, model=fake_step._build(spec), remake=lambda: spare)
     assert again.layers_replayed == 0 and _figures(again) == _figures(full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, plans",
+    [
+        ("llama", "Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles2"),  # level 1 + Loss+ + MLP+: the MLP's marks in layers
+        ("qwen3", "Attention+silu+:1:-1"),  # op plans: their recipes recorded, their bytes replaced
+    ],
+)
+def test_step_one_replayed_profiles_each_layer_as_run(kind, plans):
+    # step one records each layer's profile as it runs (its ops' plans, bytes and seconds, its graph): a replayed
+    # layer's is its kind's record's, its own input and arguments apart; the whole profile, the table's data and
+    # every figure are the same
+    spec = StepSpec(_config(kind), batch=2, seq=64, dtype="bfloat16", autocast="bfloat16", lora=LORA)
+    full, replayed = [
+        dry_run(spec, plans, cost_device=DEVICES["H100-80GB"], kernels=CudaKernels((9, 0)), replay_layers=replay)
+        for replay in (False, True)
+    ]
+    assert replayed.layers_replayed > 0
+    assert _figures(replayed) == _figures(full)
+    assert replayed.profile == full.profile
+    assert replayed.report == full.report

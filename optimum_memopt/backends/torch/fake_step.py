@@ -155,13 +155,17 @@ class PartsCount(StorageCount):
     def follow(self, start: tuple, points: list, end: tuple, mark: Optional[Callable[[str], None]] = None) -> None:
         """Walk a recorded stretch (`measure.replay`): the count and its parts moved from where they stand now as they
         moved from `start` to each op's end in `points` (each read into the peaks as an op's end is), then to `end`;
-        a point that is a watch's mark, `("mark", name)`, made again with `mark(name)`."""
+        a point that is a watch's mark, `("mark", (name, count, parts))`, made again with `mark(name)` where the count
+        stood then."""
         base, base_parts = self.current, dict(self.parts)
         first, first_parts = start
         for current, parts in points:
-            if current == "mark":
+            if current == "mark":  # the count as the mark read it, then the mark (its reading closes a stretch)
+                name, current, parts = parts
+                self.current = base + current - first
+                self.parts = {p: base_parts[p] + parts[p] - first_parts[p] for p in base_parts}
                 if mark is not None:
-                    mark(parts)
+                    mark(name)
                 continue
             self.current = base + current - first
             self.parts = {p: base_parts[p] + parts[p] - first_parts[p] for p in base_parts}

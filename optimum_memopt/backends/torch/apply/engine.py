@@ -141,7 +141,7 @@ class RecomputeState:
         self.recorder = StepRecorder(len(layers), model, reset_peaks)
         self.planner = planner  # `auto`'s (`decide.planner.BudgetPlanner`): told where steps start
         # a dry run's alike layers replayed from records (`measure.replay.LayerReplay`), where the dry run puts one
-        # here: the layers of the steps after step one (none of step one's profile is replayed)
+        # here (step one's profile of a replayed layer filled as its kind's record's was)
         self.replay = None
         self._model = model
         self._levers_measured = False  # after step one, each lever measured what it would do
@@ -270,9 +270,8 @@ class RecomputeState:
         if starts:
             self._step_starts(ended, _device(args, kwargs))
         record = self.recorder.layer_starts(index, args, kwargs)
-        if self.replay is not None and record is None:
-            run = partial(self.runner.run, index, args, kwargs, None)
-            out = self.replay.call(index, run, args, kwargs)
+        if self.replay is not None:  # a dry run's: the layer run, recorded or replayed
+            out = self.replay.call(index, partial(self.runner.run, index, args, kwargs, record), args, kwargs, record)
         else:
             out = self.runner.run(index, args, kwargs, record)
         self.recorder.layer_ends(index, out, lambda: _autocast(args, kwargs), self.clock.first, self.clock.last)

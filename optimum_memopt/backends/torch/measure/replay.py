@@ -7,8 +7,10 @@ running them, at a small part of the time (`fake_step.run`, `replay_layers`).
 
 The rules (tests/test_layer_replay.py):
 
-- Fake tensors only, in the plain step (no backend, no checkpointing, no sharding): a step whose layers the backend
-  runs is not replayed yet.
+- Fake tensors only, without transformers' checkpointing or sharding: the plain step's layers (their forwards
+  replaced: `install`), and those the engine runs (`call`), step one's too (a replayed layer's `LayerProfile` is its
+  kind's record's, its own input and arguments apart). A layer a lever must run is run (`Lever.at_layer`:
+  `RUN_ALWAYS`, an offloaded layer: the host's count is not in a record).
 - Layers are alike where their modules are of the same classes with the same plain attributes (the one numbering
   the layers apart), the same parameters' and buffers' shapes, dtypes and trainability (`fingerprints`), and calls
   are alike where they give tensors of the same shapes, strides, dtypes and gradient flags and the same plain values
@@ -31,6 +33,8 @@ The rules (tests/test_layer_replay.py):
   run again without replay (`fake_step.run`).
 """
 
+import copy
+import dataclasses
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -46,7 +50,7 @@ from ..nested import tensors_in
 logger = logging.getLogger(__name__)
 
 _PLAIN = (bool, int, float, str, type(None))
-_MARK = "mark"  # a point of a stretch that is a watch's mark inside a layer: (_MARK, its name)
+_MARK = "mark"  # a point of a stretch that is a watch's mark inside a layer: (_MARK, (its name, count, parts))
 _MARKED = "_memopt_replay_marks"  # set on a watch whose marks inside layers go among recorded points
 RUN_ALWAYS = "run always"  # what a lever does to a layer that a dry run must run, never replay (`Lever.at_layer`)
 
@@ -136,7 +140,8 @@ class _Stretch:
             def shift(point):
                 current, parts = point
                 if current == _MARK:
-                    return point
+                    name, current, parts = parts
+                    return name, shift((current, parts))
                 return current - first, tuple(sorted((p, n - first_parts[p]) for p, n in parts.items()))
 
             return [shift(p) for p in stretch.points], shift(stretch.end)
@@ -160,6 +165,7 @@ class _Forward:
     storages: list = field(default_factory=list)  # weak references to the kept storages, in `kept`'s order
     gone: set = field(default_factory=set)  # the kept storages let go of so far (their places in `kept`)
     holders: list = field(default_factory=list)  # each replayed layer's stand-ins for them, by place
+    profile: object = None  # the layer's `LayerProfile` as step one filled it in this forward (None: not step one)
 
     def watch(self) -> None:
         """Stand for the kind: each kept storage's end let go of the replayed layers' stand-ins for it."""
@@ -209,6 +215,19 @@ class _Backward:
 
     def same_as(self, other: "_Backward") -> bool:
         return self.stretch.same_as(other.stretch) and self._facts() == other._facts()
+
+
+# a layer's profile as the recorder fills it before the layer runs (its own input, arguments and where the model lets
+# go of its input): not copied from another layer's
+_OWN_FIELDS = ("shape", "input_bytes", "arguments_bytes", "input_gone_at")
+
+
+def _profiled_as(profile, recorded) -> None:
+    """Step one's `LayerProfile` of a replayed layer filled as its kind's record's was in its forward (the ops' plans,
+    bytes and seconds, the graph), its own fields apart (`_OWN_FIELDS`)."""
+    for f in dataclasses.fields(profile):
+        if f.name not in _OWN_FIELDS:
+            setattr(profile, f.name, copy.deepcopy(getattr(recorded, f.name)))
 
 
 class _Replayed(torch.autograd.Function):
@@ -378,9 +397,10 @@ class LayerReplay:
     def _forward(self, index: int, original, *args, **kwargs):
         return self.call(index, lambda: original(*args, **kwargs), args, kwargs)
 
-    def call(self, index: int, run, args, kwargs):
+    def call(self, index: int, run, args, kwargs, profile=None):
         """Layer `index`'s training forward (`run()`, given `args` and `kwargs`): run, recorded or replayed (see the
-        module's docstring)."""
+        module's docstring). `profile`: the layer's `LayerProfile` step one fills as it runs (the engine's), which a
+        replayed layer is given as its kind's record filled it."""
         layer = self.layers[index]
         self._see_pending_input()
         self._marks_recorded()
@@ -393,11 +413,14 @@ class LayerReplay:
         call = _call(args, kwargs)
         if call is None:
             return run()
-        kind = (self._alike[index], call, variant)
+        kind = (self._alike[index], call, variant, profile is not None)
         if kind in self.forwards and index not in self._tail:
             params = [p for p in layer.parameters() if p.requires_grad]
-            return _Replayed.apply(self, kind, x, *params)
-        return self._recorded(index, kind, run, x)
+            out = _Replayed.apply(self, kind, x, *params)
+            if profile is not None:
+                _profiled_as(profile, self.forwards[kind].profile)
+            return out
+        return self._recorded(index, kind, run, x, profile)
 
     def _marks_recorded(self) -> None:
         """The step's watch (where one reads it: `auto`'s checks) has its marks inside a layer (a lever's module
@@ -410,8 +433,8 @@ class LayerReplay:
 
         def marked(mark: str) -> None:
             inside(mark)
-            if count.points is not None:
-                count.points.append((_MARK, mark))
+            if count.points is not None:  # the count as the mark read it (what a layer let go of since its last op)
+                count.points.append((_MARK, (mark, count.current, dict(count.parts))))
 
         watch.inside = marked
         setattr(watch, _MARKED, True)
@@ -428,7 +451,7 @@ class LayerReplay:
         if self.forwards.get(kind) is forward and seen[-2].input_held != forward.input_held:
             self.forwards.pop(kind)  # the two records hold their inputs otherwise: none stands for the kind yet
 
-    def _recorded(self, index: int, kind: tuple, run, x):
+    def _recorded(self, index: int, kind: tuple, run, x, profile):
         count = self.count
         begun = self._begin()
         x_id = count.identity(x)
@@ -447,6 +470,7 @@ class LayerReplay:
             [(count._live[key], count._part.get(key)) for key, _ in kept_ids],
             (tuple(x.shape), x.dtype),
             storages=[count._refs[key] for key, _ in kept_ids],
+            profile=profile,
         )
         self._pending_input = (forward, _torch_api.storage_ref(x), kind)
         seen = self._seen.setdefault(kind, [])
