@@ -41,7 +41,7 @@ from .measure import dropout
 from .measure.attention import CudaKernels, on_cuda
 from .measure.op_costs import OpCosts, clock_for
 from .measure.profile import INPUT_KEPT, Place
-from .measure.replay import LayerReplay, ReplayMismatch
+from .measure.replay import MARK, LayerReplay, ReplayMismatch
 from .measure.storages import StorageCount, block_bytes
 from .nested import tensors_in
 
@@ -160,7 +160,7 @@ class PartsCount(StorageCount):
         base, base_parts = self.current, dict(self.parts)
         first, first_parts = start
         for current, parts in points:
-            if current == "mark":  # the count as the mark read it, then the mark (its reading closes a stretch)
+            if current == MARK:  # the count as the mark read it, then the mark (its reading closes a stretch)
                 name, current, parts = parts
                 self.current = base + current - first
                 self.parts = {p: base_parts[p] + parts[p] - first_parts[p] for p in base_parts}

@@ -50,7 +50,7 @@ from ..nested import tensors_in
 logger = logging.getLogger(__name__)
 
 _PLAIN = (bool, int, float, str, type(None))
-_MARK = "mark"  # a point of a stretch that is a watch's mark inside a layer: (_MARK, (its name, count, parts))
+MARK = "mark"  # a point of a stretch that is a watch's mark inside a layer: (MARK, (its name, count, parts))
 _MARKED = "_memopt_replay_marks"  # set on a watch whose marks inside layers go among recorded points
 RUN_ALWAYS = "run always"  # what a lever does to a layer that a dry run must run, never replay (`Lever.at_layer`)
 
@@ -139,7 +139,7 @@ class _Stretch:
 
             def shift(point):
                 current, parts = point
-                if current == _MARK:
+                if current == MARK:
                     name, current, parts = parts
                     return name, shift((current, parts))
                 return current - first, tuple(sorted((p, n - first_parts[p]) for p, n in parts.items()))
@@ -311,10 +311,11 @@ class LayerReplay:
         prints = fingerprints(layers)
         self._alike: List[int] = [prints.index(p) for p in prints]  # each layer's first alike layer
         # what else a layer shares with those replayed from its kind's records (the engine's policy for it, the levers'
-        # state on it: `RecomputeState._alike_by`); None: run always
+        # state on it: `RecomputeState.alike_by`); None: run always
         self.variant_of = variant_of or (lambda index: ())
         self._tail: Optional[set] = None  # the last three layers of each kind, read at a micro-batch's first layer
-        self.forwards: Dict[tuple, _Forward] = {}  # by kind: (the first alike layer, the call)
+        # the record standing for each kind: (the first alike layer, the call, the variant, whether step one profiles)
+        self.forwards: Dict[tuple, _Forward] = {}
         self._seen: Dict[tuple, List[_Forward]] = {}  # the records of each kind's forwards
         self._backwards: Dict[tuple, List[_Backward]] = {}  # each kind's backward records, in backward's order
         self._checked: Dict[tuple, _Backward] = {}
@@ -434,7 +435,7 @@ class LayerReplay:
         def marked(mark: str) -> None:
             inside(mark)
             if count.points is not None:  # the count as the mark read it (what a layer let go of since its last op)
-                count.points.append((_MARK, (mark, count.current, dict(count.parts))))
+                count.points.append((MARK, (mark, count.current, dict(count.parts))))
 
         watch.inside = marked
         setattr(watch, _MARKED, True)
@@ -488,14 +489,14 @@ class LayerReplay:
     def _record_backward(self, index, kind, out, x, x_id, out_id, made, forward) -> None:
         count = self.count
         params = [p for p in self.layers[index].parameters() if p.requires_grad]
+        kept = set(made) - {out_id}
         # each kept storage's bytes and part, read now (one let go of before the backward is no longer counted then)
-        state = {"forward": forward, "sizes": {k: (count._live[k[0]], count._part.get(k[0])) for k in made}}
+        state = {"sizes": {k: (count._live[k[0]], count._part.get(k[0])) for k in kept}}
 
         def starts(given):
             state["begun"] = self._begin()
             state["alive"] = state["begun"][3]
             state["given"] = count.identity(given)
-            state["out"] = out_id
             return given
 
         def ends(grad):
@@ -504,7 +505,7 @@ class LayerReplay:
             stretch, born, freed = self._end(state.pop("begun"))
             given, grad_id = state["given"], count.identity(grad)
             grad_ids = {count.identity(p.grad): p for p in params if p.grad is not None}
-            expected_freed = set(made) - {out_id} | {given, x_id}
+            expected_freed = kept | {given, x_id}
             expected_born = set(grad_ids) | {grad_id}
             record = _Backward(
                 stretch,
@@ -514,7 +515,6 @@ class LayerReplay:
                 input_freed=x_id in freed,
                 grad_parts=[None if p.grad is None else count._part.get(count.identity(p.grad)[0]) for p in params],
             )
-            kept = set(made) - {out_id}
             early = kept - state["alive"]  # let go of before its backward started
             late = kept - freed - early  # kept past its backward: let go of with the step's graph, or wrong
             record.early = sorted(state["sizes"][k] for k in early)
@@ -523,18 +523,17 @@ class LayerReplay:
                 self._late.append(count._refs[key])
             if not (freed <= expected_freed and born <= expected_born) or self.forwards.get(kind) is None:
                 record = None
-            elif not self.forwards[kind].same_as(state["forward"]):
+            elif not self.forwards[kind].same_as(forward):
                 record = None
             self._backwards.setdefault(kind, []).append(record)
             return grad
 
-        first = out
-        first.register_hook(starts)
+        out.register_hook(starts)
         x.register_hook(ends)
 
     def backward_for(self, kind: tuple) -> _Backward:
-        """The record a replayed layer of `kind` runs its backward by: the second of the run's last records (the
-        last layer's gradient comes from the head), checked against the third; `ReplayMismatch` where they, or the
+        """The record a replayed layer of `kind` runs its backward by: the second of the kind's last three records
+        (the last layer's gradient comes from the head), checked against the third; `ReplayMismatch` where they, or the
         forward's record, do not agree."""
         checked = self._checked.get(kind)
         if checked is not None:
