@@ -117,6 +117,30 @@ def test_a_replayed_step_counts_what_the_full_step_counts(monkeypatch, kind, opt
     assert replayed_marks == full_marks and len(full_marks) >= 2 * LAYERS
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "card, plans",
+    [
+        (True, "Offload+:1:-1@0-9:ahead2"),  # a card's step: the copies' bytes on the host alone, fetched two ahead
+        (False, "Layer+:1:-1,Loss+:1:-1,Offload+:1:-1"),  # the CPU's: the host's copies in the count; every layer
+    ],
+)
+def test_offloaded_layers_replayed_count_on_the_device_and_the_host_what_they_count_run(monkeypatch, card, plans):
+    # an offloaded layer's copies are the mover's and the host's count, not the device's: a replayed layer counts
+    # them on the host again and its fetch runs as backward reaches it (between two layers' recorded stretches)
+    spec = StepSpec(_config("llama", 12), batch=2, seq=64, dtype="bfloat16", autocast="bfloat16", lora=LORA)
+    kernels = dict(cost_device=DEVICES["H100-80GB"], kernels=CudaKernels((9, 0))) if card else {}
+    out = []
+    for replay in (False, True):
+        readings = _marked(monkeypatch)
+        out.append((dry_run(spec, plans, replay_layers=replay, **kernels), readings))
+        monkeypatch.undo()
+    (full, full_marks), (replayed, replayed_marks) = out
+    assert replayed.layers_replayed >= 4 and full.host_peak_bytes > 0
+    assert _figures(replayed) == _figures(full) and replayed.host_peak_bytes == full.host_peak_bytes
+    assert replayed_marks == full_marks and len(full_marks) >= 2 * 12
+
+
 def test_a_record_that_does_not_hold_runs_the_step_again_in_full(monkeypatch):
     spec = StepSpec(_config("llama"), batch=2, seq=32, lora=LORA)
     full = dry_run(spec, backend=False, cost_device=DEVICES["H100-80GB"], replay_layers=False)

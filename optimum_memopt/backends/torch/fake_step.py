@@ -921,7 +921,9 @@ def run(
                 replay = LayerReplay(layers, count, ran)
                 replay.install()
             elif state is not None:  # the engine's: each layer it runs after step one
-                replay = LayerReplay(layers, count, ran, watch=lambda: state.watch, variant_of=state.alike_by)
+                replay = LayerReplay(
+                    layers, count, ran, watch=lambda: state.watch, variant_of=state.alike_by, levers=state.levers
+                )
                 state.replay = replay
         before = count.current
         _prime(optimizer, params, count)

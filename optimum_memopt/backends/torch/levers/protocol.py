@@ -27,7 +27,7 @@ through this class only:
 The defaults below are a lever that measures nothing and offers only what it runs.
 """
 
-from typing import Callable, ClassVar, List, Optional, Tuple
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple
 
 from ....plans import FoundPlan, LeverOption, LeverSyntax
 from ..decide.budget import LeverChoice
@@ -82,6 +82,26 @@ class Lever:
         (a dry run replays a layer from another's record only where these agree: `measure.replay`); `RUN_ALWAYS` where
         the layer must run (what the lever does there is not in a storage count alone). By default None: nothing."""
         return None
+
+    def layer_recorded(self, index: int, count, kept: List[tuple]):
+        """A dry run recorded layer `index`'s training forward (`measure.replay`; `count`: the step's `PartsCount`,
+        `kept`: the identities of the storages the forward kept, in the record's order): what the lever did to the
+        layer beyond the count's storages (an offload's copies on the host), as a value an alike layer's record must
+        equal and `layer_replayed` does again from. By default None: nothing."""
+        return None
+
+    def layer_replayed(self, index: int, record, kept: Dict[int, object], out) -> object:
+        """Layer `index` replayed in a dry run from an alike layer's record (`record`: `layer_recorded`'s; `kept`: the
+        stand-ins for the storages the record kept, by place; `out`: the replayed layer's output): the lever's part
+        done again (an offload's copies counted on the host, its fetch as backward reaches the layer). What it returns
+        the replayed layer holds until its backward starts (`layer_backward`). By default nothing."""
+        return None
+
+    def layer_backward(self, index: int, held) -> List[object]:
+        """Layer `index`'s backward starts in a dry run that records or replays it (`held`: what `layer_replayed`
+        returned for a replayed layer, None for a recorded one): the tensors the lever made for the layer since its
+        forward that its backward lets go of (an offload's fetched copies). By default none."""
+        return []
 
     def host_peak(self) -> int:
         """What the lever held in the host's memory at its most (an offload's copies), in bytes; 0 by default."""

@@ -10,7 +10,10 @@ The rules (tests/test_layer_replay.py):
 - Fake tensors only, without transformers' checkpointing or sharding: the plain step's layers (their forwards
   replaced: `install`), and those the engine runs (`call`), step one's too (a replayed layer's `LayerProfile` is its
   kind's record's, its own input and arguments apart). A layer a lever must run is run (`Lever.at_layer`:
-  `RUN_ALWAYS`, an offloaded layer: the host's count is not in a record).
+  `RUN_ALWAYS`). What a lever does to a layer beyond the count's storages is in the record and done again for a
+  replayed layer (`Lever.layer_recorded`, `layer_replayed`, `layer_backward`: an offloaded layer's copies counted on
+  the host, fetched as backward reaches it, let go of in its backward); what a lever does as backward reaches a
+  layer falls between two layers' stretches (a pre-hook of the output's node: `watch.as_node_runs`).
 - Layers are alike where their modules are of the same classes with the same plain attributes (the one numbering
   the layers apart), the same parameters' and buffers' shapes, dtypes and trainability (`fingerprints`), and calls
   are alike where they give tensors of the same shapes, strides, dtypes and gradient flags and the same plain values
@@ -166,6 +169,7 @@ class _Forward:
     gone: set = field(default_factory=set)  # the kept storages let go of so far (their places in `kept`)
     holders: list = field(default_factory=list)  # each replayed layer's stand-ins for them, by place
     profile: object = None  # the layer's `LayerProfile` as step one filled it in this forward (None: not step one)
+    levers: Dict[str, object] = field(default_factory=dict)  # what each lever did beyond the count (`layer_recorded`)
 
     def watch(self) -> None:
         """Stand for the kind: each kept storage's end let go of the replayed layers' stand-ins for it."""
@@ -185,6 +189,7 @@ class _Forward:
             and self.out_shape == other.out_shape
             and self.out_part == other.out_part
             and sorted(self.kept) == sorted(other.kept)
+            and self.levers == other.levers
         )
 
 
@@ -206,11 +211,14 @@ class _Backward:
     # what the forward kept and its backward did not let go of (bytes, part): let go of with the step's graph (a
     # custom autograd node's own attributes), as `LayerReplay.graph_goes` and `graph_gone` check
     late: List[Tuple[int, str]] = field(default_factory=list)
+    # how many tensors the levers made for the layer between its forward and its backward (an offload's fetched
+    # copies: `Lever.layer_backward`), each let go of in the backward
+    levers_made: int = 0
 
     def _facts(self) -> tuple:
         return (
             self.given_freed, self.passed_on, self.input_grad_part, self.input_freed, self.grad_parts, self.early,
-            self.late,
+            self.late, self.levers_made,
         )  # fmt: skip
 
     def same_as(self, other: "_Backward") -> bool:
@@ -268,6 +276,14 @@ class _Replayed(torch.autograd.Function):
             else:
                 count.forget(t)
         ctx.kept.clear()
+        made = [t for name, held in ctx.levers.items() for t in replay.levers[name].layer_backward(ctx.index, held)]
+        if len(made) != backward.levers_made:
+            raise ReplayMismatch(
+                "a lever made a replayed layer other tensors before its backward than a recorded one's"
+            )
+        for t in made:  # let go of in the backward, as the record's were
+            count.forget(t)
+        del made
         if backward.given_freed:
             count.forget(given)
         if backward.input_freed:
@@ -275,6 +291,7 @@ class _Replayed(torch.autograd.Function):
             count.forget(x)
             del x
         replay.walk(backward.stretch)
+        ctx.levers = {}  # what the levers held for the layer goes with its backward (an offload's copies on the host)
         grads = []
         for p, part in zip(ctx.params, backward.grad_parts):
             if part is None:
@@ -301,7 +318,13 @@ class LayerReplay:
     None; `watch()`: the watch reading the step now, or None."""
 
     def __init__(
-        self, layers: List[nn.Module], count, kernels: Optional[Dict[str, int]] = None, watch=None, variant_of=None
+        self,
+        layers: List[nn.Module],
+        count,
+        kernels: Optional[Dict[str, int]] = None,
+        watch=None,
+        variant_of=None,
+        levers: Optional[Dict[str, object]] = None,
     ):
         self.layers = layers
         self.count = count
@@ -313,6 +336,7 @@ class LayerReplay:
         # what else a layer shares with those replayed from its kind's records (the engine's policy for it, the levers'
         # state on it: `RecomputeState.alike_by`); None: run always
         self.variant_of = variant_of or (lambda index: ())
+        self.levers = levers or {}  # the engine's levers (`levers.protocol.Lever`): their part in a layer recorded
         self._tail: Optional[set] = None  # the last three layers of each kind, read at a micro-batch's first layer
         # the record standing for each kind: (the first alike layer, the call, the variant, whether step one profiles)
         self.forwards: Dict[tuple, _Forward] = {}
@@ -418,6 +442,12 @@ class LayerReplay:
         if kind in self.forwards and index not in self._tail:
             params = [p for p in layer.parameters() if p.requires_grad]
             out = _Replayed.apply(self, kind, x, *params)
+            node, records = out.grad_fn, self.forwards[kind].levers  # the node is the autograd function's context
+            node.index = index
+            node.levers = {
+                name: lever.layer_replayed(index, records.get(name), node.kept, out)
+                for name, lever in self.levers.items()
+            }
             if profile is not None:
                 _profiled_as(profile, self.forwards[kind].profile)
             return out
@@ -472,6 +502,7 @@ class LayerReplay:
             (tuple(x.shape), x.dtype),
             storages=[count._refs[key] for key, _ in kept_ids],
             profile=profile,
+            levers={name: lever.layer_recorded(index, count, kept_ids) for name, lever in self.levers.items()},
         )
         self._pending_input = (forward, _torch_api.storage_ref(x), kind)
         seen = self._seen.setdefault(kind, [])
@@ -497,7 +528,9 @@ class LayerReplay:
             state["begun"] = self._begin()
             state["alive"] = state["begun"][3]
             state["given"] = count.identity(given)
-            return given
+            state["levers"] = {
+                count.identity(t) for lever in self.levers.values() for t in lever.layer_backward(index, None)
+            }
 
         def ends(grad):
             if "begun" not in state:
@@ -505,7 +538,8 @@ class LayerReplay:
             stretch, born, freed = self._end(state.pop("begun"))
             given, grad_id = state["given"], count.identity(grad)
             grad_ids = {count.identity(p.grad): p for p in params if p.grad is not None}
-            expected_freed = kept | {given, x_id}
+            levers_made = state.pop("levers")
+            expected_freed = kept | {given, x_id} | levers_made
             expected_born = set(grad_ids) | {grad_id}
             record = _Backward(
                 stretch,
@@ -514,6 +548,7 @@ class LayerReplay:
                 input_grad_part=count._part.get(grad_id[0]),
                 input_freed=x_id in freed,
                 grad_parts=[None if p.grad is None else count._part.get(count.identity(p.grad)[0]) for p in params],
+                levers_made=len(levers_made),
             )
             early = kept - state["alive"]  # let go of before its backward started
             late = kept - freed - early  # kept past its backward: let go of with the step's graph, or wrong
@@ -521,14 +556,23 @@ class LayerReplay:
             record.late = sorted(state["sizes"][k] for k in late)
             for key, _ in late:
                 self._late.append(count._refs[key])
-            if not (freed <= expected_freed and born <= expected_born) or self.forwards.get(kind) is None:
+            if not (freed <= expected_freed and born <= expected_born and levers_made <= freed):
+                record = None
+            elif self.forwards.get(kind) is None:
                 record = None
             elif not self.forwards[kind].same_as(forward):
                 record = None
             self._backwards.setdefault(kind, []).append(record)
             return grad
 
-        out.register_hook(starts)
+        # the stretch starts after what the levers do as backward reaches the layer (an offload's fetch: a pre-hook of
+        # the output's node, put on before this one), and ends at its input's hooks, before the layer below's levers
+        node = out.grad_fn
+        if node is None:
+            out.register_hook(lambda grad: starts(grad))
+        else:
+            place = out.output_nr  # the output itself not held by its node's hook (the step may let go of it)
+            node.register_prehook(lambda grads: starts(grads[place]))
         x.register_hook(ends)
 
     def backward_for(self, kind: tuple) -> _Backward:

@@ -50,6 +50,22 @@ def first_grad_tensor(output) -> Optional[torch.Tensor]:
     return next((v for v in values if torch.is_tensor(v) and v.requires_grad), None)
 
 
+def as_node_runs(t: torch.Tensor, fn: Callable[[], None]) -> None:
+    """`fn()` as backward reaches `t`, after every hook on `t` itself: a pre-hook of the node that made `t` (autograd
+    runs a tensor's hooks, then its node's pre-hooks in the order they were put on), or a hook on `t` where no node
+    made it. What a lever does as backward reaches a layer (an offload's fetch) falls after the step's marks of that
+    instant, and between two layers' stretches a dry run records (`measure.replay`)."""
+    node = t.grad_fn
+    if node is None:
+        t.register_hook(lambda grad: fn())
+        return
+
+    def reached(grad_outputs):
+        fn()  # the gradients as they are
+
+    node.register_prehook(reached)
+
+
 class StepWatch:
     """Reads one training step's memory at the engine's marks (see the module's docstring)."""
 

@@ -2,7 +2,8 @@
 under the mover's saved-tensor hooks and its tensors fetched back as backward nears it; its options for the solver
 from what `measure` read after step one."""
 
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -10,13 +11,32 @@ from .....memory import MIB
 from .....plans import LeverOption
 from ...apply.layers import distinct, find_layers
 from ...decide.budget import LeverChoice
-from ...measure.replay import RUN_ALWAYS
-from ...measure.watch import first_grad_tensor
+from ...measure.watch import as_node_runs, first_grad_tensor
 from ..protocol import Lever
 from .measure import HOST_IS_DEVICE, OffloadMeasure, measure
 from .measure import choices as offload_choices
 from .mover import Mover
 from .option import SYNTAX, layers_of
+
+
+@dataclass(frozen=True, eq=False)
+class _Copies:
+    """An offloaded layer's copies as a dry run records them (`Offload.layer_recorded`): their sizes (bytes, sorted),
+    each one's host tensor's place among the storages the forward kept (None: the count does not see the host's), and
+    whether the record holds every copy the forward made."""
+
+    sizes: Tuple[int, ...]
+    hosts: Tuple[Optional[int], ...]  # places in one record's order: compared only as seen or not
+    whole: bool
+
+    def __eq__(self, other) -> bool:
+        return (
+            isinstance(other, _Copies)
+            and self.whole
+            and other.whole
+            and self.sizes == other.sizes
+            and [p is None for p in self.hosts] == [p is None for p in other.hosts]
+        )
 
 
 class Offload(Lever):
@@ -83,10 +103,7 @@ class Offload(Lever):
         chosen = index in self.chosen
         if not chosen and not self._fetches_at(index):
             return forward()
-        if self.mover is None:
-            device = next((p.device for p in self.layers[index].parameters()), torch.device("cpu"))
-            self.mover = Mover(self.chosen, device)
-        mover = self.mover
+        mover = self._mover_at(index)
         if chosen:
             with mover.saving(index):
                 out = forward()
@@ -94,15 +111,56 @@ class Offload(Lever):
             out = forward()
         first = first_grad_tensor(out)
         if first is not None:
-            first.register_hook(lambda grad: mover.reached(index))
+            as_node_runs(first, lambda: mover.reached(index))
         return out
 
+    def _mover_at(self, index: int) -> Mover:
+        if self.mover is None:
+            device = next((p.device for p in self.layers[index].parameters()), torch.device("cpu"))
+            self.mover = Mover(self.chosen, device)
+        return self.mover
+
     def at_layer(self, index: int):
-        """A layer offloaded, or one whose backward fetches one, runs in a dry run (its copies are the host's count and
-        the mover's, which a replayed layer's record does not hold); None elsewhere."""
+        """What the lever does to layer `index`: how far ahead an offloaded layer's tensors are fetched (None: not
+        offloaded), and whether backward reaching it fetches another's; None where it does neither."""
         if self.installed and (index in self.chosen or self._fetches_at(index)):
-            return RUN_ALWAYS
+            return self.chosen.get(index), self._fetches_at(index)
         return None
+
+    # -- in a dry run that replays alike layers (`measure.replay`) ----------------------------------------------------
+    def layer_recorded(self, index: int, count, kept: List[tuple]) -> Optional["_Copies"]:
+        """An offloaded layer's copies alive as its forward ends, by size, each with the place in `kept` of its host
+        tensor where the count sees it (the CPU's step); a copy let go of in the forward, or a host tensor the forward
+        does not keep, and no record can stand for another layer (`_Copies.whole` false)."""
+        if not self.installed or index not in self.chosen or self.mover is None:
+            return None
+        copies = self.mover.copies_of(index)
+        places = {key: place for place, key in enumerate(kept)}
+        made = sorted(
+            (copy.nbytes, None if copy.host is None else places.get(count.identity(copy.host), -1)) for copy in copies
+        )
+        whole = sum(n for n, _ in made) == self.mover.moved_bytes.get(index) and all(p != -1 for _, p in made)
+        return _Copies(tuple(n for n, _ in made), tuple(p for _, p in made), whole)
+
+    def layer_replayed(self, index: int, record: Optional["_Copies"], kept, out):
+        """A replayed layer's copies counted on the host again (`record`'s sizes; on the CPU its host tensors the
+        stand-ins of the record's), and its fetch hooked to backward reaching it, as `around_layer` hooks it."""
+        if not self.installed or (index not in self.chosen and not self._fetches_at(index)):
+            return None
+        mover = self._mover_at(index)
+        held = None
+        if index in self.chosen:
+            held = mover.stand_in(index, record.sizes, [None if p is None else kept[p] for p in record.hosts], out)
+        as_node_runs(out, lambda: mover.reached(index))
+        return held
+
+    def layer_backward(self, index: int, held) -> list:
+        """The layer's copies fetched back to the device (its backward lets go of them)."""
+        if held is None:
+            if not self.installed or index not in self.chosen or self.mover is None:
+                return []
+            held = self.mover.copies_of(index)
+        return [copy.fetched for copy in held if copy.fetched is not None]
 
     def _fetches_at(self, index: int) -> bool:
         """Whether backward reaching layer `index`'s output fetches a chosen layer's tensors (one `ahead` of it)."""

@@ -17,8 +17,11 @@ The rules (tests/test_offload.py):
 - The copy is a copy: gradients are bitwise those of the run without the lever, dropout included.
 - The device's storage is let go of once its copy is made (on a card, once the copy queued on the side stream ran:
   `record_stream`), unless something else holds it (the layer's output, another layer's input).
-- A layer's tensors come back when backward reaches the layer `ahead` layers after it (`Mover.reached`), or at the
-  latest when backward unpacks one; each storage once a step.
+- A layer's tensors come back when backward reaches the layer `ahead` layers after it (`Mover.reached`, from a
+  pre-hook of the node that made that layer's output: after the hooks on the output itself), or at the latest when
+  backward unpacks one; each storage once a step.
+- In a dry run that replays alike layers, a replayed layer's copies are made again from a recorded one's sizes
+  (`stand_in`): counted on the host, fetched and let go of as the recorded layer's were.
 - A saved tensor changed in place after it was saved is refused at backward, as autograd refuses it, where the
   change is seen: the tensor still alive at backward, or its storage saved again at another version (saved-tensor
   hooks turn autograd's own check off: torch's `save_on_cpu` refuses none; docs/STACK.md). Gradients are then those
@@ -125,6 +128,29 @@ class Mover:
         self._by_address[index] = weakref.WeakValueDictionary()
         self.moved_bytes[index] = 0
         return torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(index, t), _unpack)
+
+    def stand_in(self, index: int, sizes, hosts, like: torch.Tensor) -> list:
+        """Layer `index`'s copies made again in a dry run that replays the layer (`measure.replay`): one of each of
+        `sizes` bytes on the host, counted as `_pack` counts a copy, fetched as a copy is; `hosts`: each one's host
+        tensor where the count sees the host's copies (the CPU's step), else None; `like`: a tensor of the layer's
+        device. They live as long as what holds the returned list (the replayed layer, until its backward)."""
+        self._copies[index] = weakref.WeakSet()
+        self._by_address[index] = weakref.WeakValueDictionary()
+        self.moved_bytes[index] = 0
+        made = []
+        for nbytes, host in zip(sizes, hosts):  # a host stand-in holds the storage's counted bytes (whole blocks)
+            copy = _Copy(None if host is None else host[:nbytes], nbytes, like)
+            self._copies[index].add(copy)
+            self.moved_bytes[index] += nbytes
+            self.host_bytes += nbytes
+            self.host_peak = max(self.host_peak, self.host_bytes)
+            weakref.finalize(copy, self._released, nbytes)
+            made.append(copy)
+        return made
+
+    def copies_of(self, index: int) -> list:
+        """The copies of layer `index`'s last forward alive now."""
+        return list(self._copies.get(index, ()))
 
     def _pack(self, index: int, t: torch.Tensor):
         fake = _torch_api.is_fake(t)
