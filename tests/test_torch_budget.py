@@ -848,7 +848,7 @@ def test_a_dry_run_counts_what_the_process_holds_outside_the_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys):
+def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys, caplog):
     """Through the Trainer, `auto` chooses before step one from a dry run of that step on fake tensors (the model's twin
     on the meta device, the first batch's shapes, the run's optimizer), and step one runs the choice: no step spent
     with every layer recomputed. The real step one checks it (kept where its own memory with what later steps hold
@@ -857,9 +857,13 @@ def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys):
     step one runs it in chunks). The dry run counts as the CPU counts a real step (tensor storages): the choice it
     predicts to fit is within a few percent of what the step holds."""
     plain = train_decoder(tmp_path, "plain", memory_opt_backend="none")
-    _, roomy, plain_losses = train_auto(tmp_path, 10**6, "roomy", dry_run=True)
+    with caplog.at_level("WARNING"):
+        _, roomy, plain_losses = train_auto(tmp_path, 10**6, "roomy", dry_run=True)
     assert plain_losses == [h["loss"] for h in plain.state.log_history if "loss" in h]
     assert roomy.planned is not None and roomy.planned.config() == "" and roomy.fits[0].source
+    # the dry run's step one ran the head in chunks; the run's runs it whole, and nothing says it returns no logits
+    assert not [r.getMessage() for r in caplog.records if "return no logits" in r.getMessage()]
+    assert "return no logits" not in capsys.readouterr().out
     eager, floor = roomy.verified[0]["measured_peak_mb"], roomy.planned.floor.peak_mb
     assert floor < eager
     budget = round((eager + floor) / 2, 1)

@@ -199,7 +199,9 @@ class ChunkedLoss(Lever):
                     "they are measured where `Loss+` or `--memory_opt_config auto` with `--memory_budget_mb` is "
                     "asked (add 'Loss+:1:-1' to the plans to run the head in chunks and see each way's row)"
                 )
-            lever = cls(causal_lm(model), None)
+            # it speaks where `auto` says its choice (a dry run's model says nothing: its steps are not the run's,
+            # and the choice may leave the head whole)
+            lever = cls(causal_lm(model), None, say=settings.budget.say)
             lever.smoothing = settings.label_smoothing or None
             # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
             # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
