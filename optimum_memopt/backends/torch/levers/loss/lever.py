@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .....plans import FoundPlan, LeverOption
+from ... import _torch_api
 from ...decide.budget import LeverChoice
 from ..protocol import Lever
 from .chunks import chunk_losses, smoother_counts_items
@@ -199,9 +200,7 @@ class ChunkedLoss(Lever):
                     "they are measured where `Loss+` or `--memory_opt_config auto` with `--memory_budget_mb` is "
                     "asked (add 'Loss+:1:-1' to the plans to run the head in chunks and see each way's row)"
                 )
-            # it speaks where `auto` says its choice (a dry run's model says nothing: its steps are not the run's,
-            # and the choice may leave the head whole)
-            lever = cls(causal_lm(model), None, say=settings.budget.say)
+            lever = cls(causal_lm(model), None)
             lever.smoothing = settings.label_smoothing or None
             # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
             # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
@@ -330,6 +329,8 @@ class ChunkedLoss(Lever):
             loss, logits = self._whole(hidden, labels, kwargs)
             return type(out)(loss=self._added(loss, out), logits=logits, **fields)
         loss = self._added(self.loss(hidden, labels, kwargs), out)
+        if _torch_api.is_fake(hidden):  # a dry run's step is not the run's: `auto`'s choice may leave the head whole
+            return type(out)(loss=loss, logits=None, **fields)
         self._once(
             "logits",
             f"`Loss+`: {type(lm).__name__}'s training forwards return no logits (`outputs.logits` is None): the head "
