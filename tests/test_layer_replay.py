@@ -79,14 +79,16 @@ def _figures(result) -> tuple:
     )
 
 
-def _both(monkeypatch, spec, card: bool = True):
-    """The plain step's dry run in full, then replayed: each one's figures and marks."""
+def _both(monkeypatch, spec, card: bool = True, checkpointing: bool = False):
+    """The plain step's dry run in full, then replayed: each one's figures and marks (`checkpointing`: under
+    transformers' gradient checkpointing instead)."""
     out = []
     for replay in (False, True):
         readings = _marked(monkeypatch)
         result = dry_run(
             spec,
             backend=False,
+            checkpointing=checkpointing,
             cost_device=DEVICES["H100-80GB"],
             kernels=CudaKernels((9, 0)) if card else None,
             replay_layers=replay,
@@ -139,6 +141,24 @@ def test_offloaded_layers_replayed_count_on_the_device_and_the_host_what_they_co
     assert replayed.layers_replayed >= 4 and full.host_peak_bytes > 0
     assert _figures(replayed) == _figures(full) and replayed.host_peak_bytes == full.host_peak_bytes
     assert replayed_marks == full_marks and len(full_marks) >= 2 * 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, options",
+    [
+        ("llama", dict(dtype="bfloat16", autocast="bfloat16", lora=LORA)),
+        ("gemma3_text", dict()),  # five sliding layers to a full one, fp32
+    ],
+)
+def test_under_transformers_checkpointing_a_replayed_step_counts_what_the_full_step_counts(monkeypatch, kind, options):
+    # a recorded layer's recompute runs inside its backward (its stretch holds it); a replayed layer saves nothing,
+    # so nothing recomputes it, and its backward walks the recorded one's, recompute included
+    spec = StepSpec(_config(kind), batch=2, seq=32, **options)
+    (full, full_marks), (replayed, replayed_marks) = _both(monkeypatch, spec, checkpointing=True)
+    assert replayed.layers_replayed > 0 and full.layers_replayed == 0
+    assert _figures(replayed) == _figures(full)
+    assert replayed_marks == full_marks and len(full_marks) >= 2 * LAYERS
 
 
 def test_a_record_that_does_not_hold_runs_the_step_again_in_full(monkeypatch):

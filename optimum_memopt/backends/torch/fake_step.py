@@ -821,10 +821,10 @@ def run(
     `mask_attends_all`: the batch's attention mask, read where it is real (a run's own step), attends to every token:
     SDPA gets no mask, as in the real step (`_mask_read_as`).
 
-    `replay_layers`: alike layers replayed from records (`measure.replay`) on fake tensors, without checkpointing or
-    sharding: the plain step's, and the engine's after step one; where a record does not hold as the step goes on,
-    the dry run is run again without, on the model built again (`remake()` makes a given `model` again: without
-    it, a given model's layers all run).
+    `replay_layers`: alike layers replayed from records (`measure.replay`) on fake tensors, without sharding: the
+    plain step's (transformers' checkpointing too), and the engine's after step one; where a record does not hold as
+    the step goes on, the dry run is run again without, on the model built again (`remake()` makes a given `model`
+    again: without it, a given model's layers all run).
 
     `peak_only`: the peak, its parts and the steps' peaks alone (what a search for the largest size needs): the last
     step is not reported ended to the backend, so its levers measure nothing after it and no table is made
@@ -914,7 +914,7 @@ def run(
             count.move(b, GRADIENTS)
         handles = _marks(model, layers, count)
         replay = None
-        if replay_layers and fake and (built_here or remake is not None) and not checkpointing and mesh is None:
+        if replay_layers and fake and (built_here or remake is not None) and mesh is None:
             ran = attention.ran if attention is not None else None
             state = getattr(model, STATE, None) if handle is not None else None
             if handle is None:  # the plain step: the layers' forwards replaced

@@ -7,8 +7,10 @@ running them, at a small part of the time (`fake_step.run`, `replay_layers`).
 
 The rules (tests/test_layer_replay.py):
 
-- Fake tensors only, without transformers' checkpointing or sharding: the plain step's layers (their forwards
-  replaced: `install`), and those the engine runs (`call`), step one's too (a replayed layer's `LayerProfile` is its
+- Fake tensors only, without sharding: the plain step's layers (their forwards replaced: `install`), under
+  transformers' checkpointing too (a recorded layer's recompute runs inside its backward, so its stretch holds it; a
+  call inside a backward is run as it is; a replayed layer saves nothing for a checkpoint to recompute), and those
+  the engine runs (`call`), step one's too (a replayed layer's `LayerProfile` is its
   kind's record's, its own input and arguments apart). A layer a lever must run is run (`Lever.at_layer`:
   `RUN_ALWAYS`). What a lever does to a layer beyond the count's storages is in the record and done again for a
   replayed layer (`Lever.layer_recorded`, `layer_replayed`, `layer_backward`: an offloaded layer's copies counted on
@@ -427,6 +429,8 @@ class LayerReplay:
         module's docstring). `profile`: the layer's `LayerProfile` step one fills as it runs (the engine's), which a
         replayed layer is given as its kind's record filled it."""
         layer = self.layers[index]
+        if _torch_api.in_backward():  # a checkpoint's recompute of a recorded layer: part of its backward's stretch
+            return run()
         self._see_pending_input()
         self._marks_recorded()
         if self._tail is None:
