@@ -329,14 +329,15 @@ class ChunkedLoss(Lever):
             loss, logits = self._whole(hidden, labels, kwargs)
             return type(out)(loss=self._added(loss, out), logits=logits, **fields)
         loss = self._added(self.loss(hidden, labels, kwargs), out)
-        if _torch_api.is_fake(hidden):  # a dry run's step is not the run's: `auto`'s choice may leave the head whole
-            return type(out)(loss=loss, logits=None, **fields)
-        self._once(
-            "logits",
-            f"`Loss+`: {type(lm).__name__}'s training forwards return no logits (`outputs.logits` is None): the head "
-            f"and its loss run in {self.chunking.describe()}, and the whole logits never exist; a `compute_loss` or "
-            f"callback that reads them in training gets None (evaluation and `predict` keep the whole logits)",
-        )
+        # a dry run's step is not the run's (`auto`'s choice may leave the head whole): it says nothing
+        if not _torch_api.is_fake(hidden):
+            self._once(
+                "logits",
+                f"`Loss+`: {type(lm).__name__}'s training forwards return no logits (`outputs.logits` is None): the "
+                f"head and its loss run in {self.chunking.describe()}, and the whole logits never exist; a "
+                f"`compute_loss` or callback that reads them in training gets None (evaluation and `predict` keep the "
+                f"whole logits)",
+            )
         return type(out)(loss=loss, logits=None, **fields)
 
     def _added(self, loss, out):
