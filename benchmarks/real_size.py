@@ -97,8 +97,10 @@ def row(label, flags, batch, a, model, seq):
     out = {"label": label, "ok": m.ok, "error": m.error, "peak_mb": m.peak_mb, "step_s": m.step_time_s,
            "tokens_per_s": batch * seq / m.step_time_s if timed else None, "auto": m.auto, "oom": m.oom,
            "device": m.device, "speed_steps": m.speed_steps, "speed_settled": m.speed_settled,
-           # what step one took beyond a steady step (`auto`'s dry run, a first step's kernels and allocations)
-           "start_s": m.first_step_s - m.step_time_s if timed and m.first_step_s else None}  # fmt: skip
+           # what step one took beyond a steady step (`auto`'s dry run, a first step's kernels and allocations), and
+           # the part of it the levers' measurements after step one took, by lever
+           "start_s": m.first_step_s - m.step_time_s if timed and m.first_step_s else None,
+           "levers_measured_s": m.plans.levers_measured_s if m.plans is not None else None}  # fmt: skip
     said = f"{m.peak_mb:,.1f} MiB, {out['tokens_per_s']:,.0f} tokens/s" if m.ok else f"failed: {m.error}"
     if m.ok and not m.speed_settled:
         said += f" (of steps auto still measured: too few steps, --steps {a.steps})"

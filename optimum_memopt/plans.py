@@ -661,6 +661,8 @@ class PlanReport:
     auto: str = ""  # `auto`'s budget as asked, where the first step ran to measure for it (its choice runs later)
     auto_ran: str = ""  # the dry run's choice the first step ran under `auto` (`from_plan`), where it ran one
     auto_ran_as: str = "a dry run's choice"  # whose choice it is: a dry run's, or `--memory_plan_file`'s
+    # the seconds each lever's measurement after the first step took in the run (by lever name), part of its start
+    levers_measured_s: Dict[str, float] = field(default_factory=dict)
 
     @property
     def plans_on(self) -> List[FoundPlan]:

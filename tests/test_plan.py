@@ -480,6 +480,9 @@ def test_the_largest_batch_and_sequence_found_fit_and_one_more_does_not():
                 whole.peak_at,
                 whole.step_peaks,
             ) and (whole.report is not None)
+    # a dry run's levers measured on fake tensors: nothing of their time is a run's start (`levers_measured_s`)
+    assert whole.profile.levers.keys() >= {"loss", "mlp"} and whole.report.levers_measured_s == {}
+    assert not any("of the run's start" in note for note in whole.report.notes)
     assert f"auto fits up to batch {reach['batch']:,} at 128 tokens" in plan.table()
 
 

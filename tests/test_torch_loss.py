@@ -6,6 +6,7 @@ smoothing, a LoRA on `lm_head` and bf16 autocast; whole logits never made in tra
 evaluation; refusals by name with the statement that differs; every causal LM of the installed transformers read."""
 
 import json
+import time
 
 import pytest
 import torch
@@ -486,7 +487,9 @@ def test_the_table_has_a_row_per_chunking_and_its_peak_drop_is_what_a_run_measur
 
     one = "Loss+:1:-1@chunks1"  # the whole logits at once, made again in backward: the most any way holds
     wide_run(tmp_path, "warm-up")  # the process's first training allocates for good
+    began = time.perf_counter()
     eager = wide_run(tmp_path, "one", memory_opt_config=one, optim="sgd")
+    took = time.perf_counter() - began
     head = eager.memopt_handle.profile.levers.get("loss")
     assert head.ran == one and (head.tokens, head.hidden, head.vocab) == (8 * 64, 64, 2048)
     assert [o.plan for o in head.options] == [""] + [f"Loss+:1:-1@chunks{c}" for c in (2, 4, 8, 16, 32)] + [one]
@@ -506,6 +509,12 @@ def test_the_table_has_a_row_per_chunking_and_its_peak_drop_is_what_a_run_measur
     assert "the head and loss (`Loss+` rows): each way run alone after step one on its shapes (512 tokens" in " ".join(
         table["notes"]
     )
+    # what measuring the ways cost the run's start, on its clock (the only lever on the model here)
+    seconds = table["levers_measured_s"]
+    assert list(seconds) == ["loss"] and 0 < seconds["loss"] < took, (seconds, took)
+    started = f"in {seconds['loss']:.2f} s of the run's start: the head and loss {seconds['loss']:.2f} s"
+    assert any(note.startswith("after step one the levers ran each way alone") and note.endswith(started)
+               for note in table["notes"]), table["notes"]  # fmt: skip
     memory = eager.memopt_handle.profile.memory
     assert memory.peak.name.startswith("after the layers")
     for plan in ("Loss+:1:-1@chunks2", "Loss+:1:-1@chunks8"):

@@ -89,6 +89,8 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile, levers: Sequence
         notes.append(_where_the_peak_is(policy, profile))
     for lever in levers:
         notes += lever.notes(profile)
+    if profile.lever_seconds:
+        notes.append(_start_said(profile.lever_seconds))
     if profile.memory_problem:
         notes.append(
             f"step one's memory could not be followed layer by layer ({profile.memory_problem}): no PEAK DROP"
@@ -123,10 +125,21 @@ def plan_report(policy: RecomputePolicy, profile: ModelProfile, levers: Sequence
         dims=dims,
         notes=notes,
         peak=peak_said(profile) if drop is not None else "",
+        levers_measured_s=dict(profile.lever_seconds),
     )
     if level == 0:
         report.unmatched = _unknown(policy, plans) + _unmatched(policy, canonical, plans, blocked)
     return report
+
+
+def _start_said(seconds: Dict[str, float]) -> str:
+    """The note on what the levers' measurements after step one cost the run's start (`ModelProfile.lever_seconds`)."""
+    most_first = sorted(seconds.items(), key=lambda item: -item[1])
+    each = ", ".join(f"{lever_named(name).what} {s:.2f} s" for name, s in most_first)
+    return (
+        f"after step one the levers ran each way alone (their rows here, `auto`'s options) in "
+        f"{sum(seconds.values()):.2f} s of the run's start: {each}"
+    )
 
 
 def _freed(rec, ops) -> int:

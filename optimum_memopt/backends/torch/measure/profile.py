@@ -154,6 +154,9 @@ class ModelProfile:
     # its rows and options are made from), and why a lever measured nothing
     levers: Dict[str, object] = field(default_factory=dict)
     lever_problems: Dict[str, str] = field(default_factory=dict)
+    # the seconds each lever's measurement after step one took on the clock of a run on a device (part of its start;
+    # none in a dry run, whose measurements are of fake tensors)
+    lever_seconds: Dict[str, float] = field(default_factory=dict)
     autocast: Optional[str] = None  # the dtype autocast ran step one's layers in ("bfloat16"), None: off
 
     @property
