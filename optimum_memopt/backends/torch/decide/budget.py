@@ -160,9 +160,24 @@ class _Moved:
     def bases(self, combos: Sequence[Sequence["LeverChoice"]]) -> np.ndarray:
         """Each segment's peak moved by what each of `combos` (combinations of the levers' options) holds less there,
         before what the layers free: a row per combination."""
-        kept = np.zeros(len(self._peaks), dtype=np.int64)
-        less = np.array([sum((self._less_of(option) for option in combo), kept) for combo in combos], dtype=np.int64)
-        return np.maximum.reduceat(self._peaks - less.reshape(len(combos), len(kept)), self._starts, axis=1)
+        rows = len(self._peaks)
+        widest = max((len(combo) for combo in combos), default=0)
+        if not widest:
+            return np.maximum.reduceat(np.tile(self._peaks, (len(combos), 1)), self._starts, axis=1)
+        # each option's bytes less per row, stacked once (a row of zeros for a combination with fewer options), and
+        # each combination's options as indices into the stack: the sums in one array operation
+        places: Dict[int, int] = {}
+        stack = [np.zeros(rows, dtype=np.int64)]
+        index = np.zeros((len(combos), widest), dtype=np.int64)
+        for r, combo in enumerate(combos):
+            for j, option in enumerate(combo):
+                at = places.get(id(option))
+                if at is None:
+                    at = places[id(option)] = len(stack)
+                    stack.append(self._less_of(option))
+                index[r, j] = at
+        less = np.stack(stack)[index].sum(axis=1)
+        return np.maximum.reduceat(self._peaks - less, self._starts, axis=1)
 
     def peaks_of(
         self, q: Sequence[int], freed: np.ndarray, extras: np.ndarray, combos: Sequence[Sequence["LeverChoice"]]
@@ -517,6 +532,7 @@ def fit(
     per_layer: Optional[Sequence[Sequence[Candidate]]] = None,
     levers: Sequence[Sequence[LeverChoice]] = (),
     corrections: Optional[Corrections] = None,
+    weighed: Optional["Weighing"] = None,
 ) -> Fit:
     """The least-recompute policy whose predicted peak is at most `budget_bytes`, from a step measured under
     `measured` (its memory by segment and each layer's graph), with the levers beyond the layers chosen in the same
@@ -531,9 +547,10 @@ def fit(
 
     `corrections`: what a dry run's checks read beyond their predictions (`Corrections`), each segment's figure moved
     by it for the configurations and options that read it: a layer's own segments then need what its configuration
-    holds there (`solver.OwnNeeds`), and the figure given is so moved."""
+    holds there (`solver.OwnNeeds`), and the figure given is so moved. `weighed`: `weigh`'s answer, for a caller
+    that fits one step several times (used where it was weighed from these very inputs)."""
     corrections = corrections if corrections else None
-    per_layer, q, result, combos, moved = _start(profile, memory, measured, extra_bytes, per_layer, levers)
+    per_layer, q, result, combos, moved = _start(profile, memory, measured, extra_bytes, per_layer, levers, weighed)
     result.budget_bytes = budget_bytes
     bounded = []  # each combination with its needs and the least time it can take for them (`solver.Relaxation`)
     relaxed: Dict[int, Relaxation] = {}  # id(allowed) -> its bound (the combinations share a few lists of candidates)
@@ -743,18 +760,48 @@ def fit_share(
     return result
 
 
-def _start(profile, memory, measured, extra_bytes, per_layer, levers: Sequence[Sequence[LeverChoice]] = ()):
-    """What `fit` and `fit_share` share: the candidates, what the measured policy freed per layer, the answer begun
-    with the measured step's peak and the floor (each layer freeing the most it can, the levers' options combined so
-    that the step holds least), the combinations of the levers' options that can run (`_combinations`), and the
-    step's segments as arrays (`_Moved`)."""
+@dataclass(frozen=True)
+class Weighing:
+    """What every fit of one measured step shares whatever its budget and corrections (`weigh`): each layer's
+    candidates, what the measured policy freed per layer, the combinations of the levers' options that can run
+    (`_combinations`), the step's segments as arrays (`_Moved`, each option's bytes read once), the measured step's
+    figure and the floor. Made once for a planner's several fits of its step one (`fit`'s `weighed`)."""
+
+    per_layer: list
+    q: list
+    combos: list
+    moved: "_Moved"
+    measured: Prediction
+    floor: Prediction
+    key: tuple  # what it was weighed from, by identity (`fit` weighs again for other inputs)
+
+
+def weigh(profile, memory, measured, extra_bytes=0, per_layer=None, levers: Sequence[Sequence[LeverChoice]] = ()):
+    """`fit`'s start (`Weighing`): the candidates, what the measured policy freed per layer, the combinations of the
+    levers' options that can run, the floor (each layer freeing the most it can, the levers' options combined so that
+    the step holds least) and the measured step's figure."""
+    key = _key(profile, memory, measured, extra_bytes, per_layer, levers)
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
     moved = _Moved(memory)
     combos = _combinations(profile, moved, q, per_layer, extra_bytes, levers)
     floor = min((f for _, _, _, f, _ in combos), key=lambda p: p.peak_bytes)
-    result = Fit(0, measured=moved.predict(q, q, extra_bytes, ()), floor=floor)
-    return per_layer, q, result, combos, moved
+    return Weighing(per_layer, q, combos, moved, moved.predict(q, q, extra_bytes, ()), floor, key)
+
+
+def _key(profile, memory, measured, extra_bytes, per_layer, levers) -> tuple:
+    return id(profile), id(memory), id(measured), extra_bytes, id(per_layer), tuple(id(options) for options in levers)
+
+
+def _start(
+    profile, memory, measured, extra_bytes, per_layer, levers: Sequence[Sequence[LeverChoice]] = (), weighed=None
+):
+    """What `fit` and `fit_share` share (`weighed` where it was weighed from the same inputs, else `weigh`), and the
+    answer begun with the measured step's figure and the floor."""
+    if weighed is None or weighed.key != _key(profile, memory, measured, extra_bytes, per_layer, levers):
+        weighed = weigh(profile, memory, measured, extra_bytes, per_layer, levers)
+    result = Fit(0, measured=weighed.measured, floor=weighed.floor)
+    return weighed.per_layer, weighed.q, result, weighed.combos, weighed.moved
 
 
 def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Sequence[Sequence[LeverChoice]]) -> list:
@@ -764,19 +811,21 @@ def _combinations(profile, moved: _Moved, q, per_layer, extra_bytes, levers: Seq
     Combinations that force the same layers whole share one list of candidates (one object: `fit` bounds each list
     once)."""
     wholes: Dict[int, List[Candidate]] = {}
-    lists: Dict[frozenset, tuple] = {}  # the layers forced whole -> (each layer's candidates, the most each frees)
+    # the layers forced whole -> (each layer's candidates, the most each frees, the whole layers' seconds, in the
+    # layers' order)
+    lists: Dict[frozenset, tuple] = {}
+    forces = {id(c): frozenset(i for i in c.recomputed if i < len(per_layer)) for options in levers for c in options}
     runs = []
     for order, combo in enumerate(itertools.product(*levers)):
-        forced = frozenset(i for c in combo for i in c.recomputed if i < len(per_layer))
+        forced = frozenset().union(*(forces[id(c)] for c in combo))
         if forced not in lists:
             allowed = _allowed(profile, per_layer, combo, wholes)
             most = None if allowed is None else _sums([max(c.freed_bytes for c in options) for options in allowed])
-            lists[forced] = (allowed, most)
-        allowed, most = lists[forced]
+            whole_seconds = None if allowed is None else sum(wholes[i][0].seconds for i in sorted(forced))
+            lists[forced] = (allowed, most, whole_seconds)
+        allowed, most, whole_seconds = lists[forced]
         if allowed is not None:
-            runs.append(
-                (order, combo, allowed, most, sum(c.cost for c in combo) + sum(wholes[i][0].seconds for i in forced))
-            )
+            runs.append((order, combo, allowed, most, sum(c.cost for c in combo) + whole_seconds))
     runs.sort(key=lambda entry: (entry[4], entry[0]))
     if not runs:
         return []

@@ -48,6 +48,7 @@ from .budget import (
     merged,
     predict,
     segment_peaks,
+    weigh,
 )
 from .solver import candidates
 
@@ -214,6 +215,7 @@ class BudgetPlanner:
         self.stage = Stage.START
         self.reading = Reading(resets)
         self.step_one: Optional[StepOne] = None  # from step two's start
+        self._weighed: Optional[tuple] = None  # (step one, what every fit of it shares: `budget.weigh`)
         self.choices = Choices()
         self.search: Optional[Search] = None  # where a dry run drives the planner (`driven_by_a_dry_run`)
 
@@ -642,7 +644,10 @@ class BudgetPlanner:
             return fit_share(step.profile, one.solved, self.ask.share, one.policy, 0, one.per_layer)
         budget = self.budget_bytes if budget_bytes is None else budget_bytes
         levers = list(one.levers.values())
-        return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, levers, corrections)
+        if self._weighed is None or self._weighed[0] is not one:  # what every fit of step one shares, weighed once
+            self._weighed = (one, weigh(step.profile, one.solved, one.policy, 0, one.per_layer, levers))
+        weighed = self._weighed[1]
+        return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, levers, corrections, weighed)
 
     def _verify(self, step: StepStart, at_end: bool = False) -> None:
         watch = self.search.watch if self.search is not None else None
