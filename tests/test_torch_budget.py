@@ -893,6 +893,52 @@ def test_auto_starts_from_a_dry_run_of_step_one(tmp_path, capsys, caplog):
 
 
 @pytest.mark.slow
+def test_step_one_takes_the_levers_measurements_over_from_its_dry_run_and_measures_where_it_chooses_again(
+    tmp_path, monkeypatch
+):
+    """A run whose step one runs its dry run's choice takes the levers' measurements of that step over from the dry
+    run (the head's ways, the MLPs' tile counts: the same shapes, every byte as the device counts it) and runs none of
+    them again on the device: none of the start spent on them (`levers_measured_s`), the table's notes say whose
+    they are and their rows give no TIME (the dry run's clock is not the run's). Where a choice is made again from
+    step one, the levers measure on the device first, so that the solver weighs their seconds on the run's clock as it
+    weighs the layers' op times; the bytes they read are the dry run's."""
+    from optimum_memopt.backends.torch.decide.planner import BudgetPlanner
+
+    trainer, planner, _ = train_auto(tmp_path, 10**6, "kept", dry_run=True)
+    assert planner.fits[0].source  # step one's memory fits: the dry run's choice kept, nothing chosen again
+    profile = trainer.memopt_handle.profile
+    taken = {name: profile.levers[name] for name in ("loss", "mlp")}
+    assert all(m.from_dry_run and not m.fake for m in taken.values()), taken
+    assert taken["mlp"].device == "cpu"  # its draws counted as the run's device draws them
+    assert profile.lever_seconds == {}  # nothing run alone on the device (the CPU times no link to the host)
+    with open(tmp_path / "kept" / "memory_plans.json") as f:
+        table = json.load(f)
+    rows = [p for p in table["plans"] if p["lever"] in ("loss", "mlp")]
+    assert rows and all(p["recompute_seconds"] is None for p in rows), rows
+    assert table["levers_measured_s"] == {}
+    said = [n for n in table["notes"] if "in the run's dry run before step one" in n]
+    assert len(said) == 2 and all("not run again on the device, so no TIME" in n for n in said), table["notes"]
+
+    # the same run, its choice made again from step one (as where step one's memory does not fit)
+    monkeypatch.setattr(BudgetPlanner, "_confirmed", lambda self, step, budget_bytes: None)
+    trainer, planner, _ = train_auto(tmp_path, 10**6, "again", dry_run=True)
+    assert not planner.fits[0].source
+    measured = trainer.memopt_handle.profile
+    assert {"loss", "mlp"} <= set(measured.lever_seconds), measured.lever_seconds
+    assert not any(measured.levers[name].from_dry_run for name in ("loss", "mlp"))
+    # what each way held on the device is what the dry run counted, where both ran it
+    mlp, dry_mlp = measured.levers["mlp"], taken["mlp"]
+    assert {1, 2} <= set(mlp.options) and measured.levers["loss"].option("") is not None
+    assert {c: (o.held_bytes, o.kept_bytes, o.checkpointed_bytes) for c, o in mlp.options.items()} == {
+        c: (o.held_bytes, o.kept_bytes, o.checkpointed_bytes) for c, o in dry_mlp.options.items() if c in mlp.options
+    }
+    head, dry_head = measured.levers["loss"], taken["loss"]
+    assert {o.plan: o.held_bytes for o in head.options} == {
+        o.plan: o.held_bytes for o in dry_head.options if head.option(o.plan) is not None
+    }
+
+
+@pytest.mark.slow
 def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path):
     """A budget with room for everything keeps everything (its step shows eager's peak); a budget halfway between
     that and the floor of recompute gets a mixed choice predicted to fit, whose next step is measured and judged

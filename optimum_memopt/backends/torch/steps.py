@@ -26,6 +26,10 @@ class StepStart:
     # (the most its forward held, the most its backward held), each above the level before its forward; None where
     # it cannot be run so (a real step: its tensors would cost the device's memory)
     probe: Optional[Callable[[int, object], Optional[Tuple[int, int]]]] = None
+    # where step one's levers took over the run's dry run's measurements (`Lever.adopt`): their ways run alone on the
+    # device now, each lever's measurement made again as after step one (a choice made again from step one weighs
+    # the levers' seconds on the run's own clock, as it weighs the layers' op times); None where nothing was taken
+    remeasure: Optional[Callable[[], None]] = None
 
 
 @dataclass(frozen=True)
@@ -35,3 +39,6 @@ class Orders:
     watch: object = None  # a `measure.watch.StepWatch` the step is watched with
     policy: Optional[RecomputePolicy] = None  # the layers' plans and the levers' options (`policy.levers`)
     running: Optional[List[int]] = None  # the layers the step runs (a dry run of it found some left out)
+    # the levers' measurements of the step about to run made in the run's own dry run, by lever name: taken over after
+    # the step (`Lever.adopt`) in place of running their ways again
+    measured: Optional[Dict[str, object]] = None

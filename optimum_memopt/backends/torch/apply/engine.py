@@ -146,6 +146,8 @@ class RecomputeState:
         self.replay = None
         self._model = model
         self._levers_measured = False  # after step one, each lever measured what it would do
+        self._dry_measured: Dict[str, object] = {}  # the run's dry run's measurements, to take over (`Orders`)
+        self._adopted: List[str] = []  # the levers that took theirs over after step one (`Lever.adopt`)
 
     # -- what the others read ------------------------------------------------------------------------------------
     @property
@@ -258,15 +260,32 @@ class RecomputeState:
         self._check_layers_ran()
         self.recorder.close_watch(keep_meter=self.planner is not None)
         if self.profile is not None and not self._levers_measured:
-            from ..measure.storages import counting
-
             self._levers_measured = True  # after step one, between steps: each lever measures what it would do
+            dry, self._dry_measured = self._dry_measured, {}
             for lever in self.levers.values():
-                began = time.perf_counter()
-                lever.after_step_one(self.profile, self.recorder.reset_peaks)
-                # a run's own clock (a dry run's is not the device's), for a lever that measured
-                if counting() is None and lever.name in self.profile.levers:
-                    self.profile.lever_seconds[lever.name] = time.perf_counter() - began
+                found = dry.get(lever.name)
+                if found is not None and lever.adopt(found, self.profile):  # the run's dry run measured the same
+                    self._adopted.append(lever.name)
+                else:
+                    self._measure(lever)
+
+    def _measure(self, lever) -> None:
+        """`lever`'s measurement after step one (`Lever.after_step_one`), its seconds kept where they are the run's
+        own clock's (a dry run's are not the device's) and it measured something."""
+        from ..measure.storages import counting
+
+        began = time.perf_counter()
+        lever.after_step_one(self.profile, self.recorder.reset_peaks)
+        if counting() is None and lever.name in self.profile.levers:
+            self.profile.lever_seconds[lever.name] = time.perf_counter() - began
+
+    def _remeasure(self) -> None:
+        """The levers that took step one's measurement over from the run's dry run measure it on the device now
+        (`StepStart.remeasure`)."""
+        adopted, self._adopted = self._adopted, []
+        for name in adopted:
+            self.profile.levers.pop(name, None)
+            self._measure(self.levers[name])
 
     def layer_forward(self, index: int, *args, **kwargs):
         layer = self.layers[index]
@@ -310,7 +329,7 @@ class RecomputeState:
         probe = self.probe if self.recorder.argument_shapes else None
         return StepStart(
             device or "", len(self.layers), self.running, self.profile, self.policy, self.levers, self.layer_lists,
-            probe,
+            probe, self._remeasure if self._adopted else None,
         )  # fmt: skip
 
     def probe(self, index: int, layer_policy) -> Optional[Tuple[int, int]]:
@@ -390,6 +409,8 @@ class RecomputeState:
             self.runner.run_choice(orders.policy)
         if orders.watch is not None:
             self.recorder.watch_with(orders.watch)
+        if orders.measured:
+            self._dry_measured = dict(orders.measured)
 
 
 def _check_fits(policy: RecomputePolicy, layers: List[nn.Module]) -> None:

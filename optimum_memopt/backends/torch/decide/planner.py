@@ -416,7 +416,9 @@ class BudgetPlanner:
                 why = Refusal(said.cannot_measure(e))
             except Exception as e:  # the dry run's own failure costs the run nothing but the step
                 why = said.dry_run_failed(e)
-        fit, why, running = ranks.from_rank0((fit if why is None else None, why, running))
+        # what the levers measured of this very step in the dry run: taken over after step one, not run again
+        measured = dict(dry.profile.levers) if why is None and dry is not None and dry.profile is not None else None
+        fit, why, running, measured = ranks.from_rank0((fit if why is None else None, why, running, measured))
         if isinstance(why, Refusal):  # every rank stops, before step one
             raise RuntimeError(why.text)
         if fit is None:
@@ -429,7 +431,7 @@ class BudgetPlanner:
             kept = self._keep(fit, held, libraries, batch_shape(args, kwargs))
         seconds = dry.seconds if dry is not None else None
         self.say(said.dry_run_chose(seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept))
-        return Orders(policy=self._chosen(), running=running)
+        return Orders(policy=self._chosen(), running=running, measured=measured)
 
     def _keep(self, fit: Fit, held: int, libraries: int, shape: Optional[tuple]) -> str:
         """The dry run's choice handed to `Start.keep_plan`, as `memopt-plan --json` writes it: its step's peak for a
@@ -497,7 +499,10 @@ class BudgetPlanner:
         result = None
         if self.reading.ranks.rank == 0:
             try:
-                result = self._confirmed(step, budget_bytes) or self._probed(step, self._fit(step, budget_bytes))
+                result = self._confirmed(step, budget_bytes)
+                if result is None:
+                    self._measured_here(step)
+                    result = self._probed(step, self._fit(step, budget_bytes))
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
         result = self.reading.ranks.from_rank0(result)
@@ -610,6 +615,17 @@ class BudgetPlanner:
         """`result`'s choice runs from the step about to start on: the layers' plans and each lever's option, chosen
         with them (`Orders.policy`)."""
         self.choices.pending = result.policy()
+
+    def _measured_here(self, step: StepStart) -> None:
+        """Before a choice is made again from step one: where its levers took their measurements over from the run's
+        dry run (`StepStart.remeasure`), they measure on the device now, and their options are read again: the solver
+        weighs the layers' op times as step one's clock read them, and the levers' seconds so too."""
+        if step.remeasure is None:
+            return
+        step.remeasure()
+        one = self.step_one
+        levers = {name: lever.choices(step.profile, step.policy) for name, lever in step.levers.items()}
+        self.step_one = replace(one, levers=levers)
 
     def _gather(self, step: StepStart) -> None:
         """Step one's memory on every rank, with what its later steps hold more, in one (`budget.merged`)."""

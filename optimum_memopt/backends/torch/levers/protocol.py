@@ -14,8 +14,11 @@ through this class only:
    model as it was), `run_as(option)` between steps (the solver's choice), `option` (what runs now).
 3. **Its measurement**: `after_step_one(profile, resets)`, between step one and step two: each option's bytes by
    segment and its seconds, read aside on the step's shapes, stored as pure data in `profile.levers[name]` (or why
-   not in `profile.lever_problems[name]`). A lever acting inside the layers names its modules (`marks`): step one's
-   segments then hold the peak of each stretch those modules run in (`profile.Segment.parts`).
+   not in `profile.lever_problems[name]`); or, where the run's own dry run measured the same step before step one,
+   that measurement taken over (`adopt`), nothing run again, until a choice is made again from step one (the
+   measurement then runs: the layers' op times are the run's own clock, and the levers' seconds must be too). A
+   lever acting inside the layers names its modules (`marks`): step one's segments then hold the peak of each
+   stretch those modules run in (`profile.Segment.parts`).
 4. **Its rows for the table**: `rows(profile, drop)` (one `FoundPlan` per option measured; `drop` gives PEAK DROP for
    an option's `LeverChoice`s) and `notes(profile)`.
 5. **Its options for the solver**: `choices(profile, measured)`, `budget.LeverChoice`s: the bytes each option holds
@@ -121,6 +124,16 @@ class Lever:
     def after_step_one(self, profile, resets: bool) -> None:
         """Between step one and step two: measure each option into `profile.levers[name]` (or say why not in
         `profile.lever_problems[name]`). `resets`: whether the device's peak may be reset to read aside."""
+
+    def adopt(self, measured, profile) -> bool:
+        """Between step one and step two, in place of `after_step_one`: take `measured`, this lever's measurement of
+        the same step in the run's own dry run before step one (its `profile.levers[name]`: the step's shapes, on fake
+        tensors, every figure as the device counts it, the seconds on the dry run's clock), into `profile.levers[name]`
+        as what step one's measurement would hold, and return True; False where it does not stand for the step that
+        ran (a way step one ran that the dry run did not measure; a measurement that depends on the device itself),
+        and the lever measures. The rule: a measurement is taken over only where its bytes are the shapes' alone,
+        and is said to be the dry run's in the lever's notes. By default, never."""
+        return False
 
     # -- its rows and its options ---------------------------------------------------------------------------------
     def choices(self, profile, measured=None) -> List[LeverChoice]:

@@ -20,7 +20,7 @@ from ...decide.budget import LeverChoice
 from ..protocol import Lever
 from .chunks import chunk_losses, smoother_counts_items
 from .head_form import head_form
-from .measure import HEAD_MARK, head_marked, how_measured, measure
+from .measure import HEAD_MARK, HeadMeasure, head_marked, how_measured, measure, taken_over
 from .measure import choices as options_of
 from .measure import rows as rows_of
 from .option import SYNTAX, Chunking, plan_of
@@ -251,6 +251,18 @@ class ChunkedLoss(Lever):
             profile.lever_problems[self.name] = result
         else:
             profile.levers[self.name] = result
+
+    def adopt(self, measured, profile) -> bool:
+        """The run's dry run's ways of the head (`measure.taken_over`): the same step's shapes, the way step one ran
+        among them."""
+        if not isinstance(measured, HeadMeasure) or self.trl or (len(profile.shape) < 2 and self.tokens is None):
+            return False
+        ran = self.chunking if self.installed else None
+        taken = taken_over(measured, ran, self.tokens or math.prod(profile.shape[:-1]))
+        if taken is None:
+            return False
+        profile.levers[self.name] = taken
+        return True
 
     def choices(self, profile, measured=None) -> List[LeverChoice]:
         ran = self.chunking if self.installed else None

@@ -5,7 +5,7 @@ and what that measurement gives the solver (`choices`) and the table (`rows`, `h
 import contextlib
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -66,6 +66,8 @@ class HeadMeasure:
     # measured on a dry run's fake tensors: every choice is then checked by a fake step, exact and harmless where
     # it goes over, so each way is weighed as it held (`choices`)
     fake: bool = False
+    # a run's own dry run's, taken over after the run's step one (`taken_over`): weighed as the run's own, said so
+    from_dry_run: bool = False
 
     def option(self, plan: str) -> Optional[HeadOption]:
         return next((o for o in self.options if o.plan == plan), None)
@@ -198,6 +200,24 @@ def measure(lever, profile, resets: bool = True):
     return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits, _torch_api.is_fake(weight))
 
 
+def taken_over(measured: "HeadMeasure", ran: Optional[Chunking], tokens: int) -> Optional["HeadMeasure"]:
+    """The run's own dry run's measurement (`measured`, of the same step on fake tensors) as the run's step one's
+    (`ChunkedLoss.adopt`): the way the step ran (`ran`) its own, weighed as a run's measurement is (each way's bound
+    where it could hold more than the step's way: a real step is not checked by a fake one), or None where it does
+    not stand for the step (other shapes; a way step one ran that no way measured makes as many rows a chunk as)."""
+    if not measured.fake or measured.tokens != tokens:
+        return None
+    plan = plan_of(ran)
+    options = list(measured.options)
+    if measured.option(plan) is None:
+        rows = tokens if ran is None else min(tokens, ran.rows(tokens, measured.hidden, measured.vocab))
+        same = next((o for o in options if o.rows == rows), None)
+        if same is None:
+            return None
+        options.append(replace(same, chunking=ran))  # the same work (`measure`: a count with its rows)
+    return replace(measured, ran=plan, options=options, fake=False, from_dry_run=True)
+
+
 def head_marked(memory) -> bool:
     """Whether step one's head segment was read stretch by stretch around the head (`HEAD_MARK`: the lever's
     `marks`; not where the peak counter is not reset at the marks)."""
@@ -288,7 +308,8 @@ def rows(head: Optional[HeadMeasure], drop, marked: bool = False) -> List[FoundP
                 saving_bytes=float(saving),
                 applied_count=int(on),
                 applied_saving_bytes=float(saving if on else 0),
-                recompute_seconds=max(0.0, head.seconds(option) - head.seconds(base)),
+                # the dry run's clock is not this run's: not timed here (`how_measured`)
+                recompute_seconds=None if head.from_dry_run else max(0.0, head.seconds(option) - head.seconds(base)),
                 lever=SYNTAX.name,
                 **(
                     drop([_choice(option.chunking, ran.held_bytes - option.held_bytes, marked=marked)])
@@ -307,10 +328,17 @@ def how_measured(head: HeadMeasure) -> str:
     """The table's note on how the head's ways were measured."""
     base = head.option("") or head.option(head.ran)
     against = "the model's own head" if base.plan == "" else f"{head.ran}, which the step ran"
+    how = (
+        "each way run alone in the run's dry run before step one, on fake tensors of its shapes (every byte as the "
+        "device counts it; not run again on the device, so no TIME)"
+        if head.from_dry_run
+        else "each way run alone after step one on its shapes"
+    )
+    read = "read after every op" if head.from_dry_run else "read after every op, once after a warm-up"
     return (
-        f"the head and loss (`Loss+` rows): each way run alone after step one on its shapes ({head.tokens:,} tokens, "
+        f"the head and loss (`Loss+` rows): {how} ({head.tokens:,} tokens, "
         f"hidden {head.hidden}, vocabulary {head.vocab:,}; random values: memory and time depend on the shapes) and "
-        f"read after every op, once after a warm-up; the head alone held {base.held_bytes / MIB:,.1f} MiB at most "
+        f"{read}; the head alone held {base.held_bytes / MIB:,.1f} MiB at most "
         f"as {against}; SAVING is what a row's head holds less, PEAK DROP how much lower step one's peak would be "
         f"with it alone, TIME what it adds to a step (each chunk's logits made again in backward)"
         + "".join(f"; {plan or OWN_HEAD} was not run: {why}" for plan, why in head.why_not.items())

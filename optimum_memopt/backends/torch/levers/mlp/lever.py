@@ -3,6 +3,7 @@ instance and taken off whole, and its options for the solver and rows for the ta
 """
 
 import logging
+import math
 import types
 from typing import Dict, List, Optional
 
@@ -16,7 +17,7 @@ from ...apply.layers import distinct, find_layers
 from ...decide.budget import LeverChoice
 from ...measure.profile import Place
 from ..protocol import Lever
-from .measure import measure
+from .measure import MLPMeasure, measure, taken_over
 from .option import SYNTAX, default_tiles, option_of, parse
 from .tiles import drawn_by, exact_draws, mlp_of, tiled
 
@@ -166,6 +167,23 @@ class TiledMLP(Lever):
         else:
             profile.levers[self.name] = result
 
+    def adopt(self, measured, profile) -> bool:
+        """The run's dry run's MLP measured whole and in each tile count (`measure.taken_over`): the same layer's
+        input shape, every tile count step one ran among those measured."""
+        first = next((i for i, m in enumerate(self.mlps) if m is not None), None)
+        if not isinstance(measured, MLPMeasure) or first is None or first >= len(profile.layers):
+            return False
+        shape = profile.layers[first].shape
+        if len(shape) < 2:
+            return False
+        ran = {self.tiles_at(i) or 1 for i in range(len(self.layers)) if self.mlps[i] is not None}
+        device = next(self.mlps[first].parameters()).device.type
+        taken = taken_over(measured, math.prod(shape[:-1]), ran, device)
+        if taken is None:
+            return False
+        profile.levers[self.name] = taken
+        return True
+
     def choices(self, profile, measured=None) -> List[LeverChoice]:
         """The options `auto` weighs: off; every layer in each tile count measured; and the layers whose own backward
         peaks highest, one more at a time, in the count that holds least. Each on layers recomputed whole only
@@ -262,7 +280,9 @@ class TiledMLP(Lever):
                     saving_bytes=float(saving),
                     applied_count=len(applied),
                     applied_saving_bytes=float(saving * len(applied)),
-                    recompute_seconds=max(0.0, option.seconds - measured.options[1].seconds) * measured.layers,
+                    recompute_seconds=None  # the dry run's clock is not this run's: not timed here (`notes`)
+                    if measured.from_dry_run
+                    else max(0.0, option.seconds - measured.options[1].seconds) * measured.layers,
                     lever=self.name,
                 )
             )
@@ -300,10 +320,17 @@ class TiledMLP(Lever):
             )
         elif measured is not None:
             whole = measured.options[1]
+            how = (
+                "in the run's dry run before step one, on fake tensors of its input's shape (every byte as the "
+                "device counts it; not run again on the device, so no TIME)"
+                if measured.from_dry_run
+                else "after step one on its input's shape"
+            )
+            read = "read after every op" if measured.from_dry_run else "read after every op once after a warm-up"
             out.append(
-                f"the layers' MLPs (`MLP+` rows): one MLP run alone after step one on its input's shape "
-                f"({measured.tokens:,} tokens, hidden {measured.hidden}), whole and in each tile count, read after "
-                f"every op once after a warm-up; whole it held {whole.held_bytes / MIB:,.1f} MiB at most, "
+                f"the layers' MLPs (`MLP+` rows): one MLP run alone {how} "
+                f"({measured.tokens:,} tokens, hidden {measured.hidden}), whole and in each tile count, {read}; "
+                f"whole it held {whole.held_bytes / MIB:,.1f} MiB at most, "
                 f"{whole.kept_bytes / MIB:,.1f} MiB kept for backward; SAVING is what a row's MLP holds less at its "
                 f"most, per layer, TIME what it adds to a step in all {measured.layers} layer(s)"
             )

@@ -1,7 +1,7 @@
 """One MLP measured after step one, whole and in each tile count (`measure`, on the shared harness `measure.ways`)."""
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -45,6 +45,7 @@ class MLPMeasure:
     draws: int = 0  # the random draws one forward of it makes (dropout's): tiles draw other masks (`exact_draws`)
     device: str = "cpu"  # where it ran ("cpu" for a dry run's fake tensors)
     fake: bool = False  # a dry run's: the run it stands for is taken to be on a GPU
+    from_dry_run: bool = False  # a run's own dry run's, taken over after the run's step one (`taken_over`)
 
     @property
     def layers(self) -> int:
@@ -54,6 +55,15 @@ class MLPMeasure:
         """Whether its tiles draw the whole MLP's masks on the device the run trains on (`exact_draws`: a dry run's
         fake tensors stand for a GPU's, whose generator advances per call)."""
         return exact_draws(self.draws, "cuda" if self.fake else self.device)
+
+
+def taken_over(measured: "MLPMeasure", tokens: int, ran: set, device: str) -> Optional["MLPMeasure"]:
+    """The run's own dry run's measurement (`measured`, of the same step on fake tensors) as the run's step one's
+    (`TiledMLP.adopt`), on the run's `device` (where its draws are counted as that device draws them), or None where
+    it does not stand for the step: other shapes, or a tile count step one ran (`ran`) that it did not measure."""
+    if not measured.fake or measured.tokens != tokens or not ran <= set(measured.options):
+        return None
+    return replace(measured, device=device, fake=False, from_dry_run=True)
 
 
 def _signature(mlp: nn.Module) -> tuple:
