@@ -161,11 +161,16 @@ class TorchBackend(Backend):
         elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.instruments is None:
             no_twin = "no dry run's instruments were handed to the backend (`Budget.instruments`)"
         elif budget is not None and budget.budget_mb is not None and budget.dry_run:
-            from .decide.from_plan import twin_of
+            from .decide.from_plan import NoTwin, twin_of
+            from .levers import lever_classes
 
             try:  # for `auto` to start from a dry run of step one (made before the backend's hooks are on the model)
                 twin = twin_of(model)
-            except Exception as e:  # said with the choice: step one then measures with every layer recomputed
+                for cls in lever_classes():  # what the twin dropped with every forward set on an instance (TRL's head)
+                    cls.onto_twin(model, twin)
+            except NoTwin as e:  # said with the choice: step one then measures with every layer recomputed
+                twin, no_twin = None, str(e)
+            except Exception as e:
                 no_twin = f"the model could not be copied onto the meta device for it ({type(e).__name__}: {e})"
         planner = None
         if settings.budget is not None:

@@ -2,7 +2,8 @@
 
 Rules (held by tests/test_auto_dry_run.py and tests/test_plan_file.py):
 - When the model is wrapped, a twin of it is made on the meta device (`twin_of`: its modules and their parameters'
-  shapes, nothing allocated, no hook and no forward set on an instance).
+  shapes, nothing allocated, no hook and no forward set on an instance), what a lever knows the step runs put back
+  (`Lever.onto_twin`: TRL's fused LM head, as TRL put it on the model; tests/test_trl.py).
 - At the first training forward, before any of it runs, the twin trains that step on fake tensors (`dry_run_choice`,
   through `fake_step`: the batch's shapes, the run's optimizer, gradient accumulation, autocast and DDP processes,
   every storage counted as CUDA counts it, which is how the CPU counts a real step too: `measure.live`), and the
@@ -10,9 +11,10 @@ Rules (held by tests/test_auto_dry_run.py and tests/test_plan_file.py):
   step one's own memory with what later steps hold more fits the budget, else the solver chooses again from step one
   (`planner`).
 - Where no dry run can be made (parameters sharded or offloaded, an optimizer that is not torch's, a forward that
-  reads its inputs' values, anything the fake mode refuses), the reason is written to the plan's file and step one
-  measures with every layer recomputed whole: the run loses that step's speed, nothing else. A step whose layers run
-  out of the list's order or more than once (`LayerOrderError`) stops the run before step one instead.
+  reads its inputs' values, as TRL's fused head does on a GPU, anything the fake mode refuses), the reason is
+  written to the plan's file and step one measures with every layer recomputed whole: the run loses that step's
+  speed, nothing else. A step whose layers run out of the list's order or more than once (`LayerOrderError`) stops
+  the run before step one instead.
 """
 
 import copy
@@ -37,11 +39,16 @@ _HOOKS = (
 )
 
 
+class NoTwin(ValueError):
+    """Why no twin of the model can stand for its step in a dry run, in words said with `auto`'s choice."""
+
+
 def twin_of(model: nn.Module) -> nn.Module:
     """A copy of `model` that holds nothing: every parameter and buffer (and tensor attribute) a meta tensor of its
     shape, strides, dtype and `requires_grad` (tied ones stay tied), with no hook and no forward set on an instance
-    (accelerate's autocast wrapper of `model.forward`, kept as it is, would run the original model's forward).
-    ValueError where the model's parameters are not plain tensors (a DTensor: sharded) or not all in memory."""
+    (accelerate's autocast wrapper of `model.forward`, kept as it is, would run the original model's forward; TRL's
+    fused LM head is put back by the lever that knows it: `Lever.onto_twin`). ValueError where the
+    model's parameters are not plain tensors (a DTensor: sharded) or not all in memory."""
     memo = {}
 
     def meta(t: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,8 @@ through this class only:
    option back as plans, for messages and files.
 2. **Its mechanism**: `build` on the model being wrapped (where the plans ask for it, or where `auto`'s budget wants
    its options measured; refused with the reason where it cannot run), `install` / `remove` (removal whole: the
-   model as it was), `run_as(option)` between steps (the solver's choice), `option` (what runs now).
+   model as it was), `run_as(option)` between steps (the solver's choice), `option` (what runs now); `onto_twin`
+   (what of the model's forward it knows the step runs, put back on `auto`'s dry-run twin).
 3. **Its measurement**: `after_step_one(profile, resets)`, between step one and step two: each option's bytes by
    segment and its seconds, read aside on the step's shapes, stored as pure data in `profile.levers[name]` (or why
    not in `profile.lever_problems[name]`); or, where the run's own dry run measured the same step before step one,
@@ -53,6 +54,13 @@ class Lever:
         nothing to say). A lever asked for that cannot run raises ValueError naming its plan and the reason (never
         trains silently without it)."""
         raise NotImplementedError
+
+    @classmethod
+    def onto_twin(cls, model, twin) -> None:
+        """Put back on `twin` (`decide.from_plan.twin_of(model)`: `auto`'s dry run's copy of the model, with every
+        forward set on an instance dropped) what of `model`'s forward the lever knows the step runs: a head another
+        library installed on the instance (TRL's). `decide.from_plan.NoTwin` where the twin cannot run it as the step
+        does (no dry run then: step one measures, and the reason is said). By default, nothing."""
 
     def install(self) -> None:
         raise NotImplementedError

@@ -30,7 +30,7 @@ that gives the solver and the table).
 
 from .chunks import chunk_losses
 from .head_form import HeadForm, head_form
-from .lever import ChunkedLoss, causal_lm, fused_by_trl, loss_problem
+from .lever import ChunkedLoss, causal_lm, fused_by_trl, fused_onto, loss_problem
 from .measure import BOUND_MARGIN, OWN_HEAD, REPEATS, HeadMeasure, HeadOption, choices, how_measured, measure, rows
 from .option import SYNTAX, Chunking, candidate_chunks, plan_of
 
@@ -52,6 +52,7 @@ __all__ = [
     "choices",
     "chunk_losses",
     "fused_by_trl",
+    "fused_onto",
     "head_form",
     "how_measured",
     "loss_problem",

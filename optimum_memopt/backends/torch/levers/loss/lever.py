@@ -46,6 +46,42 @@ def fused_by_trl(lm: nn.Module) -> bool:
     return code is not None and "fused_lm_head" in code.co_varnames and "trl" in code.co_filename.split(os.sep)
 
 
+# what TRL's fused forward (`trl.trainer.utils.add_fused_lm_head`, 1.16) closes over from the call that made it
+_FUSED_SETTINGS = ("temperature", "cast_lm_head_to_fp32", "outputs")
+
+
+def fused_onto(model: nn.Module, twin: nn.Module, device: Optional[torch.device] = None) -> None:
+    """TRL's fused LM head put on `twin` (`decide.from_plan.twin_of(model)`, which drops every forward set on an
+    instance) wherever TRL put it on `model`, with the settings it was made with (read from what TRL's forward closes
+    over): the dry run then runs the head the step runs (TRL's tiles of 32,768 logits a row whatever the vocabulary,
+    not the model's own head). `NoTwin` where it cannot: on `device` (the model's own by default) CUDA or XPU, where
+    TRL scores only the positions the labels leave in, in Triton kernels (a count of positions fake tensors do not
+    hold); a TRL whose settings cannot be read."""
+    from ...decide.from_plan import NoTwin
+
+    fused = {name: vars(module)["forward"] for name, module in model.named_modules() if fused_by_trl(module)}
+    if not fused:
+        return
+    device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type in ("cuda", "xpu"):  # where TRL runs kernels of its own (`trl.kernels`)
+        raise NoTwin(
+            f"TRL's fused LM head (`SFTTrainer`) scores on {device.type.upper()} only the positions the labels' "
+            f"values leave in, in kernels of its own, which a dry run on fake tensors cannot run"
+        )
+    from trl.trainer.utils import add_fused_lm_head
+
+    for name, forward in fused.items():
+        function = getattr(forward, "__func__", forward)
+        cells = dict(zip(function.__code__.co_freevars, function.__closure__ or ()))
+        missing = [setting for setting in _FUSED_SETTINGS if setting not in cells]
+        if missing:
+            raise NoTwin(
+                f"TRL's fused LM head (`SFTTrainer`) was made by a TRL whose settings ({', '.join(missing)}) could "
+                f"not be read, so a dry run could not run the head the step runs"
+            )
+        add_fused_lm_head(twin.get_submodule(name), **{s: cells[s].cell_contents for s in _FUSED_SETTINGS})
+
+
 def loss_problem(model: nn.Module) -> Optional[str]:
     """Why `Loss+` cannot chunk this model's head and loss, or None where it can."""
     lm = causal_lm(model)
@@ -235,6 +271,11 @@ class ChunkedLoss(Lever):
         self.chunking = None if option is None else Chunking.of(option)
         if self.chunking is not None:
             self.install()
+
+    @classmethod
+    def onto_twin(cls, model, twin) -> None:
+        """TRL's fused LM head, where `SFTTrainer` put it on the model (`fused_onto`)."""
+        fused_onto(model, twin)
 
     def marks(self):
         """The head (the model's output embeddings), marked as `HEAD_MARK`: the head's segment holds the peak of each
