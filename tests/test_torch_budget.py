@@ -938,6 +938,34 @@ def test_step_one_takes_the_levers_measurements_over_from_its_dry_run_and_measur
     }
 
 
+class _Lengths(torch.utils.data.IterableDataset):
+    """Batches of 8 sequences of 16 tokens, then of 32, in that order (no sampler shuffles an iterable dataset)."""
+
+    def __iter__(self):
+        for i in range(64):
+            ids = torch.randint(0, 512, (16 if i < 8 else 32,), generator=torch.Generator().manual_seed(i))
+            yield {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.slow
+def test_a_batch_of_more_tokens_than_step_ones_is_said_once(tmp_path, capsys):
+    """Every choice of `auto` is made and checked for step one's batch; a later batch of more tokens (SFT padded to
+    each batch's longest: TRL without packing) holds more than any figure said, and may go over the budget: said
+    once, with both shapes and what to do."""
+    args = MemoptTrainingArguments(
+        output_dir=str(tmp_path / "lengths"), use_cpu=True, max_steps=4, per_device_train_batch_size=8,
+        report_to="none", save_strategy="no", memory_opt_backend="torch", memory_opt_config="auto",
+        memory_budget_mb=10**6,
+    )  # fmt: skip
+    MemoptTrainer(model=decoder(), args=args, train_dataset=_Lengths()).train()
+    out = capsys.readouterr().out
+    said = (
+        "memory_opt_config auto: a batch of 8 x 32 tokens (256) reached the layers, more than step one's 8 x 16 (128)"
+    )
+    assert out.count(said) == 1, out
+    assert "made and checked for (predicted " in out and "pad to the longest, or pack" in out
+
+
 @pytest.mark.slow
 def test_auto_chooses_in_the_training_process_and_meets_the_budget(tmp_path):
     """A budget with room for everything keeps everything (its step shows eager's peak); a budget halfway between

@@ -295,6 +295,10 @@ class RecomputeState:
         starts, ended = self.clock.layer_starts(index)
         if starts:
             self._step_starts(ended, _device(args, kwargs))
+            if self.planner is not None and self.profile is not None:  # a batch after step one's, to the planner
+                x = next(iter(tensors_in(args) or tensors_in(kwargs)), None)
+                if x is not None:
+                    self.planner.batch_reached(tuple(x.shape), self.profile.shape)
         record = self.recorder.layer_starts(index, args, kwargs)
         if self.replay is not None:  # a dry run's: the layer run, recorded or replayed
             out = self.replay.call(index, partial(self.runner.run, index, args, kwargs, record), args, kwargs, record)

@@ -101,6 +101,19 @@ def plan_file_other_batch(flag: str, planned, shape: tuple) -> str:
 PLAN_FILE_NO_SHAPE = "; the batch's shape could not be read (no `input_ids` or `inputs_embeds`): step one checks it"
 
 
+def batch_beyond_planned(
+    shape: tuple, tokens: int, planned: tuple, planned_tokens: int, asked: str, predicted_mb: Optional[float]
+) -> str:
+    figure = f" (predicted {predicted_mb:,.1f} MiB)" if predicted_mb is not None else ""
+    now, then = " x ".join(map(str, shape[:-1])), " x ".join(map(str, planned[:-1]))
+    return (
+        f"memory_opt_config auto: a batch of {now} tokens ({tokens:,}) reached the layers, more than step one's "
+        f"{then} ({planned_tokens:,}), the batch the choice under {asked} was made and checked for{figure}: a step of "
+        f"more tokens holds more than any figure said, and may go over the budget. Give every batch the same length "
+        f"(pad to the longest, or pack), or let the longest come first; said once"
+    )
+
+
 def plan_file_shorter(tokens: int, planned_tokens: int) -> str:
     return (
         f"; this batch has {tokens:,} tokens of the {planned_tokens:,} planned: the choice is for the longest, and "

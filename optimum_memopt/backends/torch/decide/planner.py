@@ -22,6 +22,7 @@ process trains under one policy and stops with the same message when nothing fit
 import gc
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass, field, replace
 from enum import Enum
@@ -216,6 +217,7 @@ class BudgetPlanner:
         self.reading = Reading(resets)
         self.step_one: Optional[StepOne] = None  # from step two's start
         self._weighed: Optional[tuple] = None  # (step one, what every fit of it shares: `budget.weigh`)
+        self._beyond_said = False  # a batch of more tokens than step one's said (`batch_reached`)
         self.choices = Choices()
         self.search: Optional[Search] = None  # where a dry run drives the planner (`driven_by_a_dry_run`)
 
@@ -237,6 +239,20 @@ class BudgetPlanner:
     @property
     def budget_mb(self) -> Optional[float]:
         return self.ask.budget_mb
+
+    def batch_reached(self, shape: tuple, planned: tuple) -> None:
+        """A training forward after step one reached the layers with input of `shape`; step one's was `planned`, the
+        batch every choice is made and checked for. A batch of more tokens holds more than any figure said: said
+        once, with what to do (the run goes on: its steps are the user's)."""
+        if self._beyond_said or len(shape) < 2 or len(planned) < 2:
+            return
+        tokens, planned_tokens = math.prod(shape[:-1]), math.prod(planned[:-1])
+        if tokens <= planned_tokens:
+            return
+        self._beyond_said = True
+        fit = self.choices.fits[-1] if self.choices.fits else self.choices.planned
+        predicted = fit.predicted.peak_mb if fit is not None and fit.predicted is not None else None
+        self.say(said.batch_beyond_planned(shape, tokens, planned, planned_tokens, self.asked, predicted))
 
     @property
     def asked(self) -> str:
