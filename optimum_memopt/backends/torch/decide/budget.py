@@ -773,24 +773,32 @@ class Weighing:
     moved: "_Moved"
     measured: Prediction
     floor: Prediction
-    key: tuple  # what it was weighed from, by identity (`fit` weighs again for other inputs)
+    inputs: tuple  # what it was weighed from, held (`fit` weighs again for other inputs, told apart by identity)
 
 
 def weigh(profile, memory, measured, extra_bytes=0, per_layer=None, levers: Sequence[Sequence[LeverChoice]] = ()):
     """`fit`'s start (`Weighing`): the candidates, what the measured policy freed per layer, the combinations of the
     levers' options that can run, the floor (each layer freeing the most it can, the levers' options combined so that
     the step holds least) and the measured step's figure."""
-    key = _key(profile, memory, measured, extra_bytes, per_layer, levers)
+    inputs = (profile, memory, measured, per_layer, extra_bytes, tuple(levers))
     per_layer = list(per_layer) if per_layer is not None else candidates(profile)
     q = freed_bytes(profile, measured)
     moved = _Moved(memory)
     combos = _combinations(profile, moved, q, per_layer, extra_bytes, levers)
     floor = min((f for _, _, _, f, _ in combos), key=lambda p: p.peak_bytes)
-    return Weighing(per_layer, q, combos, moved, moved.predict(q, q, extra_bytes, ()), floor, key)
+    return Weighing(per_layer, q, combos, moved, moved.predict(q, q, extra_bytes, ()), floor, inputs)
 
 
-def _key(profile, memory, measured, extra_bytes, per_layer, levers) -> tuple:
-    return id(profile), id(memory), id(measured), extra_bytes, id(per_layer), tuple(id(options) for options in levers)
+def _weighed_from(weighed: Weighing, inputs: tuple) -> bool:
+    """Whether `weighed` was weighed from these very `inputs`: the same objects (the levers' option lists one by one),
+    the same `extra_bytes`."""
+    (*held, extra, levers), (*given, extra_now, levers_now) = weighed.inputs, inputs
+    return (
+        extra == extra_now
+        and all(a is b for a, b in zip(held, given))
+        and len(levers) == len(levers_now)
+        and all(a is b for a, b in zip(levers, levers_now))
+    )
 
 
 def _start(
@@ -798,7 +806,9 @@ def _start(
 ):
     """What `fit` and `fit_share` share (`weighed` where it was weighed from the same inputs, else `weigh`), and the
     answer begun with the measured step's figure and the floor."""
-    if weighed is None or weighed.key != _key(profile, memory, measured, extra_bytes, per_layer, levers):
+    if weighed is None or not _weighed_from(
+        weighed, (profile, memory, measured, per_layer, extra_bytes, tuple(levers))
+    ):
         weighed = weigh(profile, memory, measured, extra_bytes, per_layer, levers)
     result = Fit(0, measured=weighed.measured, floor=weighed.floor)
     return weighed.per_layer, weighed.q, result, weighed.combos, weighed.moved
