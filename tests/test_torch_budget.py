@@ -939,31 +939,91 @@ def test_step_one_takes_the_levers_measurements_over_from_its_dry_run_and_measur
 
 
 class _Lengths(torch.utils.data.IterableDataset):
-    """Batches of 8 sequences of 16 tokens, then of 32, in that order (no sampler shuffles an iterable dataset)."""
+    """Sequences of 16 tokens, `short` of them, then of 32, in that order (no sampler shuffles an iterable dataset)."""
+
+    def __init__(self, short: int = 8):
+        self.short = short
 
     def __iter__(self):
         for i in range(64):
-            ids = torch.randint(0, 512, (16 if i < 8 else 32,), generator=torch.Generator().manual_seed(i))
+            ids = torch.randint(0, 512, (16 if i < self.short else 32,), generator=torch.Generator().manual_seed(i))
             yield {"input_ids": ids, "labels": ids}
 
 
-@pytest.mark.slow
-def test_a_batch_of_more_tokens_than_step_ones_is_said_once(tmp_path, capsys):
-    """Every choice of `auto` is made and checked for step one's batch; a later batch of more tokens (SFT padded to
-    each batch's longest: TRL without packing) holds more than any figure said, and may go over the budget: said
-    once, with both shapes and what to do."""
+def _train_lengths(tmp_path, name, budget_mb, short=8, accumulate=1, dry_run=True, steps=4):
     args = MemoptTrainingArguments(
-        output_dir=str(tmp_path / "lengths"), use_cpu=True, max_steps=4, per_device_train_batch_size=8,
-        report_to="none", save_strategy="no", memory_opt_backend="torch", memory_opt_config="auto",
-        memory_budget_mb=10**6,
+        output_dir=str(tmp_path / name), use_cpu=True, max_steps=steps, per_device_train_batch_size=8,
+        gradient_accumulation_steps=accumulate, learning_rate=1e-3, logging_steps=1, report_to="none",
+        save_strategy="no", seed=0, memory_opt_backend="torch", memory_opt_config="auto", memory_budget_mb=budget_mb,
+        memory_auto_dry_run=dry_run,
     )  # fmt: skip
-    MemoptTrainer(model=decoder(), args=args, train_dataset=_Lengths()).train()
+    trainer = MemoptTrainer(model=decoder(), args=args, train_dataset=_Lengths(short))
+    trainer.train()
+    return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+@pytest.mark.slow
+def test_auto_plans_again_for_a_longer_batch_and_keeps_its_budget(tmp_path, capsys):
+    """Every choice of `auto` is made and checked for one batch's shape; SFT padded to each batch's longest (TRL
+    without packing) brings longer ones later. A batch of more tokens than the choice's is planned again for before
+    its step runs, as step one was: a dry run of it chooses, its step runs the choice and is measured and checked.
+    Under a budget the short batches fit with nothing recomputed and the long ones do not, the long steps recompute
+    and peak within the budget, measured as predicted; the losses are the unconstrained run's (recompute is exact).
+    A longer micro-batch inside a step (gradient accumulation) runs under the choice it finds, and the next step
+    plans for it; at a step's start, for the batch itself. The plan kept for the next run is the longest's."""
+    from optimum_memopt.planning.plan_file import read
+
+    def run(name, budget_mb, short):
+        """What a run chose, checked and lost; its trainer let go of (a process's live tensors are what the next
+        run's dry run counts as held outside its step: another model's, as on a device)."""
+        trainer, losses = _train_lengths(tmp_path, name, budget_mb, short=short, accumulate=2)
+        planner = trainer.memopt_handle.planner
+        found = (planner.earlier, planner.planned_shape, planner.fits[-1], planner.verified, losses)
+        del trainer, planner
+        gc.collect()
+        return found
+
+    earlier, shape, last, _, roomy_losses = run("roomy", 10**6, 16)
+    assert [e["batch"] for e in earlier] == [[8, 16]] and earlier[0]["config"] == "" and shape == (8, 32)
+    eager_short, eager_long, floor_long = earlier[0]["predicted_peak_mb"], last.predicted.peak_mb, last.floor.peak_mb
+    assert max(eager_short, floor_long) < eager_long
+    budget = round((max(eager_short, floor_long) + eager_long) / 2, 1)
+    capsys.readouterr()
+    for short, said in ((16, "a batch of 8 x 32 tokens runs next (256)"),
+                        (8, "a micro-batch of the last step had 8 x 32 tokens (256)")):  # fmt: skip
+        earlier, shape, final, verified, losses = run(f"tight{short}", budget, short)
+        out = capsys.readouterr().out
+        assert out.count(said) == 1 and out.count("planning again for 8 x 32") == 1, out
+        assert "more than the 8 x 16 (128) the choice under `--memory_budget_mb" in out
+        assert [e["batch"] for e in earlier] == [[8, 16]] and earlier[0]["config"] == "" and shape == (8, 32)
+        assert final.choice is not None and final.config(), final  # the long batch recomputes
+        assert verified, out
+        for check in verified:
+            assert check["measured_peak_mb"] <= budget, verified
+            assert check["measured_peak_mb"] == pytest.approx(check["predicted_peak_mb"], rel=0.01), verified
+        kept = read(str(tmp_path / f"tight{short}" / "memory_auto" / "plan.json"))
+        assert (kept.step.batch, kept.step.seq) == (8, 32) and kept.choice == final.config()
+        with open(tmp_path / f"tight{short}" / "memory_auto" / "solver.json") as f:
+            solved = json.load(f)
+        assert solved["batch"] == [8, 32] and [e["batch"] for e in solved["earlier_batches"]] == [[8, 16]]
+        if short == 16:  # the same batches in the same steps as the unconstrained run's
+            assert losses == pytest.approx(roomy_losses, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_longer_batch_no_dry_run_plans_again_for_is_said_once(tmp_path, capsys):
+    """Where no dry run of a longer batch can be made (here step one measured without one; a plan file's run,
+    several processes), a batch of more tokens than step one's holds more than any figure said, and may go over the
+    budget: said once, with both shapes, why, and what to do."""
+    _train_lengths(tmp_path, "lengths", 10**6, dry_run=False)
     out = capsys.readouterr().out
     said = (
         "memory_opt_config auto: a batch of 8 x 32 tokens (256) reached the layers, more than step one's 8 x 16 (128)"
     )
     assert out.count(said) == 1, out
     assert "made and checked for (predicted " in out and "pad to the longest, or pack" in out
+    assert "no dry run plans again for it here (step one was measured without a dry run of it" in out
+    assert "planning again for" not in out
 
 
 @pytest.mark.slow

@@ -137,6 +137,7 @@ class RecomputeState:
         reset_peaks: bool = True,
     ):
         self.runner = LayerRunner(layers, policy, model, levers, lever_problems)
+        self._first_policy = policy  # what step one runs where no dry run chose for it (`auto`: every layer whole)
         owner = type(model).__name__ if model is not None else "the model"
         self.clock = StepClock([type(layer).__name__ for layer in layers], owner, steps_reported)
         self.recorder = StepRecorder(len(layers), model, reset_peaks)
@@ -148,6 +149,7 @@ class RecomputeState:
         self._levers_measured = False  # after step one, each lever measured what it would do
         self._dry_measured: Dict[str, object] = {}  # the run's dry run's measurements, to take over (`Orders`)
         self._adopted: List[str] = []  # the levers that took theirs over after step one (`Lever.adopt`)
+        self._mid_step = False  # a training forward of this step ran (the trainer reports steps): a micro-batch's next
 
     # -- what the others read ------------------------------------------------------------------------------------
     @property
@@ -233,8 +235,22 @@ class RecomputeState:
         of it or a plan file (`planner.before_step_one`)."""
         if self.clock.model_forward_starts():
             self._check_layers_ran()
+        if self.planner is not None and self.profile is not None:  # a longer batch than the choice's: planned again
+            again = self.planner.batch_arrives(args, kwargs, step_starts=not self._mid_step)
+            if again is not None:
+                self._step_one_again(again)
+        self._mid_step = self.steps_reported
         if self.planner is not None and self.planner.waits_for_step_one and self.profile is None:
             self._carry_out(self.planner.before_step_one(self._step_start(None), self._model, args, kwargs))
+
+    def _step_one_again(self, planner) -> None:
+        """`auto` plans again for a longer batch (`BudgetPlanner.batch_arrives`): `planner` plans from here, and the
+        step about to run is its step one, run as the run's first was (its dry run's choice, else every layer whole),
+        recorded, watched and followed by the levers' measurements."""
+        self.planner = planner
+        self.recorder.restart()
+        self._levers_measured, self._dry_measured, self._adopted = False, {}, []
+        self.runner.run_choice(self._first_policy)  # as the run's first step, till the dry run's choice replaces it
 
     def _check_layers_ran(self) -> None:
         planner = self.planner
@@ -257,6 +273,7 @@ class RecomputeState:
         """The trainer's word that an optimizer step ended: the next training forward starts a new step, and step
         one's memory, watched since its first layer, is complete (`profile.memory`)."""
         self.clock.step_done()
+        self._mid_step = False
         self._check_layers_ran()
         self.recorder.close_watch(keep_meter=self.planner is not None)
         if self.profile is not None and not self._levers_measured:

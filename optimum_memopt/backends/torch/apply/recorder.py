@@ -138,6 +138,14 @@ class StepRecorder:
         """Watch the step about to start with `watch` (`auto`'s planner's, for a step it measures; None: nothing)."""
         self.watch = watch
 
+    def restart(self) -> None:
+        """The next step is step one again (`auto` plans again for a longer batch): recorded and watched as the
+        first was; nothing of the earlier step one is kept here."""
+        if self.watch is not None:
+            self.watch.meter.close()
+        self.profile, self.watch, self._recording, self._step_one_watched = None, None, None, False
+        self.argument_shapes = {}
+
     def stop_readings(self) -> None:
         """No later step is measured: the CPU's op-by-op count stops."""
         if self._readings is not None:

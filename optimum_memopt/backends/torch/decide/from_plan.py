@@ -104,6 +104,7 @@ def dry_run_choice(
     held_bytes: int = 0,
     running_into: Optional[list] = None,
     device=None,
+    mask_attends_all: Optional[bool] = None,
 ):
     """`auto`'s choice from a dry run of the step about to run (`fake_step.run` with the `instruments` the run was
     handed, the step `memopt-plan` runs; `start`: the planner's `Start`, the run's micro-batches, autocast and DDP
@@ -114,7 +115,8 @@ def dry_run_choice(
     (`measure.live.held_outside`) counted from the start; on a CUDA `device` (the run's), its attention kernels as
     this process's next call would take them (`measure.attention.CudaKernels.here`). The process's random generators
     are given back as they were. The dry run's `DryRun` (its `fit`: the choice, None where nothing fits); the layers
-    the step runs go into `running_into` before its steps (`dry_run`)."""
+    the step runs go into `running_into` before its steps (`dry_run`). `mask_attends_all`: whether the batch's
+    attention mask attends to every token, where its tensors are not real (read from the mask where None)."""
     from ..fake_step import StepSpec, run
     from ..measure.attention import CudaKernels
 
@@ -127,8 +129,10 @@ def dry_run_choice(
 
         return map_tensors((tuple(args), dict(kwargs)), fake)
 
-    mask = kwargs.get("attention_mask")
-    every_token = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
+    every_token = mask_attends_all
+    if every_token is None:
+        mask = kwargs.get("attention_mask")
+        every_token = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
     spare = copy.deepcopy(twin)  # untouched, for a dry run that runs again without replayed layers (`fake_step.run`)
     spec = StepSpec(getattr(twin, "config", None), grad_accum=start.grad_accum, autocast=start.autocast, ddp=start.ddp)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()

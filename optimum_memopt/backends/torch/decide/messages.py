@@ -8,6 +8,7 @@ gives the figures it rests on in MiB with where in the step they fall, and where
 as an accepted form of the flag.
 """
 
+import math
 from typing import List, Optional, Sequence
 
 from ....memory import MIB, READABLE_DEVICES
@@ -102,15 +103,48 @@ PLAN_FILE_NO_SHAPE = "; the batch's shape could not be read (no `input_ids` or `
 
 
 def batch_beyond_planned(
-    shape: tuple, tokens: int, planned: tuple, planned_tokens: int, asked: str, predicted_mb: Optional[float]
+    shape: tuple,
+    tokens: int,
+    planned: tuple,
+    planned_tokens: int,
+    asked: str,
+    predicted_mb: Optional[float],
+    why_once: str,
 ) -> str:
+    """A batch of more tokens than step one's reached the layers, where `auto` cannot plan again (`why_once`)."""
     figure = f" (predicted {predicted_mb:,.1f} MiB)" if predicted_mb is not None else ""
     now, then = " x ".join(map(str, shape[:-1])), " x ".join(map(str, planned[:-1]))
     return (
         f"memory_opt_config auto: a batch of {now} tokens ({tokens:,}) reached the layers, more than step one's "
-        f"{then} ({planned_tokens:,}), the batch the choice under {asked} was made and checked for{figure}: a step of "
-        f"more tokens holds more than any figure said, and may go over the budget. Give every batch the same length "
-        f"(pad to the longest, or pack), or let the longest come first; said once"
+        f"{then} ({planned_tokens:,}), the batch the choice under {asked} was made and checked for{figure}, and no "
+        f"dry run plans again for it here ({why_once}): a step of more tokens holds more than any figure said, and "
+        f"may go over the budget. Give every batch the same length (pad to the longest, or pack), or let the longest "
+        f"come first; said once"
+    )
+
+
+def stopped_for_longer(shape: tuple, earlier: List[tuple]) -> str:
+    """Said after a stop where it is for a batch longer than those planned before it (`earlier`, in order)."""
+    now, fitted = " x ".join(map(str, shape)), " x ".join(map(str, earlier[-1]))
+    return (
+        f". This is the step of a batch of {now} tokens ({math.prod(shape):,}), planned again after {fitted} "
+        f"({math.prod(earlier[-1]):,}) ran: batches of at most that many tokens keep the run within the budget (TRL's "
+        f"`max_length`, where it pads each batch to its longest)"
+    )
+
+
+def planning_again(shape: tuple, planned: tuple, asked: str, inside: bool) -> str:
+    """`auto` plans again for a batch of more tokens than the one its choice was made and checked for; `inside`: the
+    batch was a later micro-batch of the last step, which ran under the choice it found."""
+    now, then = " x ".join(map(str, shape)), " x ".join(map(str, planned))
+    tokens, planned_tokens = math.prod(shape), math.prod(planned)
+    which = f"a micro-batch of the last step had {now} tokens" if inside else f"a batch of {now} tokens runs next"
+    ran = ", and ran under it" if inside else ""
+    return (
+        f"memory_opt_config auto: {which} ({tokens:,}), more than the {then} ({planned_tokens:,}) the choice under "
+        f"{asked} was made and checked for{ran}: planning again for {now}, as for step one (a dry run of that batch "
+        f"chooses; the step about to run runs its choice and is measured and checked); later batches up to "
+        f"{tokens:,} tokens run it"
     )
 
 
@@ -271,9 +305,19 @@ def on_ranks(peaks: List[int], peak: int) -> str:
     return f" on rank {peaks.index(peak)} ({every})"
 
 
-def checked(resets: bool, peak: int, where: str, result, verdict: str) -> str:
+def checked(
+    resets: bool,
+    peak: int,
+    where: str,
+    result,
+    verdict: str,
+    shorter: Optional[tuple] = None,
+    planned: Optional[tuple] = None,
+) -> str:
     """A check's line (`say`): what the step after the choice measured against its prediction, and the verdict. A
-    choice running the model's own head counts its returned logits as the caller's (`LeverChoice.returned`): said."""
+    choice running the model's own head counts its returned logits as the caller's (`LeverChoice.returned`): said.
+    `shorter`: the checked step's batch (batch, tokens), where it had fewer tokens than the `planned` one: said, as
+    the cause of a peak under the prediction."""
     predicted = result.predicted.peak_bytes
     error = (peak - predicted) / predicted * 100 if predicted else 0.0
     what = "the step after the choice" if resets else "training so far (CUDA's counter is the Trainer's)"
@@ -284,6 +328,9 @@ def checked(resets: bool, peak: int, where: str, result, verdict: str) -> str:
             f"held through the step, as a loop that keeps `outputs` over backward holds them; one that drops them "
             f"peaks that much lower"
         )
+    if shorter is not None and planned is not None:
+        ran, made_for = " x ".join(map(str, shorter)), " x ".join(map(str, planned))
+        kept += f"; its batch, {ran} tokens, was shorter than the {made_for} the choice was made for, which holds more"
     return (
         f"memory_opt_config auto: {what} peaked at {peak / MIB:,.1f} MiB{where} (predicted {predicted / MIB:,.1f}, "
         f"{error:+.1f}%{kept}), {verdict}"

@@ -14,16 +14,23 @@
 
 Nothing fits (the floor of recompute, or a peak outside the layers, over the budget): RuntimeError with the figures.
 
+Every choice is made and checked for one batch's shape (`planned_shape`). A later batch of more tokens (batches
+padded each to their longest) is planned for again at a step's start, as step one was, by a planner handed what this
+one started from (`batch_arrives`; the engine makes the step about to run its step one); where no dry run of it can
+be made, it is said once (`batch_reached`).
+
 Under a multi-process launch (DDP, DeepSpeed) every process measures its own step one; rank 0 chooses from all of
 them (the budget is per device: a peak predicted on any rank counts) and the others run its choice (`Ranks`), so every
 process trains under one policy and stops with the same message when nothing fits.
 """
 
+import copy
 import gc
 import json
 import logging
 import math
 import os
+import weakref
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable, Dict, List, Optional
@@ -98,6 +105,9 @@ class Start:
     keep_plan: Optional[Callable[..., Optional[str]]] = None
     optimizer: object = None  # the trainer's, once it says (`BudgetPlanner.optimizer_ready`); let go of at step one
     host_mb: Optional[float] = None  # `--memory_host_mb`: what the dry run's offload may hold on the host
+    # (args, kwargs, whether the mask attends to every token) of a batch longer than step one's own that an earlier
+    # step ran, which the dry run plans for in its place (`BudgetPlanner.batch_arrives`); let go of at step one
+    batch: Optional[tuple] = None
 
 
 @dataclass(frozen=True)
@@ -218,6 +228,16 @@ class BudgetPlanner:
         self.step_one: Optional[StepOne] = None  # from step two's start
         self._weighed: Optional[tuple] = None  # (step one, what every fit of it shares: `budget.weigh`)
         self._beyond_said = False  # a batch of more tokens than step one's said (`batch_reached`)
+        # what plans again for a batch of more tokens than step one's (`for_longer_batch`): the twin as its dry run
+        # found it, the run's optimizer (weakly: a finished run's is not kept), step one's batch (batch, tokens)
+        self._again: Optional[tuple] = None
+        # the longest batch since, where longer than step one's: (its shape, its tensors on the meta device with
+        # whether its mask attended to every token, whether it ran inside a step: a later micro-batch)
+        self._longest: Optional[tuple] = None
+        # each step's longest micro-batch (batch, tokens): the last step's, this one's
+        self._step_shapes: tuple = (None, None)
+        self.planned_shape: Optional[tuple] = None
+        self.earlier: List[dict] = []  # the choices made for shorter batches before this planner's, in order
         self.choices = Choices()
         self.search: Optional[Search] = None  # where a dry run drives the planner (`driven_by_a_dry_run`)
 
@@ -240,11 +260,71 @@ class BudgetPlanner:
     def budget_mb(self) -> Optional[float]:
         return self.ask.budget_mb
 
+    def batch_arrives(self, args, kwargs, step_starts: bool) -> Optional["BudgetPlanner"]:
+        """A training forward after step one, of `args` and `kwargs`; `step_starts`: it is its step's first (not a
+        later micro-batch). Every choice is made and checked for step one's batch; where this one, or a micro-batch an
+        earlier step ran, has more tokens (SFT padded to each batch's longest: TRL without packing), `auto` plans
+        again for the longest, as for step one, at a step's start: returned is a planner that does (handed the twin
+        as step one's dry run found it, the run's optimizer and the longest batch), whose step one is the step
+        about to run: a dry run of the longest batch chooses, the step runs it and is measured and checked. A
+        micro-batch of more tokens inside a step runs under the choice it finds (said with the new plan). None where
+        nothing is planned again: no batch longer, not at a step's start, or no dry run can be made (`_again`: a
+        plan file's run, step one measured without a dry run, several processes, whose batches are each their own;
+        `batch_reached` then says so at the layers)."""
+        shape = batch_shape(args, kwargs)
+        if shape is not None:  # each step's longest micro-batch, the last step's kept for its check (`_verify`)
+            last, now = self._step_shapes
+            if step_starts:
+                self._step_shapes = (now, shape)
+            elif now is None or math.prod(shape) > math.prod(now):
+                self._step_shapes = (last, shape)
+        if self._again is None or self.stage is Stage.START or self.planned_shape is None:
+            return None
+        longest = self._longest
+        if shape is not None and math.prod(shape) > math.prod(longest[0] if longest else self.planned_shape):
+            longest = (shape, _meta_batch(args, kwargs), not step_starts)
+            self._longest = longest
+        if longest is None or not step_starts:
+            return None
+        twin, optimizer = self._again[0], self._again[1]()
+        if optimizer is None:  # the run's optimizer let go of: not this run's forward
+            return None
+        longer, batch, inside = longest
+        if not inside:  # this very batch: its own tensors, whose mask is read
+            batch = (args, kwargs, None)
+        fresh = BudgetPlanner(
+            self.budget_bytes, say=self.say, out_dir=self.out_dir, grad_bytes=self.grad_bytes,
+            resets=self.reading.resets, given_mb=self.ask.given_mb, detail=self.detail,
+            start=replace(self.start, twin=twin, optimizer=optimizer, batch=batch),
+        )  # fmt: skip
+        fresh.earlier = self.earlier + [self._as_earlier()]
+        if self.reading.meter is not None:
+            self.reading.meter.close()
+        self.stage = Stage.DONE
+        self.say(said.planning_again(longer, self.planned_shape, self.asked, inside))
+        return fresh
+
+    @property
+    def _after_shorter(self) -> str:
+        """Where this planner plans again for a longer batch than earlier ones, what a stop says of it."""
+        if not self.earlier or self.planned_shape is None:
+            return ""
+        return said.stopped_for_longer(self.planned_shape, [tuple(e["batch"]) for e in self.earlier])
+
+    def _as_earlier(self) -> dict:
+        """This planner's batch and its last choice (its check where one ran), for the planner after it."""
+        last = self.summary()
+        planned = self.choices.planned
+        if last is None and planned is not None and planned.choice is not None:  # replaced before step two chose
+            last = dict(config=planned.config(), predicted_peak_mb=planned.predicted.peak_mb, measured_peak_mb=None)
+        return dict(batch=list(self.planned_shape), **(last or {}))
+
     def batch_reached(self, shape: tuple, planned: tuple) -> None:
         """A training forward after step one reached the layers with input of `shape`; step one's was `planned`, the
-        batch every choice is made and checked for. A batch of more tokens holds more than any figure said: said
-        once, with what to do (the run goes on: its steps are the user's)."""
-        if self._beyond_said or len(shape) < 2 or len(planned) < 2:
+        batch every choice is made and checked for. Where no dry run plans again for a batch of more tokens
+        (`batch_arrives`), it holds more than any figure said: said once, with why and what to do (the run goes on:
+        its steps are the user's)."""
+        if self._beyond_said or self._again is not None or len(shape) < 2 or len(planned) < 2:
             return
         tokens, planned_tokens = math.prod(shape[:-1]), math.prod(planned[:-1])
         if tokens <= planned_tokens:
@@ -252,7 +332,18 @@ class BudgetPlanner:
         self._beyond_said = True
         fit = self.choices.fits[-1] if self.choices.fits else self.choices.planned
         predicted = fit.predicted.peak_mb if fit is not None and fit.predicted is not None else None
-        self.say(said.batch_beyond_planned(shape, tokens, planned, planned_tokens, self.asked, predicted))
+        why = self._why_once()
+        self.say(said.batch_beyond_planned(shape, tokens, planned, planned_tokens, self.asked, predicted, why))
+
+    def _why_once(self) -> str:
+        """Why `auto` plans for step one's batch only in this run (`batch_arrives` cannot plan again)."""
+        if self.start.plan_file is not None:
+            return "the run started from a plan file, whose choice is for the batch it names"
+        if self.reading.ranks is not None and self.reading.ranks.size > 1:
+            return "several processes train, each on batches of its own, and one dry run plans for all of them"
+        if self.budget_bytes is None:
+            return "a budget given as a share of the activations is solved from step one alone"
+        return "step one was measured without a dry run of it, which planning again needs"
 
     @property
     def asked(self) -> str:
@@ -389,9 +480,13 @@ class BudgetPlanner:
         its choice, which every rank runs: a dry run on each would cost every process its CPU time for nothing)."""
         twin, self.start.twin = self.start.twin, None
         optimizer, self.start.optimizer = self.start.optimizer, None  # not kept past the dry run
+        batch, self.start.batch = self.start.batch, None
         if self.start.plan_file is not None:
             self._from_plan_file(step, model, args, kwargs, optimizer)
             return Orders(policy=self._chosen())
+        # the batch the dry run plans for: this step's, or a longer one an earlier step ran (`for_longer_batch`)
+        dry_args, dry_kwargs, attends_all = batch if batch is not None else (args, kwargs, None)
+        self.planned_shape = batch_shape(dry_args, dry_kwargs)
         why = self.start.no_dry_run
         if why is None and self.budget_bytes is None:
             return None
@@ -401,6 +496,9 @@ class BudgetPlanner:
             why = "the run's optimizer is not known here (a loop of one's own)"
         fit, dry, held, libraries, running = None, None, 0, 0, None
         ranks = Ranks(alone=self._alone())
+        spare = None  # the twin before the dry run trains it: to plan again for a longer batch (`batch_arrives`)
+        if why is None and ranks.size == 1 and self.search is None and self.budget_bytes is not None:
+            spare = copy.deepcopy(twin)
         if why is None and ranks.rank == 0:
             from .from_plan import LayerOrderError, dry_run_choice
 
@@ -411,13 +509,14 @@ class BudgetPlanner:
                     dry = dry_run_choice(
                         self.start,
                         twin,
-                        args,
-                        kwargs,
+                        dry_args,
+                        dry_kwargs,
                         optimizer,
                         self.budget_mb,
                         held,
                         running_into=found,
                         device=device,
+                        mask_attends_all=attends_all,
                     )
                 finally:
                     running = found[0] if found else None
@@ -436,15 +535,17 @@ class BudgetPlanner:
         measured = dict(dry.profile.levers) if why is None and dry is not None and dry.profile is not None else None
         fit, why, running, measured = ranks.from_rank0((fit if why is None else None, why, running, measured))
         if isinstance(why, Refusal):  # every rank stops, before step one
-            raise RuntimeError(why.text)
+            raise RuntimeError(why.text + self._after_shorter)
         if fit is None:
             self.detail(said.measures_whole(why))
             return Orders(running=running)  # step one is measured over the layers the step runs
+        if spare is not None:  # a dry run of this step ran: one of a longer batch can (the optimizer held weakly)
+            self._again = (spare, weakref.ref(optimizer))
         self.choices.planned = fit
         self._run(fit)
         kept = ""
         if ranks.rank == 0 and self.start.keep_plan is not None:
-            kept = self._keep(fit, held, libraries, batch_shape(args, kwargs))
+            kept = self._keep(fit, held, libraries, self.planned_shape)
         seconds = dry.seconds if dry is not None else None
         self.say(said.dry_run_chose(seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept))
         return Orders(policy=self._chosen(), running=running, measured=measured)
@@ -490,6 +591,7 @@ class BudgetPlanner:
         flag = f"`--memory_plan_file {plan.path}`"
         shape = batch_shape(args, kwargs)
         planned = plan.step
+        self.planned_shape = (planned.batch, planned.seq)
         shorter = ""
         if shape is None:
             shorter = said.PLAN_FILE_NO_SHAPE
@@ -530,7 +632,7 @@ class BudgetPlanner:
         self._write()
         if result.choice is None:
             unweighed = [why for lever in step.levers.values() if (why := lever.unweighed(step.profile))]
-            raise RuntimeError(said.nothing_fits(self.asked, result, self.out_dir, unweighed))
+            raise RuntimeError(said.nothing_fits(self.asked, result, self.out_dir, unweighed) + self._after_shorter)
         self._run(result)
         self.say(said.chose(self, result))
         self.detail(said.described(self, result, step.profile.shape))
@@ -699,7 +801,9 @@ class BudgetPlanner:
         )
         where = said.on_ranks(peaks, peak)
         verdict = said.verdict(self.asked, peak, self.budget_bytes, self.budget_mb)
-        self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict))
+        ran, planned = self._step_shapes[0], self.planned_shape
+        shorter = ran if ran is not None and planned is not None and math.prod(ran) < math.prod(planned) else None
+        self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict, shorter, planned))
         if self.search is not None and self.budget_bytes is not None:
             self._search(step, result, peak, at_end)
             return
@@ -720,7 +824,8 @@ class BudgetPlanner:
             self._write()
             self.stage = Stage.DONE
             self.reading.meter.close()
-            raise RuntimeError(said.cannot_keep(self.asked, result, peak, where, self.budget_bytes, self.out_dir))
+            stop = said.cannot_keep(self.asked, result, peak, where, self.budget_bytes, self.out_dir)
+            raise RuntimeError(stop + self._after_shorter)
         self._finish()
 
     def check_ended(self) -> bool:
@@ -905,6 +1010,9 @@ class BudgetPlanner:
             },
             "fits": [f.as_dict() for f in self.choices.fits],
             "verified": self.choices.verified,
+            "batch": list(self.planned_shape) if self.planned_shape is not None else None,
+            # the choices for shorter batches this run planned for before (`batch_arrives`), in order
+            "earlier_batches": self.earlier,
         }
 
     def _write(self) -> None:
@@ -922,6 +1030,23 @@ class BudgetPlanner:
             atomic_write(path, write)
         except OSError as e:  # a report must never cost the run
             logger.error("could not write %s (%s); training goes on without it", path, e)
+
+
+def _meta_batch(args, kwargs) -> tuple:
+    """(args, kwargs, whether the attention mask attends to every token) of a forward, its tensors copied onto the
+    meta device (shapes, strides, dtypes: what a dry run reads of a batch), the mask read here where it is real."""
+    import torch
+
+    from ..nested import map_tensors
+
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        made = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
+        return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
+
+    mask = kwargs.get("attention_mask")
+    every = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
+    copied_args, copied_kwargs = map_tensors((tuple(args), dict(kwargs)), meta)
+    return copied_args, copied_kwargs, every
 
 
 def batch_shape(args, kwargs) -> Optional[tuple]:
