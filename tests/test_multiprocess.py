@@ -158,10 +158,12 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     """`--memory_opt_config auto --memory_budget_mb` under DDP and ZeRO-2: rank 0 chooses from both ranks' step one,
     both train its choice, both ranks' next peaks are checked against the budget (re-planned once on a miss), and
     the losses are those of the run that recomputes nothing. Nothing fitting stops both ranks with one message. Two
-    launches: the roomy runs (DDP, ZeRO-2), then the tight ones at budgets set from them and the refusal; each `auto`
-    run of a process chooses as a fresh process's would (issue 53)."""
+    launches: the roomy runs (DDP, ZeRO-2, DDP on batches of two lengths), then the tight ones at budgets set from
+    them and the refusal; each `auto` run of a process chooses as a fresh process's would (issue 53). A batch longer
+    than the choice's on one rank is planned for again by both (its shapes sent to rank 0, whose dry run chooses)."""
     roomy = tmp_path / "roomy"
-    res = launch_modes(WORKER, roomy, {"ddp": "auto:1000000", "zero2": "auto-zero2:1000000"}, timeout=900)
+    roomy_modes = {"ddp": "auto:1000000", "zero2": "auto-zero2:1000000", "lengths": "auto-lengths:1000000"}
+    res = launch_modes(WORKER, roomy, roomy_modes, timeout=900)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
     r0, r1 = reports(roomy / "ddp", 2)
     assert r0["wrapped"] == r1["wrapped"] == "DistributedDataParallel"
@@ -177,20 +179,31 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     z0, _ = reports(roomy / "zero2", 2)
     assert z0["wrapped"] == "DeepSpeedEngine" and z0["configs"] == [""] and z0["ddp"] == 1
     zero_budget = round((z0["verified"][0]["measured_peak_mb"] + z0["floor_mb"]) / 2, 1)
+    # batches of two lengths, rank 1's second the first longer one: planned again for by both (the short one's choice
+    # and figure kept in `earlier`); a budget the short batches fit with nothing recomputed and the long ones do not
+    l0, l1 = reports(roomy / "lengths", 2)
+    assert l0["batch"] == l1["batch"] == [4, 256] and l0["configs"] == [""], l0
+    assert [e["batch"] for e in l0["earlier"]] == [[4, 128]] and l0["earlier"][0]["config"] == "", l0
+    short_mb, long_mb = l0["earlier"][0]["predicted_peak_mb"], l0["verified"][0]["measured_peak_mb"]
+    assert max(short_mb, l0["floor_mb"]) < long_mb, l0
+    lengths_budget = round((max(short_mb, l0["floor_mb"]) + long_mb) / 2, 1)
 
     # DDP with step one measured with every layer recomputed, as without a dry run; ZeRO-2 (no dry run of its step);
     # then a budget nothing fits, which stops both ranks (the launch's last mode: it fails the launch)
     tight = tmp_path / "tight"
-    modes = {"ddp": f"auto-measure:{budget}", "zero2": f"auto-zero2:{zero_budget}", "none": "auto:1"}
+    modes = {
+        "ddp": f"auto-measure:{budget}",
+        "zero2": f"auto-zero2:{zero_budget}",
+        "lengths": f"auto-lengths:{lengths_budget}",
+        "none": "auto:1",
+    }
     res = launch_modes(WORKER, tight, modes, timeout=900)
     out = res.stdout + res.stderr
     refused = "`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 1`"
     assert res.returncode != 0 and out.count(refused) >= 2, out[-6000:]  # raised on each rank (torchrun prints each)
     stdout, stderr = said_in_modes(res.stdout), said_in_modes(res.stderr)
-    assert refused not in stdout.get("ddp", "") + stderr.get("ddp", "") + stdout.get("zero2", "") + stderr.get(
-        "zero2", ""
-    )
     said = {name: stdout.get(name, "") + stderr.get(name, "") for name in modes}
+    assert not any(refused in said[name] for name in ("ddp", "zero2", "lengths")), said
     t0, t1 = reports(tight / "ddp", 2)
     seen = (budget, t0["configs"], t0["verified"])  # said with any failure below
     assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen
@@ -216,6 +229,22 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     # no dry run of a run's own step under DeepSpeed (it partitions the model after the plugin wraps it): said why
     text = (tight / "zero2" / "memory_plans.txt").read_text()
     assert "step one measures with every layer recomputed whole: DeepSpeed partitions the model" in text
+
+    # rank 1's longer batch planned for by both ranks: its shapes to rank 0, whose dry run chose for both; the long
+    # steps recompute, within the budget, measured as predicted; the losses those of the run that recomputes nothing
+    t0, t1 = reports(tight / "lengths", 2)
+    seen = (lengths_budget, t0["configs"], t0["verified"], t0["earlier"])
+    assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen
+    assert t0["batch"] == [4, 256] and [e["batch"] for e in t0["earlier"]] == [[4, 128]], seen
+    assert t0["earlier"][0]["config"] == "", seen  # the short batches fitted with nothing recomputed
+    assert t0["verified"], seen
+    for check in t0["verified"]:
+        assert check["measured_peak_mb"] <= lengths_budget, seen
+        assert abs(check["measured_peak_mb"] - check["predicted_peak_mb"]) <= 0.01 * check["predicted_peak_mb"], seen
+    said_long = "a batch of 4 x 256 tokens (1,024) runs next on rank 1, more than the 4 x 128 (512)"
+    assert said["lengths"].count(said_long) == 1, said["lengths"][-3000:]
+    for mine, plain in ((t0, l0), (t1, l1)):
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mine["losses"], plain["losses"])), (seen, mine, plain)
 
 
 @pytest.mark.torch_backend

@@ -3,7 +3,8 @@ each MODE trained one after the other in this one launch (a fresh model and Trai
 
 MODE: ddp | zero1 | zero2 | fsdp (`--fsdp full_shard`, which trains as DDP on the CPU) | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
 auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend; step one runs a dry run's choice) | auto-measure:MIB (the
-same, step one measuring with every layer recomputed whole) | auto-zero2:MIB (under ZeRO-2) | decoder:PLANS
+same, step one measuring with every layer recomputed whole) | auto-zero2:MIB (under ZeRO-2) | auto-lengths:MIB (DDP,
+batches of two lengths, the longer first on rank 1) | decoder:PLANS
 (the tiny decoder under DDP with `--memory_opt_config PLANS`, or without the plugin's backend for `none`). BACKEND:
 ort | torch.
 Each rank writes NAME/rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
@@ -48,9 +49,18 @@ class SequentialTrainer(LossRecordingTrainer):
         return torch.utils.data.SequentialSampler(self.train_dataset)
 
 
+class Lengths(Tokens):
+    """Sequences of 128 tokens, then of 256 from sample 12 on: in order, 4 a rank, rank 0 takes the first batch of
+    each step and rank 1 the second, so that rank 1's second step is the first batch longer than step one's."""
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, self.vocab, (128 if i < 12 else 256,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
 def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
     """Rank 0 chooses from both ranks' step one (or its dry run of it); both train its choice (under DDP, or DeepSpeed
-    with `how` a ZeRO stage: `zero2`; `measure`: no dry run)."""
+    with `how` a ZeRO stage: `zero2`; `measure`: no dry run; `lengths`: DDP on batches of two lengths, `Lengths`)."""
     zero = how if how.startswith("zero") else ""
     deepspeed = ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{zero}.json")] if zero else []
     deepspeed += ["--memory_auto_dry_run", "false" if how == "measure" else "true"]
@@ -59,7 +69,8 @@ def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
         "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb",
         budget_mb, *deepspeed,
     )  # fmt: skip
-    trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=Tokens(n=32))
+    data = Lengths(n=32) if how == "lengths" else Tokens(n=32)
+    trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=data)
     trainer.train()
     state = trainer.memopt_handle
     planner = state.planner
@@ -78,6 +89,8 @@ def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
         "predicted_in": [f.predicted.where for f in planner.fits],
         "verified": planner.verified,
         "policy": [[lp.mode, sorted(lp.ops)] for lp in state.policy.layers],
+        "batch": list(planner.planned_shape) if planner.planned_shape is not None else None,
+        "earlier": planner.earlier,  # the choices for shorter batches before the last planner's
     }
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)

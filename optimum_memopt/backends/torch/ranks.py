@@ -28,8 +28,12 @@ class Ranks:
 
     def from_rank0(self, obj):
         """Rank 0's `obj` on every rank."""
+        return self.from_rank(obj, 0)
+
+    def from_rank(self, obj, src: int):
+        """Rank `src`'s `obj` on every rank."""
         if self.size == 1 or self.mirrored:
             return obj
         box = [obj]
-        self._dist.broadcast_object_list(box, src=0)
+        self._dist.broadcast_object_list(box, src=src)
         return box[0]

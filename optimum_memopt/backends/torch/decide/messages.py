@@ -133,17 +133,22 @@ def stopped_for_longer(shape: tuple, earlier: List[tuple]) -> str:
     )
 
 
-def planning_again(shape: tuple, planned: tuple, asked: str, inside: bool) -> str:
+def planning_again(shape: tuple, planned: tuple, asked: str, inside: bool, rank: Optional[int] = None) -> str:
     """`auto` plans again for a batch of more tokens than the one its choice was made and checked for; `inside`: the
-    batch was a later micro-batch of the last step, which ran under the choice it found."""
+    batch was a later micro-batch of the last step, which ran under the choice it found; `rank`: the process whose
+    batch it is, where several train (each on its own: the longest of all is planned for)."""
     now, then = " x ".join(map(str, shape)), " x ".join(map(str, planned))
     tokens, planned_tokens = math.prod(shape), math.prod(planned)
-    which = f"a micro-batch of the last step had {now} tokens" if inside else f"a batch of {now} tokens runs next"
+    on = f" on rank {rank}" if rank is not None else ""
+    if inside:
+        which = f"a micro-batch of the last step{on} had {now} tokens ({tokens:,}), more than the {then}"
+    else:
+        which = f"a batch of {now} tokens ({tokens:,}) runs next{on}, more than the {then}"
     ran = ", and ran under it" if inside else ""
     return (
-        f"memory_opt_config auto: {which} ({tokens:,}), more than the {then} ({planned_tokens:,}) the choice under "
-        f"{asked} was made and checked for{ran}: planning again for {now}, as for step one (a dry run of that batch "
-        f"chooses; the step about to run runs its choice and is measured and checked); later batches up to "
+        f"memory_opt_config auto: {which} ({planned_tokens:,}) the choice under {asked} was made and checked "
+        f"for{ran}: planning again for {now}, as for step one (a dry run of that batch chooses; the step about to "
+        f"run runs its choice and is measured and checked); later batches up to "
         f"{tokens:,} tokens run it"
     )
 

@@ -159,6 +159,10 @@ class StepOne:
     levers: Dict[str, list]  # each lever's options (`budget.LeverChoice`), from what it measured after step one
     layer_lists: List[str]  # where the layers come from several lists (a VLM's towers), one line a list
     levers_ran: str  # the levers step one ran, as plans (said with the choice)
+    # each rank's own step one with what its later steps hold more, as it measured it (rank order): where ranks ran
+    # batches of other shapes (a longer one on one of them), `solved` moves every rank by the choosing one's freed
+    # bytes, which stands above what the others measured under the policy they ran (`_confirmed` reads these)
+    own: List[Prediction] = field(default_factory=list)
 
 
 @dataclass
@@ -284,13 +288,21 @@ class BudgetPlanner:
         if shape is not None and math.prod(shape) > math.prod(longest[0] if longest else self.planned_shape):
             longest = (shape, _meta_batch(args, kwargs), not step_starts)
             self._longest = longest
-        if longest is None or not step_starts:
+        if not step_starts:
+            return None
+        ranks, src = self.reading.ranks, None
+        if ranks is not None and ranks.size > 1:  # every process's longest: the longest of all planned for, by all
+            offers = ranks.gather(math.prod(longest[0]) if longest is not None else 0)
+            if max(offers) > 0:
+                src = offers.index(max(offers))
+                longest = ranks.from_rank(longest, src)  # its tensors on the meta device, as a dry run reads them
+        if longest is None:
             return None
         twin, optimizer = self._again[0], self._again[1]()
-        if optimizer is None:  # the run's optimizer let go of: not this run's forward
+        if optimizer is None:  # the run's optimizer let go of: not this run's forward (on every rank alike)
             return None
         longer, batch, inside = longest
-        if not inside:  # this very batch: its own tensors, whose mask is read
+        if not inside and (src is None or src == ranks.rank):  # this very batch: its own tensors, its mask read
             batch = (args, kwargs, None)
         fresh = BudgetPlanner(
             self.budget_bytes, say=self.say, out_dir=self.out_dir, grad_bytes=self.grad_bytes,
@@ -301,7 +313,7 @@ class BudgetPlanner:
         if self.reading.meter is not None:
             self.reading.meter.close()
         self.stage = Stage.DONE
-        self.say(said.planning_again(longer, self.planned_shape, self.asked, inside))
+        self.say(said.planning_again(longer, self.planned_shape, self.asked, inside, src))
         return fresh
 
     @property
@@ -339,8 +351,6 @@ class BudgetPlanner:
         """Why `auto` plans for step one's batch only in this run (`batch_arrives` cannot plan again)."""
         if self.start.plan_file is not None:
             return "the run started from a plan file, whose choice is for the batch it names"
-        if self.reading.ranks is not None and self.reading.ranks.size > 1:
-            return "several processes train, each on batches of its own, and one dry run plans for all of them"
         if self.budget_bytes is None:
             return "a budget given as a share of the activations is solved from step one alone"
         return "step one was measured without a dry run of it, which planning again needs"
@@ -497,7 +507,7 @@ class BudgetPlanner:
         fit, dry, held, libraries, running = None, None, 0, 0, None
         ranks = Ranks(alone=self._alone())
         spare = None  # the twin before the dry run trains it: to plan again for a longer batch (`batch_arrives`)
-        if why is None and ranks.size == 1 and self.search is None and self.budget_bytes is not None:
+        if why is None and self.search is None and self.budget_bytes is not None:
             spare = copy.deepcopy(twin)
         if why is None and ranks.rank == 0:
             from .from_plan import LayerOrderError, dry_run_choice
@@ -579,7 +589,8 @@ class BudgetPlanner:
         gc.collect()
         device = next(iter(model.parameters())).device
         libraries = make_library_workspaces(device)
-        return device, held_outside(model, (args, kwargs), device, optimizer, self.start.ddp), libraries
+        trained = bool(self.earlier)  # planning again for a longer batch: the run's steps ran here before
+        return device, held_outside(model, (args, kwargs), device, optimizer, self.start.ddp, trained), libraries
 
     def _from_plan_file(self, step: StepStart, model, args, kwargs, optimizer) -> None:
         """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
@@ -713,7 +724,7 @@ class BudgetPlanner:
         if planned is None or self.choices.fits or budget_bytes is not None or self.budget_bytes is None:
             return None
         mine = self.step_one.freed
-        real = predict(self.step_one.solved, mine, mine)
+        real = max(self.step_one.own, key=lambda p: p.peak_bytes)  # every rank's step one as it measured it
         if real.peak_bytes > self.budget_bytes:
             self.choices.why_replanned = said.step_one_over(self.choices.planned_choice, real)
             return None
@@ -755,8 +766,9 @@ class BudgetPlanner:
             extra = self._current() - memory.start_bytes + self.grad_bytes
             freed = freed_bytes(step.profile, step.policy)
             mine, why = as_kept(memory, freed, extra), None
-        everyone = self.reading.ranks.gather((mine, why))
-        missing = [(rank, why) for rank, (kept, why) in enumerate(everyone) if kept is None]
+        own = predict(merged([mine], freed), freed, freed) if mine is not None else None
+        everyone = self.reading.ranks.gather((mine, why, own))
+        missing = [(rank, why) for rank, (kept, why, _) in enumerate(everyone) if kept is None]
         if missing:
             raise RuntimeError(said.step_one_not_located(missing, self.reading.ranks.size > 1))
         ran = [lever.plan() for lever in step.levers.values() if lever.plan()]
@@ -765,11 +777,15 @@ class BudgetPlanner:
             extra=extra,
             policy=step.policy,
             freed=freed,
-            solved=merged([kept for kept, _ in everyone], freed),
+            solved=merged([kept for kept, _, _ in everyone], freed),
             per_layer=candidates(step.profile),
             levers={name: lever.choices(step.profile, step.policy) for name, lever in step.levers.items()},
             layer_lists=list(step.layer_lists),
             levers_ran=said.levers_ran(ran),
+            own=[
+                replace(p, where=f"{p.where} on rank {rank}") if len(everyone) > 1 else p
+                for rank, (_, _, p) in enumerate(everyone)
+            ],
         )
 
     def _fit(self, step: StepStart, budget_bytes: Optional[int], corrections: Optional[Corrections] = None) -> Fit:

@@ -88,8 +88,9 @@ class LiveCount(StorageCount):
 
     def see(self, t: torch.Tensor) -> None:
         """As `StorageCount.see`, but a fake tensor (a dry run's, made under a count of its own while this one's ops
-        are on below it: `auto` starting from the plan inside a counted run) holds no memory of the process."""
-        if _FAKE is not None and isinstance(t, _FAKE):
+        are on below it: `auto` starting from the plan inside a counted run) or a meta one (a copy of the dry run's
+        twin, kept to plan again) holds no memory of the process."""
+        if (_FAKE is not None and isinstance(t, _FAKE)) or t.device.type == "meta":
             return
         super().see(t)
 
@@ -187,14 +188,17 @@ def make_library_workspaces(device: torch.device) -> int:
         return torch.cuda.memory_allocated(device) - before
 
 
-def held_outside(model: torch.nn.Module, inputs, device: torch.device, optimizer=None, ddp: int = 1) -> int:
+def held_outside(
+    model: torch.nn.Module, inputs, device: torch.device, optimizer=None, ddp: int = 1, trained: bool = False
+) -> int:
     """The bytes the process holds on `device` outside a training step about to run on `model` with `inputs` (its
     forward's arguments): what the device's count reads, less what a dry run of the step counts itself: the model's
     parameters, buffers and gradients, the inputs, `optimizer`'s state (loaded before step one where a run resumes)
     and, under DistributedDataParallel over `ddp` processes, its gradient buckets (made on the device when DDP wraps
     the model: as many bytes as the trained parameters). Another model, tensors a notebook keeps: every reading of the
     step counts them too. On the CPU, the storages the process's live count has seen that are alive (none in a
-    process that counted nothing before; DDP's buckets are first seen in backward); on CUDA,
+    process that counted nothing before; DDP's buckets are first seen in backward: where the model `trained` in this
+    process already, as before a step planned again for a longer batch, they are left out as on CUDA); on CUDA,
     `torch.cuda.memory_allocated`'s figure."""
     mine = {}
 
@@ -216,13 +220,12 @@ def held_outside(model: torch.nn.Module, inputs, device: torch.device, optimizer
     state = list(getattr(inner, "state", {}).values())
     for t in list(model.parameters()) + list(model.buffers()) + tensors_in(inputs) + tensors_in(state):
         add(t)
+    buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) if ddp > 1 else 0
     if device.type == "cpu":
-        return live_count().held_except(mine)
+        return max(0, live_count().held_except(mine) - (buckets if trained else 0))
     if device.type == "cuda":
         own = sum(block_bytes(s.nbytes()) for s in mine.values())
-        if ddp > 1:
-            own += sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        return max(0, torch.cuda.memory_allocated(device) - own)
+        return max(0, torch.cuda.memory_allocated(device) - own - buckets)
     return 0
 
 
