@@ -1,5 +1,6 @@
 """The torch backend on CUDA: dropout's random state replayed on the GPU, autocast (bf16 / fp16), the CUDA memory
-phases, the loss lever (`Loss+`) in fp32 and bf16, `auto` under a budget with its picture, the layers' saved tensors
+phases, the loss lever (`Loss+`) in fp32 and bf16, `auto` under a budget with its picture and planning again for a
+longer batch, the layers' saved tensors
 offloaded (`Offload+`), and DeepSpeed ZeRO-2 with fp16 and DeepSpeed's FusedAdam. Skipped where no CUDA device is present; the CPU side of the same code runs in
 test_backend_torch.py, test_torch_loss.py and test_torch_budget.py (`scripts/gpu_check.sh` runs these and
 test_random_streams.py on the GPU)."""
@@ -174,6 +175,39 @@ def test_cuda_auto_meets_its_budget_and_draws_its_picture(tmp_path):
     assert (tmp_path / "tight" / "memory_auto" / "step_memory.png").stat().st_size > 0
     solver = json.loads((tmp_path / "tight" / "memory_auto" / "solver.json").read_text())
     assert solver["memory"]["device"] == "cuda" and solver["budget_mb"] == pytest.approx(budget)
+
+
+@needs_cuda
+def test_cuda_auto_plans_again_for_a_longer_batch_within_its_budget(tmp_path):
+    """On CUDA, as on the CPU (tests/test_torch_budget.py): batches of 8 x 16 tokens, then 8 x 32; under a budget the
+    short ones fit with nothing recomputed and the long ones do not, the long batch is planned for again before its
+    step (what the process holds outside it read from CUDA's counter mid-run, the optimizer's state left out), which
+    recomputes and stays within the budget, checked."""
+    import gc
+
+    from test_torch_budget import _train_lengths
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    def run(name, budget_mb):
+        trainer, losses = _train_lengths(tmp_path, name, budget_mb, short=16, accumulate=2, steps=5, use_cpu=False)
+        planner = trainer.memopt_handle.planner
+        found = (planner.device, planner.earlier, planner.planned_shape, planner.fits[-1], planner.verified, losses)
+        del trainer, planner
+        gc.collect()
+        torch.cuda.empty_cache()
+        return found
+
+    device, earlier, shape, last, verified, roomy_losses = run("roomy", 10**6)
+    assert device == "cuda" and shape == (8, 32) and [e["batch"] for e in earlier] == [[8, 16]], earlier
+    short_mb, long_mb, floor_mb = earlier[0]["predicted_peak_mb"], verified[0]["measured_peak_mb"], last.floor.peak_mb
+    assert max(short_mb, floor_mb) < long_mb, (short_mb, floor_mb, long_mb)
+    budget = round((max(short_mb, floor_mb) + long_mb) / 2, 1)
+    _, earlier, shape, final, verified, losses = run("tight", budget)
+    seen = (budget, earlier, final.config(), verified)
+    assert shape == (8, 32) and earlier[0]["config"] == "" and final.config(), seen
+    assert verified and all(check["measured_peak_mb"] <= budget for check in verified), seen
+    assert max(abs(a - b) for a, b in zip(losses, roomy_losses)) <= 1e-5, (losses, roomy_losses)
 
 
 @needs_cuda

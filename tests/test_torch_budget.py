@@ -969,9 +969,9 @@ class _Lengths(torch.utils.data.IterableDataset):
             yield {"input_ids": ids, "labels": ids}
 
 
-def _train_lengths(tmp_path, name, budget_mb, short=8, accumulate=1, dry_run=True, steps=4):
+def _train_lengths(tmp_path, name, budget_mb, short=8, accumulate=1, dry_run=True, steps=4, use_cpu=True):
     args = MemoptTrainingArguments(
-        output_dir=str(tmp_path / name), use_cpu=True, max_steps=steps, per_device_train_batch_size=8,
+        output_dir=str(tmp_path / name), use_cpu=use_cpu, max_steps=steps, per_device_train_batch_size=8,
         gradient_accumulation_steps=accumulate, learning_rate=1e-3, logging_steps=1, report_to="none",
         save_strategy="no", seed=0, memory_opt_backend="torch", memory_opt_config="auto", memory_budget_mb=budget_mb,
         memory_auto_dry_run=dry_run,
