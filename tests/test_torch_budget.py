@@ -958,25 +958,28 @@ def test_step_one_takes_the_levers_measurements_over_from_its_dry_run_and_measur
 
 
 class _Lengths(torch.utils.data.IterableDataset):
-    """Sequences of 16 tokens, `short` of them, then of 32, in that order (no sampler shuffles an iterable dataset)."""
+    """Sequences of 16 tokens, `short` of them, then of 32, in that order (no sampler shuffles an iterable dataset);
+    `long_at`: where given, of 32 tokens only where `long_at(i)`, else of 16."""
 
-    def __init__(self, short: int = 8):
-        self.short = short
+    def __init__(self, short: int = 8, long_at=None):
+        self.long_at = long_at or (lambda i: i >= short)
 
     def __iter__(self):
         for i in range(64):
-            ids = torch.randint(0, 512, (16 if i < self.short else 32,), generator=torch.Generator().manual_seed(i))
+            ids = torch.randint(0, 512, (32 if self.long_at(i) else 16,), generator=torch.Generator().manual_seed(i))
             yield {"input_ids": ids, "labels": ids}
 
 
-def _train_lengths(tmp_path, name, budget_mb, short=8, accumulate=1, dry_run=True, steps=4, use_cpu=True):
+def _train_lengths(
+    tmp_path, name, budget_mb, short=8, accumulate=1, dry_run=True, steps=4, use_cpu=True, long_at=None
+):
     args = MemoptTrainingArguments(
         output_dir=str(tmp_path / name), use_cpu=use_cpu, max_steps=steps, per_device_train_batch_size=8,
         gradient_accumulation_steps=accumulate, learning_rate=1e-3, logging_steps=1, report_to="none",
         save_strategy="no", seed=0, memory_opt_backend="torch", memory_opt_config="auto", memory_budget_mb=budget_mb,
         memory_auto_dry_run=dry_run,
     )  # fmt: skip
-    trainer = MemoptTrainer(model=decoder(), args=args, train_dataset=_Lengths(short))
+    trainer = MemoptTrainer(model=decoder(), args=args, train_dataset=_Lengths(short, long_at))
     trainer.train()
     return trainer, [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
@@ -1027,6 +1030,20 @@ def test_auto_plans_again_for_a_longer_batch_and_keeps_its_budget(tmp_path, caps
         assert solved["batch"] == [8, 32] and [e["batch"] for e in solved["earlier_batches"]] == [[8, 16]]
         if short == 16:  # the same batches in the same steps as the unconstrained run's
             assert losses == pytest.approx(roomy_losses, rel=1e-6, abs=1e-6)
+
+
+@pytest.mark.slow
+def test_a_check_reads_on_past_shorter_batches_to_one_of_the_length_planned(tmp_path, capsys):
+    """The step after a choice may run a shorter batch than the one the choice was made for, which holds less than
+    the prediction: the check reads on through such steps (its meter's peak not reset) to the first of the planned
+    length, and is exact there; said with how many it read past."""
+    trainer, _ = _train_lengths(tmp_path, "waits", 10**6, steps=5, long_at=lambda i: i < 8 or i >= 24)
+    out = capsys.readouterr().out
+    planner = trainer.memopt_handle.planner
+    assert planner.planned_shape == (8, 32) and len(planner.verified) == 1 and not planner.earlier, out
+    check = planner.verified[0]
+    assert check["measured_peak_mb"] == pytest.approx(check["predicted_peak_mb"], rel=0.01), check
+    assert "the 3 steps after the choice (read on past 2 of batches shorter than 8 x 32) peaked at" in out, out
 
 
 @pytest.mark.slow

@@ -318,14 +318,19 @@ def checked(
     verdict: str,
     shorter: Optional[tuple] = None,
     planned: Optional[tuple] = None,
+    waited: int = 0,
 ) -> str:
     """A check's line (`say`): what the step after the choice measured against its prediction, and the verdict. A
     choice running the model's own head counts its returned logits as the caller's (`LeverChoice.returned`): said.
-    `shorter`: the checked step's batch (batch, tokens), where it had fewer tokens than the `planned` one: said, as
+    `waited`: the steps of shorter batches than the `planned` one the check read on through before the one it ended
+    at; `shorter`: that step's batch (batch, tokens), where it was shorter too (the check waited no longer): said, as
     the cause of a peak under the prediction."""
     predicted = result.predicted.peak_bytes
     error = (peak - predicted) / predicted * 100 if predicted else 0.0
     what = "the step after the choice" if resets else "training so far (CUDA's counter is the Trainer's)"
+    if resets and waited and planned is not None:
+        made_for = " x ".join(map(str, planned))
+        what = f"the {waited + 1} steps after the choice (read on past {waited} of batches shorter than {made_for})"
     kept = ""
     if result.returned:
         kept = (

@@ -74,6 +74,7 @@ class Refusal:
 MARGIN = 0.005  # of the budget, kept by a re-plan after a check over its prediction
 PROBE_ROUNDS = 4  # at most this many solves of a dry run's first choice with its layers read alone (`_probed`)
 SEARCH_CHECKS = 4  # a dry run's choices checked by a step each, at most (`BudgetPlanner.search`)
+CHECK_WAITS = 8  # steps of shorter batches than the one planned for a check reads on through, at most (`_waits`)
 
 
 class Stage(str, Enum):
@@ -240,6 +241,7 @@ class BudgetPlanner:
         self._longest: Optional[tuple] = None
         # each step's longest micro-batch (batch, tokens): the last step's, this one's
         self._step_shapes: tuple = (None, None)
+        self._check_waited = 0  # steps of shorter batches the check read on through (`_waits`)
         self.planned_shape: Optional[tuple] = None
         self.earlier: List[dict] = []  # the choices made for shorter batches before this planner's, in order
         self.choices = Choices()
@@ -460,9 +462,22 @@ class BudgetPlanner:
         elif self.stage == Stage.MEASURE:
             self._choose(step)
             watch = self._check_watch(step)
-        elif self.stage == Stage.VERIFY:
+        elif self.stage == Stage.VERIFY and not self._waits():
             self._verify(step)
         return Orders(watch=watch, policy=self._chosen())
+
+    def _waits(self) -> bool:
+        """Whether the check reads on through the next step too: the step that just ended ran a shorter batch than
+        the one the choice was made for (batches padded each to their longest), whose step holds less than the
+        prediction, and `CHECK_WAITS` such steps have not passed yet. The meter's peak is not reset meanwhile: the
+        check reads the highest of every step since it started, the first of the planned length among them."""
+        ran, planned = self._step_shapes[0], self.planned_shape
+        if self.search is not None or ran is None or planned is None or math.prod(ran) >= math.prod(planned):
+            return False
+        if self._check_waited >= CHECK_WAITS:
+            return False
+        self._check_waited += 1
+        return True
 
     def _check_watch(self, step: StepStart) -> Optional[StepWatch]:
         """A dry run's check about to run is watched segment by segment, as step one was, on the same meter: what it
@@ -819,7 +834,8 @@ class BudgetPlanner:
         verdict = said.verdict(self.asked, peak, self.budget_bytes, self.budget_mb)
         ran, planned = self._step_shapes[0], self.planned_shape
         shorter = ran if ran is not None and planned is not None and math.prod(ran) < math.prod(planned) else None
-        self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict, shorter, planned))
+        waited, self._check_waited = self._check_waited, 0
+        self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict, shorter, planned, waited))
         if self.search is not None and self.budget_bytes is not None:
             self._search(step, result, peak, at_end)
             return
