@@ -49,14 +49,27 @@ def planned(tmp_path_factory):
     return path, json.loads(path.read_text()), budget
 
 
-def train(tmp_path, *flags, model_config=None, batch=BATCH, steps=3):
+class _Longer(torch.utils.data.IterableDataset):
+    """Rows of 64 tokens, then of `SEQ` from row `at` on, in that order (no sampler shuffles an iterable dataset)."""
+
+    def __init__(self, at: int, n: int = 16):
+        self.at, self.n = at, n
+
+    def __iter__(self):
+        for i in range(self.n):
+            ids = torch.randint(0, 1024, (64 if i < self.at else SEQ,), generator=torch.Generator().manual_seed(i))
+            yield {"input_ids": ids, "labels": ids}
+
+
+def train(tmp_path, *flags, model_config=None, batch=BATCH, steps=3, data=None):
     torch.manual_seed(0)
     model = LlamaForCausalLM(model_config or config())
     args = make_args(
         tmp_path / "out", "--max_steps", str(steps), "--per_device_train_batch_size", str(batch),
         "--memory_opt_backend", "torch", "--optim", "adamw_torch", *flags,
     )  # fmt: skip
-    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=Tokens(n=16, seq=SEQ, vocab=1024))
+    data = data if data is not None else Tokens(n=16, seq=SEQ, vocab=1024)
+    trainer = LossRecordingTrainer(model=model, args=args, train_dataset=data)
     trainer.train()
     return trainer
 
@@ -67,7 +80,7 @@ def run_from_the_file(path, out):
     planner = trainer.memopt_handle.planner
     by_hand = train(out / "hand", "--memory_opt_config", planner.planned.config())
     return {
-        "twin": planner.start.twin is not None,
+        "plans_again": planner.plans_again,
         "search": planner.search,
         "planned": planner.planned.config(),
         "summary": planner.summary(),
@@ -92,8 +105,8 @@ def test_a_run_starts_from_the_files_choice_without_a_dry_run(tmp_path, planned)
     )  # fmt: skip
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     run = json.loads((tmp_path / "run.json").read_text())
-    # no dry run: the file's choice ran from step one, and step one confirmed it
-    assert not run["twin"] and not run["search"] and run["planned"] == auto["choice"]
+    # no dry run: the file's choice ran from step one, and step one confirmed it (a twin kept for a longer batch)
+    assert run["plans_again"] and not run["search"] and run["planned"] == auto["choice"]
     summary = run["summary"]
     assert summary["config"] == auto["choice"] and summary["dry_run_peak_mb"] == pytest.approx(
         auto["peak_mb"], abs=0.1
@@ -132,11 +145,29 @@ def test_a_runs_own_dry_run_is_kept_for_the_next_run_of_the_step(tmp_path, plann
     assert (kept.choice, kept.budget_mb, kept.step.batch, kept.step.seq) == (chose, budget, BATCH, SEQ)
     again = train(tmp_path / "again", "--memory_plan_file", str(path))
     planner = again.memopt_handle.planner
-    assert planner.start.twin is None and planner.planned.config() == chose
+    assert planner.plans_again and planner.planned.config() == chose
     assert not (tmp_path / "again" / "out" / "memory_auto" / "plan.json").exists()  # a file's run keeps none
     assert again.losses == losses
     with pytest.raises(RuntimeError, match=rf"planned batches of {BATCH} x {SEQ} tokens, and this run's first is 4 x"):
         train(tmp_path / "batch", "--memory_plan_file", str(path), batch=4)
+
+
+@pytest.mark.slow
+def test_a_run_from_a_file_plans_again_for_a_batch_longer_than_the_files(tmp_path, planned):
+    """A plan file's choice is for the batch it names; a later batch of more tokens is planned for by a dry run of
+    it, as a run's own would be (the model's twin made for it), checked within the file's budget."""
+    _, _, budget = planned
+    first = train(tmp_path / "first", "--memory_opt_config", "auto", "--memory_budget_mb", str(budget),
+                  data=Tokens(n=16, seq=64, vocab=1024))  # fmt: skip
+    path = tmp_path / "first" / "out" / "memory_auto" / "plan.json"
+    del first
+    gc.collect()
+    again = train(tmp_path / "again", "--memory_plan_file", str(path), data=_Longer(at=2 * BATCH), steps=5)
+    planner = again.memopt_handle.planner
+    said = (tmp_path / "again" / "out" / "memory_plans.txt").read_text()
+    assert f"planning again for {BATCH} x {SEQ}" in said and f"more than the {BATCH} x 64" in said, said[-3000:]
+    assert planner.planned_shape == (BATCH, SEQ) and [e["batch"] for e in planner.earlier] == [[BATCH, 64]]
+    assert planner.verified and all(c["measured_peak_mb"] <= budget for c in planner.verified), planner.verified
 
 
 @pytest.mark.slow

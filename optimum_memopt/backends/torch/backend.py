@@ -154,9 +154,7 @@ class TorchBackend(Backend):
             logger.warning("%s", note)
         twin, no_twin = None, None
         budget = settings.budget
-        if budget is not None and budget.plan_file is not None:
-            pass  # step one runs the file's choice: no dry run, no twin
-        elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
+        if budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
             no_twin = budget.no_dry_run  # FSDP, DeepSpeed: the model copied here is not the one that trains
         elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.instruments is None:
             no_twin = "no dry run's instruments were handed to the backend (`Budget.instruments`)"
@@ -164,7 +162,9 @@ class TorchBackend(Backend):
             from .decide.from_plan import NoTwin, twin_of
             from .levers import lever_classes
 
-            try:  # for `auto` to start from a dry run of step one (made before the backend's hooks are on the model)
+            # for `auto` to start from a dry run of step one (made before the backend's hooks are on the model); from
+            # a plan file, for a dry run of a batch longer than the file's alone (its step one runs the file's choice)
+            try:
                 twin = twin_of(model)
                 for cls in lever_classes():  # what the twin dropped with every forward set on an instance (TRL's head)
                     cls.onto_twin(model, twin)

@@ -253,6 +253,12 @@ class BudgetPlanner:
         return self.stage is Stage.START
 
     @property
+    def plans_again(self) -> bool:
+        """Whether a batch of more tokens than the choice's is planned for again, by a dry run of it (`batch_arrives`):
+        a twin of the model is kept for one (a run started from its own dry run or from a plan file)."""
+        return self._again is not None
+
+    @property
     def settled(self) -> bool:
         """Whether the choice was checked: no step is measured any more."""
         return self.stage is Stage.DONE
@@ -309,7 +315,7 @@ class BudgetPlanner:
         fresh = BudgetPlanner(
             self.budget_bytes, say=self.say, out_dir=self.out_dir, grad_bytes=self.grad_bytes,
             resets=self.reading.resets, given_mb=self.ask.given_mb, detail=self.detail,
-            start=replace(self.start, twin=twin, optimizer=optimizer, batch=batch),
+            start=replace(self.start, twin=twin, optimizer=optimizer, batch=batch, plan_file=None, no_dry_run=None),
         )  # fmt: skip
         fresh.earlier = self.earlier + [self._as_earlier()]
         if self.reading.meter is not None:
@@ -352,7 +358,7 @@ class BudgetPlanner:
     def _why_once(self) -> str:
         """Why `auto` plans for step one's batch only in this run (`batch_arrives` cannot plan again)."""
         if self.start.plan_file is not None:
-            return "the run started from a plan file, whose choice is for the batch it names"
+            return "the run started from a plan file, whose choice is for the batch it names, and no twin of the model"
         if self.budget_bytes is None:
             return "a budget given as a share of the activations is solved from step one alone"
         return "step one was measured without a dry run of it, which planning again needs"
@@ -508,6 +514,8 @@ class BudgetPlanner:
         batch, self.start.batch = self.start.batch, None
         if self.start.plan_file is not None:
             self._from_plan_file(step, model, args, kwargs, optimizer)
+            if twin is not None and optimizer is not None and self.search is None:  # no dry run trained it: kept
+                self._again = (twin, weakref.ref(optimizer))  # to plan for a batch longer than the file's
             return Orders(policy=self._chosen())
         # the batch the dry run plans for: this step's, or a longer one an earlier step ran (`for_longer_batch`)
         dry_args, dry_kwargs, attends_all = batch if batch is not None else (args, kwargs, None)
