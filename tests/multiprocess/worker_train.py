@@ -50,11 +50,13 @@ class SequentialTrainer(LossRecordingTrainer):
 
 
 class Lengths(Tokens):
-    """Sequences of 128 tokens, then of 256 from sample 12 on: in order, 4 a rank, rank 0 takes the first batch of
-    each step and rank 1 the second, so that rank 1's second step is the first batch longer than step one's."""
+    """Sequences of 128 tokens, and of 256 for samples 12 to 15 and from 20 on: in order, 4 a rank, rank 0 takes the
+    first batch of each step and rank 1 the second, so that rank 1's second step is the first batch longer than step
+    one's, and in the third rank 0's is shorter than rank 1's (each rank's check decides as every rank does)."""
 
     def __getitem__(self, i):
-        ids = torch.randint(0, self.vocab, (128 if i < 12 else 256,), generator=torch.Generator().manual_seed(i))
+        long = 12 <= i < 16 or i >= 20
+        ids = torch.randint(0, self.vocab, (256 if long else 128,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids}
 
 

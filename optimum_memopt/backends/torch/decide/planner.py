@@ -242,6 +242,7 @@ class BudgetPlanner:
         # each step's longest micro-batch (batch, tokens): the last step's, this one's
         self._step_shapes: tuple = (None, None)
         self._check_waited = 0  # steps of shorter batches the check read on through (`_waits`)
+        self._checked_ran: Optional[tuple] = None  # the longest batch of the step a check reads, of every rank's
         self.planned_shape: Optional[tuple] = None
         self.earlier: List[dict] = []  # the choices made for shorter batches before this planner's, in order
         self.choices = Choices()
@@ -478,6 +479,10 @@ class BudgetPlanner:
         prediction, and `CHECK_WAITS` such steps have not passed yet. The meter's peak is not reset meanwhile: the
         check reads the highest of every step since it started, the first of the planned length among them."""
         ran, planned = self._step_shapes[0], self.planned_shape
+        ranks = self.reading.ranks
+        if ranks is not None and ranks.size > 1:  # every rank decides alike (a check is a collective): the longest
+            ran = max((r for r in ranks.gather(ran) if r is not None), key=math.prod, default=None)
+        self._checked_ran = ran  # said with the check
         if self.search is not None or ran is None or planned is None or math.prod(ran) >= math.prod(planned):
             return False
         if self._check_waited >= CHECK_WAITS:
@@ -566,7 +571,9 @@ class BudgetPlanner:
                 why = said.dry_run_failed(e)
         # what the levers measured of this very step in the dry run: taken over after step one, not run again
         measured = dict(dry.profile.levers) if why is None and dry is not None and dry.profile is not None else None
-        fit, why, running, measured = ranks.from_rank0((fit if why is None else None, why, running, measured))
+        fit, why, running, measured, self.planned_shape = ranks.from_rank0(
+            (fit if why is None else None, why, running, measured, self.planned_shape)
+        )  # the batch rank 0's dry run planned for, every rank's (each process's own may be another)
         if isinstance(why, Refusal):  # every rank stops, before step one
             raise RuntimeError(why.text + self._after_shorter)
         if fit is None:
@@ -840,7 +847,7 @@ class BudgetPlanner:
         )
         where = said.on_ranks(peaks, peak)
         verdict = said.verdict(self.asked, peak, self.budget_bytes, self.budget_mb)
-        ran, planned = self._step_shapes[0], self.planned_shape
+        ran, planned = self._checked_ran, self.planned_shape
         shorter = ran if ran is not None and planned is not None and math.prod(ran) < math.prod(planned) else None
         waited, self._check_waited = self._check_waited, 0
         self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict, shorter, planned, waited))
