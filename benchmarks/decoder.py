@@ -52,6 +52,14 @@ class DecoderArguments:
     seq: int = field(default=512, metadata={"help": "Sequence length of every sample."})
     vocab: int = field(default=1000, metadata={"help": "Vocabulary size."})
     samples: int = field(default=256, metadata={"help": "Generated training samples."})
+    first_seq: int = field(
+        default=0,
+        metadata={
+            "help": "Where set, the first step's samples have this many tokens and every later one `--seq`, in that "
+            "order (an iterable dataset: no shuffling): `auto` chooses for the first and plans again for the "
+            "longer (batches padded each to its own longest, as TRL's SFT without packing)."
+        },
+    )
     profile_step: int = field(
         default=0, metadata={"help": "Profile this training step (1-based; benchmarks/step_profile.py); 0: none."}
     )
@@ -164,6 +172,19 @@ def apply_titan_sac(model):
         layer.forward = forward
 
 
+class FirstShorter(torch.utils.data.IterableDataset):
+    """`first` samples of `first_seq` tokens, then `n - first` of `seq`, in order; again each epoch."""
+
+    def __init__(self, n, seq, vocab, first, first_seq):
+        self.n, self.seq, self.vocab, self.first, self.first_seq = n, seq, vocab, first, first_seq
+
+    def __iter__(self):
+        for i in range(self.n):
+            length = self.first_seq if i < self.first else self.seq
+            ids = torch.randint(0, self.vocab, (length,), generator=torch.Generator().manual_seed(i))
+            yield {"input_ids": ids, "labels": ids}
+
+
 def main(argv=None):
     parser = HfArgumentParser((DecoderArguments, MemoptTrainingArguments))
     d, args = parser.parse_args_into_dataclasses(argv)
@@ -187,7 +208,12 @@ def main(argv=None):
         enable_selective_activation_checkpointing(model)
     elif d.sac:
         raise SystemExit(f"`--sac {d.sac}`: the policies here are `titan` and `trl`")
-    trainer = MemoptTrainer(model=model, args=args, train_dataset=Tokens(d.samples, d.seq, d.vocab))
+    if d.first_seq:
+        first = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        data = FirstShorter(d.samples, d.seq, d.vocab, first, d.first_seq)
+    else:
+        data = Tokens(d.samples, d.seq, d.vocab)
+    trainer = MemoptTrainer(model=model, args=args, train_dataset=data)
     if d.profile_step:
         from step_profile import profile_callback
 

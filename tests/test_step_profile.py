@@ -107,3 +107,18 @@ def test_the_decoder_profiles_the_step_asked_for(tmp_path):
     assert got["step"] == 2 and got["on"] == "cpu" and got["wall_ms"] > 0
     assert got["marks"][RECOMPUTE_LAYER]["count"] == 2 and got["marks"][RECOMPUTE_LAYER]["host_ms"] > 0
     assert any(op["name"] == "aten::mm" for op in got["cpu_ops"])
+
+
+@pytest.mark.slow
+def test_the_decoders_first_step_can_be_shorter_and_auto_plans_again_for_the_rest(tmp_path):
+    """`--first_seq`: the first step's samples shorter than the rest, in order; `auto` chooses for the first and plans
+    again for the longer, as a card's run of it reads (docs/GPU.md)."""
+    command = [sys.executable, os.path.join(ROOT, "benchmarks", "decoder.py"), "--output_dir", str(tmp_path / "o"),
+               "--preset", "tiny", "--seq", "128", "--first_seq", "64", "--max_steps", "3",
+               "--per_device_train_batch_size", "2", "--report_to", "none", "--use_cpu", "--memory_opt_backend",
+               "torch", "--memory_opt_config", "auto", "--memory_budget_mb", "1000000"]  # fmt: skip
+    res = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = res.stdout + res.stderr
+    assert "a batch of 2 x 128 tokens (256) runs next, more than the 2 x 64 (128)" in said, said[-3000:]
+    assert said.count("a dry run of step one in") == 2, said[-3000:]
