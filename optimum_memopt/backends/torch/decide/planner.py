@@ -233,8 +233,8 @@ class BudgetPlanner:
         self.step_one: Optional[StepOne] = None  # from step two's start
         self._weighed: Optional[tuple] = None  # (step one, what every fit of it shares: `budget.weigh`)
         self._beyond_said = False  # a batch of more tokens than step one's said (`batch_reached`)
-        # what plans again for a batch of more tokens than step one's (`for_longer_batch`): the twin as its dry run
-        # found it, the run's optimizer (weakly: a finished run's is not kept), step one's batch (batch, tokens)
+        # what plans again for a batch of more tokens than the choice's (`batch_arrives`): (the twin as this planner's
+        # dry run found it, the run's optimizer, held weakly: a finished run's is not kept alive by it)
         self._again: Optional[tuple] = None
         # the longest batch since, where longer than step one's: (its shape, its tensors on the meta device with
         # whether its mask attended to every token, whether it ran inside a step: a later micro-batch)
@@ -243,7 +243,7 @@ class BudgetPlanner:
         self._step_shapes: tuple = (None, None)
         self._check_waited = 0  # steps of shorter batches the check read on through (`_waits`)
         self._checked_ran: Optional[tuple] = None  # the longest batch of the step a check reads, of every rank's
-        self.planned_shape: Optional[tuple] = None
+        self.planned_shape: Optional[tuple] = None  # (batch, tokens) every choice is made and checked for
         self.earlier: List[dict] = []  # the choices made for shorter batches before this planner's, in order
         self.choices = Choices()
         self.search: Optional[Search] = None  # where a dry run drives the planner (`driven_by_a_dry_run`)
@@ -280,10 +280,11 @@ class BudgetPlanner:
         again for the longest, as for step one, at a step's start: returned is a planner that does (handed the twin
         as step one's dry run found it, the run's optimizer and the longest batch), whose step one is the step
         about to run: a dry run of the longest batch chooses, the step runs it and is measured and checked. A
-        micro-batch of more tokens inside a step runs under the choice it finds (said with the new plan). None where
-        nothing is planned again: no batch longer, not at a step's start, or no dry run can be made (`_again`: a
-        plan file's run, step one measured without a dry run, several processes, whose batches are each their own;
-        `batch_reached` then says so at the layers)."""
+        micro-batch of more tokens inside a step runs under the choice it finds (said with the new plan). Under
+        several processes every step's start gathers each one's longest, and all plan for the longest of them (its
+        tensors, on the meta device, sent to rank 0, whose dry run chooses for all). None where nothing is planned
+        again: no batch longer, not at a step's start, or no dry run can be made (`plans_again`: step one measured
+        without one, a budget as a share; `batch_reached` then says so at the layers)."""
         shape = batch_shape(args, kwargs)
         if shape is not None:  # each step's longest micro-batch, the last step's kept for its check (`_verify`)
             last, now = self._step_shapes
@@ -359,7 +360,7 @@ class BudgetPlanner:
     def _why_once(self) -> str:
         """Why `auto` plans for step one's batch only in this run (`batch_arrives` cannot plan again)."""
         if self.start.plan_file is not None:
-            return "the run started from a plan file, whose choice is for the batch it names, and no twin of the model"
+            return "the run started from a plan file, whose choice is for the batch it names, and no twin was made"
         if self.budget_bytes is None:
             return "a budget given as a share of the activations is solved from step one alone"
         return "step one was measured without a dry run of it, which planning again needs"
@@ -522,7 +523,7 @@ class BudgetPlanner:
             if twin is not None and optimizer is not None and self.search is None:  # no dry run trained it: kept
                 self._again = (twin, weakref.ref(optimizer))  # to plan for a batch longer than the file's
             return Orders(policy=self._chosen())
-        # the batch the dry run plans for: this step's, or a longer one an earlier step ran (`for_longer_batch`)
+        # the batch the dry run plans for: this step's, or a longer one an earlier step ran (`batch_arrives`)
         dry_args, dry_kwargs, attends_all = batch if batch is not None else (args, kwargs, None)
         self.planned_shape = batch_shape(dry_args, dry_kwargs)
         why = self.start.no_dry_run
