@@ -149,7 +149,7 @@ class RecomputeState:
         self._levers_measured = False  # after step one, each lever measured what it would do
         self._dry_measured: Dict[str, object] = {}  # the run's dry run's measurements, to take over (`Orders`)
         self._adopted: List[str] = []  # the levers that took theirs over after step one (`Lever.adopt`)
-        self._mid_step = False  # a forward of this step ran already (the trainer reports steps): the next, a micro-batch's
+        self._mid_step = False  # a forward of this step ran (the trainer reports steps): the next is a micro-batch's
 
     # -- what the others read ------------------------------------------------------------------------------------
     @property
@@ -232,8 +232,9 @@ class RecomputeState:
     def _before_training_forward(self, args, kwargs) -> None:
         """Before a training forward of the model runs (and before it is counted): in the first steps the layers the
         last forward ran are checked (`StepClock`); after step one, `auto`'s planner is told of the batch, and one of
-        more tokens than its choice's makes the step about to run a step one again (`planner.batch_arrives`); a step
-        one's first forward is where `auto` may start from a dry run of it or a plan file (`planner.before_step_one`)."""
+        more tokens than its choice's makes the step about to run a step one again (`planner.batch_arrives`); a
+        step one's first forward is where `auto` may start from a dry run of it or a plan file
+        (`planner.before_step_one`)."""
         if self.clock.model_forward_starts():
             self._check_layers_ran()
         if self.planner is not None and self.profile is not None:  # a longer batch than the choice's: planned again
