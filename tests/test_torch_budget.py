@@ -992,13 +992,17 @@ def test_auto_plans_again_for_a_longer_batch_and_keeps_its_budget(tmp_path, caps
     Under a budget the short batches fit with nothing recomputed and the long ones do not, the long steps recompute
     and peak within the budget, measured as predicted; the losses are the unconstrained run's (recompute is exact).
     A longer micro-batch inside a step (gradient accumulation) runs under the choice it finds, and the next step
-    plans for it; at a step's start, for the batch itself. The plan kept for the next run is the longest's."""
+    plans for it; at a step's start, for the batch itself. Where the step planned so runs shorter batches than the
+    one planned for, the dry run's figure stands for the choice (what that step held says less), and the check reads
+    on to a step of the planned length. The plan kept for the next run is the longest's."""
     from optimum_memopt.planning.plan_file import read
 
-    def run(name, budget_mb, short):
+    def run(name, budget_mb, short, long_at=None, steps=4):
         """What a run chose, checked and lost; its trainer let go of (a process's live tensors are what the next
         run's dry run counts as held outside its step: another model's, as on a device)."""
-        trainer, losses = _train_lengths(tmp_path, name, budget_mb, short=short, accumulate=2)
+        trainer, losses = _train_lengths(
+            tmp_path, name, budget_mb, short=short, accumulate=2, long_at=long_at, steps=steps
+        )
         planner = trainer.memopt_handle.planner
         found = (planner.earlier, planner.planned_shape, planner.fits[-1], planner.verified, losses)
         del trainer, planner
@@ -1011,9 +1015,16 @@ def test_auto_plans_again_for_a_longer_batch_and_keeps_its_budget(tmp_path, caps
     assert max(eager_short, floor_long) < eager_long
     budget = round((max(eager_short, floor_long) + eager_long) / 2, 1)
     capsys.readouterr()
-    for short, said in ((16, "a batch of 8 x 32 tokens (256) runs next, more than the 8 x 16 (128)"),
-                        (8, "a micro-batch of the last step had 8 x 32 tokens (256), more than the 8 x 16 (128)")):  # fmt: skip
-        earlier, shape, final, verified, losses = run(f"tight{short}", budget, short)
+    inside = "a micro-batch of the last step had 8 x 32 tokens (256), more than the 8 x 16 (128)"
+    cases = {  # a step's micro-batches: 8 rows each, 2 a step
+        "at-start": (16, None, 4, "a batch of 8 x 32 tokens (256) runs next, more than the 8 x 16 (128)"),
+        "inside": (8, None, 4, inside),
+        # step one short then long, step two short (the step planned for the long one: its choice kept by the dry
+        # run's figure; by what step two held it was 15.6 MiB where the long step held 19.3), long from step three on
+        "inside-then-short": (None, lambda i: 8 <= i < 16 or i >= 32, 5, inside),
+    }
+    for name, (short, long_at, steps, said) in cases.items():
+        earlier, shape, final, verified, losses = run(f"tight-{name}", budget, short, long_at, steps)
         out = capsys.readouterr().out
         assert out.count(said) == 1 and out.count("planning again for 8 x 32") == 1, out
         assert "(128) the choice under `--memory_budget_mb" in out
@@ -1023,12 +1034,12 @@ def test_auto_plans_again_for_a_longer_batch_and_keeps_its_budget(tmp_path, caps
         for check in verified:
             assert check["measured_peak_mb"] <= budget, verified
             assert check["measured_peak_mb"] == pytest.approx(check["predicted_peak_mb"], rel=0.01), verified
-        kept = read(str(tmp_path / f"tight{short}" / "memory_auto" / "plan.json"))
+        kept = read(str(tmp_path / f"tight-{name}" / "memory_auto" / "plan.json"))
         assert (kept.step.batch, kept.step.seq) == (8, 32) and kept.choice == final.config()
-        with open(tmp_path / f"tight{short}" / "memory_auto" / "solver.json") as f:
+        with open(tmp_path / f"tight-{name}" / "memory_auto" / "solver.json") as f:
             solved = json.load(f)
         assert solved["batch"] == [8, 32] and [e["batch"] for e in solved["earlier_batches"]] == [[8, 16]]
-        if short == 16:  # the same batches in the same steps as the unconstrained run's
+        if name == "at-start":  # the same batches in the same steps as the unconstrained run's
             assert losses == pytest.approx(roomy_losses, rel=1e-6, abs=1e-6)
 
 

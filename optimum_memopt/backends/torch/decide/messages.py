@@ -123,13 +123,20 @@ def batch_beyond_planned(
     )
 
 
-def stopped_for_longer(shape: tuple, earlier: List[tuple]) -> str:
-    """Said after a stop where it is for a batch longer than those planned before it (`earlier`, in order)."""
-    now, fitted = " x ".join(map(str, shape)), " x ".join(map(str, earlier[-1]))
+def stopped_for_longer(shape: tuple, earlier: List[dict]) -> str:
+    """Said after a stop where it is for a batch longer than those planned before it (`earlier`, in order: each one's
+    batch, and its choice's figures where one was made)."""
+    now, last = " x ".join(map(str, shape)), earlier[-1]
+    fitted = " x ".join(map(str, last["batch"]))
+    figures = ""
+    if last.get("predicted_peak_mb") is not None:
+        measured = last.get("measured_peak_mb")
+        read = f", measured {measured:,.1f}" if measured is not None else ", not yet checked"
+        figures = f" (its choice predicted {last['predicted_peak_mb']:,.1f} MiB{read})"
     return (
         f". This is the step of a batch of {now} tokens ({math.prod(shape):,}), planned again after {fitted} "
-        f"({math.prod(earlier[-1]):,}) ran: batches of at most that many tokens keep the run within the budget (TRL's "
-        f"`max_length`, where it pads each batch to its longest)"
+        f"({math.prod(last['batch']):,}) ran{figures}: batches of at most that many tokens, which its choice was made "
+        f"for, may keep the run within the budget (TRL's `max_length`, where it pads each batch to its longest)"
     )
 
 
@@ -146,7 +153,7 @@ def planning_again(shape: tuple, planned: tuple, asked: str, inside: bool, rank:
         which = f"a batch of {now} tokens ({tokens:,}) runs next{on}, more than the {then}"
     ran = ", and ran under it" if inside else ""
     return (
-        f"memory_opt_config auto: {which} ({planned_tokens:,}) the choice under {asked} was made and checked "
+        f"memory_opt_config auto: {which} ({planned_tokens:,}) the choice under {asked} was made "
         f"for{ran}: planning again for {now}, as for step one (a dry run of that batch chooses; the step about to "
         f"run runs its choice and is measured and checked); later batches up to "
         f"{tokens:,} tokens run it"

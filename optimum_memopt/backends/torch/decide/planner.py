@@ -164,6 +164,7 @@ class StepOne:
     # batches of other shapes (a longer one on one of them), `solved` moves every rank by the choosing one's freed
     # bytes, which stands above what the others measured under the policy they ran (`_confirmed` reads these)
     own: List[Prediction] = field(default_factory=list)
+    ran: Optional[tuple] = None  # the longest batch (batch, tokens) step one ran, of every rank's; None: not read
 
 
 @dataclass
@@ -331,7 +332,7 @@ class BudgetPlanner:
         """Where this planner plans again for a longer batch than earlier ones, what a stop says of it."""
         if not self.earlier or self.planned_shape is None:
             return ""
-        return said.stopped_for_longer(self.planned_shape, [tuple(e["batch"]) for e in self.earlier])
+        return said.stopped_for_longer(self.planned_shape, self.earlier)
 
     def _as_earlier(self) -> dict:
         """This planner's batch and its last choice (its check where one ran), for the planner after it."""
@@ -363,6 +364,8 @@ class BudgetPlanner:
             return "the run started from a plan file, whose choice is for the batch it names, and no twin was made"
         if self.budget_bytes is None:
             return "a budget given as a share of the activations is solved from step one alone"
+        if self.earlier:
+            return "the dry run of the last longer batch chose nothing, and its step was measured instead"
         return "step one was measured without a dry run of it, which planning again needs"
 
     @property
@@ -518,6 +521,7 @@ class BudgetPlanner:
         twin, self.start.twin = self.start.twin, None
         optimizer, self.start.optimizer = self.start.optimizer, None  # not kept past the dry run
         batch, self.start.batch = self.start.batch, None
+        self._step_shapes = (None, batch_shape(args, kwargs))  # step one's first micro-batch (`batch_arrives`)
         if self.start.plan_file is not None:
             self._from_plan_file(step, model, args, kwargs, optimizer)
             if twin is not None and optimizer is not None and self.search is None:  # no dry run trained it: kept
@@ -756,6 +760,11 @@ class BudgetPlanner:
             return None
         mine = self.step_one.freed
         real = max(self.step_one.own, key=lambda p: p.peak_bytes)  # every rank's step one as it measured it
+        ran, shape = self.step_one.ran, self.planned_shape
+        if ran is not None and shape is not None and math.prod(ran) < math.prod(shape) and planned.predicted:
+            # step one ran a shorter batch than the one planned for (a longer micro-batch or rank's before it): what
+            # it held says less than the planned batch's step, which the dry run counted
+            real = max(real, planned.predicted, key=lambda p: p.peak_bytes)
         if real.peak_bytes > self.budget_bytes:
             self.choices.why_replanned = said.step_one_over(self.choices.planned_choice, real)
             return None
@@ -798,8 +807,8 @@ class BudgetPlanner:
             freed = freed_bytes(step.profile, step.policy)
             mine, why = as_kept(memory, freed, extra), None
         own = predict(merged([mine], freed), freed, freed) if mine is not None else None
-        everyone = self.reading.ranks.gather((mine, why, own))
-        missing = [(rank, why) for rank, (kept, why, _) in enumerate(everyone) if kept is None]
+        everyone = self.reading.ranks.gather((mine, why, own, self._step_shapes[0]))
+        missing = [(rank, why) for rank, (kept, why, _, _) in enumerate(everyone) if kept is None]
         if missing:
             raise RuntimeError(said.step_one_not_located(missing, self.reading.ranks.size > 1))
         ran = [lever.plan() for lever in step.levers.values() if lever.plan()]
@@ -808,15 +817,16 @@ class BudgetPlanner:
             extra=extra,
             policy=step.policy,
             freed=freed,
-            solved=merged([kept for kept, _, _ in everyone], freed),
+            solved=merged([kept for kept, _, _, _ in everyone], freed),
             per_layer=candidates(step.profile),
             levers={name: lever.choices(step.profile, step.policy) for name, lever in step.levers.items()},
             layer_lists=list(step.layer_lists),
             levers_ran=said.levers_ran(ran),
             own=[
                 replace(p, where=f"{p.where} on rank {rank}") if len(everyone) > 1 else p
-                for rank, (_, _, p) in enumerate(everyone)
+                for rank, (_, _, p, _) in enumerate(everyone)
             ],
+            ran=max((r for _, _, _, r in everyone if r is not None), key=math.prod, default=None),
         )
 
     def _fit(self, step: StepStart, budget_bytes: Optional[int], corrections: Optional[Corrections] = None) -> Fit:
