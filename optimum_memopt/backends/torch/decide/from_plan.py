@@ -81,6 +81,24 @@ def twin_of(model: nn.Module) -> nn.Module:
     return twin
 
 
+def copied_batch(args, kwargs, device: str) -> tuple:
+    """(args, kwargs) of a forward with each tensor an empty one of its size, strides and dtype on `device` (a
+    floating one keeps `requires_grad`): what a dry run reads of a batch (on "cpu" under its fake mode; on "meta", a
+    batch kept to plan for later)."""
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        made = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device)
+        return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
+
+    return map_tensors((tuple(args), dict(kwargs)), empty)
+
+
+def attends_all(kwargs) -> bool:
+    """Whether a forward's 2-D attention mask attends to every token (read from its values: a real batch's)."""
+    mask = kwargs.get("attention_mask")
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
+
+
 def optimizer_like(optimizer):
     """A maker of an optimizer like `optimizer` (accelerate's wrapper or torch's) for other parameters: its class with
     the defaults its constructor takes. ValueError where it is not one of torch's."""
@@ -121,18 +139,7 @@ def dry_run_choice(
     from ..measure.attention import CudaKernels
 
     making = optimizer_like(optimizer)
-
-    def batch():
-        def fake(t: torch.Tensor) -> torch.Tensor:
-            made = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
-            return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
-
-        return map_tensors((tuple(args), dict(kwargs)), fake)
-
-    every_token = mask_attends_all
-    if every_token is None:
-        mask = kwargs.get("attention_mask")
-        every_token = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
+    every_token = attends_all(kwargs) if mask_attends_all is None else mask_attends_all
     spare = copy.deepcopy(twin)  # untouched, for a dry run that runs again without replayed layers (`fake_step.run`)
     spec = StepSpec(getattr(twin, "config", None), grad_accum=start.grad_accum, autocast=start.autocast, ddp=start.ddp)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -144,7 +151,7 @@ def dry_run_choice(
             "auto",
             budget_mb=budget_mb,
             model=twin,
-            batch=batch,
+            batch=lambda: copied_batch(args, kwargs, "cpu"),
             optimizer_from=making,
             held_bytes=held_bytes,
             running_into=running_into,

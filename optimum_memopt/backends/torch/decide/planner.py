@@ -1092,19 +1092,10 @@ class BudgetPlanner:
 
 def _meta_batch(args, kwargs) -> tuple:
     """(args, kwargs, whether the attention mask attends to every token) of a forward, its tensors copied onto the
-    meta device (shapes, strides, dtypes: what a dry run reads of a batch), the mask read here where it is real."""
-    import torch
+    meta device (`from_plan.copied_batch`), the mask read here where it is real."""
+    from .from_plan import attends_all, copied_batch
 
-    from ..nested import map_tensors
-
-    def meta(t: torch.Tensor) -> torch.Tensor:
-        made = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="meta")
-        return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
-
-    mask = kwargs.get("attention_mask")
-    every = isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool((mask != 0).all())
-    copied_args, copied_kwargs = map_tensors((tuple(args), dict(kwargs)), meta)
-    return copied_args, copied_kwargs, every
+    return (*copied_batch(args, kwargs, "meta"), attends_all(kwargs))
 
 
 def batch_shape(args, kwargs) -> Optional[tuple]:
