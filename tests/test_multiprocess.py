@@ -160,7 +160,9 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     the losses are those of the run that recomputes nothing. Nothing fitting stops both ranks with one message. Two
     launches: the roomy runs (DDP, ZeRO-2, DDP on batches of two lengths), then the tight ones at budgets set from
     them and the refusal; each `auto` run of a process chooses as a fresh process's would (issue 53). A batch longer
-    than the choice's on one rank is planned for again by both (its shapes sent to rank 0, whose dry run chooses)."""
+    than the choice's on one rank is planned for again by both (its shapes sent to rank 0, whose dry run chooses), and
+    a first batch longer on rank 1 than rank 0's is the one step one's dry run plans for (and a plan file is held to:
+    refused on both ranks where it planned shorter)."""
     roomy = tmp_path / "roomy"
     roomy_modes = {"ddp": "auto:1000000", "zero2": "auto-zero2:1000000", "lengths": "auto-lengths:1000000"}
     res = launch_modes(WORKER, roomy, roomy_modes, timeout=900)
@@ -195,6 +197,8 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
         "ddp": f"auto-measure:{budget}",
         "zero2": f"auto-zero2:{zero_budget}",
         "lengths": f"auto-lengths:{lengths_budget}",
+        "first": f"auto-first:{lengths_budget}",
+        "planfile": f"auto-planfile:{roomy / 'ddp' / 'memory_auto' / 'plan.json'}",
         "none": "auto:1",
     }
     res = launch_modes(WORKER, tight, modes, timeout=900)
@@ -203,7 +207,7 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     assert res.returncode != 0 and out.count(refused) >= 2, out[-6000:]  # raised on each rank (torchrun prints each)
     stdout, stderr = said_in_modes(res.stdout), said_in_modes(res.stderr)
     said = {name: stdout.get(name, "") + stderr.get(name, "") for name in modes}
-    assert not any(refused in said[name] for name in ("ddp", "zero2", "lengths")), said
+    assert not any(refused in said[name] for name in ("ddp", "zero2", "lengths", "first")), said
     t0, t1 = reports(tight / "ddp", 2)
     seen = (budget, t0["configs"], t0["verified"])  # said with any failure below
     assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen
@@ -245,6 +249,26 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     assert said["lengths"].count(said_long) == 1, said["lengths"][-3000:]
     for mine, plain in ((t0, l0), (t1, l1)):
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mine["losses"], plain["losses"])), (seen, mine, plain)
+
+    # rank 1's first batch the longer: step one's dry run (rank 0's) plans for it, not for rank 0's own, so step one
+    # keeps the budget on rank 1 too, measured as predicted; nothing is planned again (no later batch is longer)
+    f0, f1 = reports(tight / "first", 2)
+    seen = (lengths_budget, f0["configs"], f0["planned_mb"], f0["predicted_mb"], f0["verified"], f0["earlier"])
+    assert f0["batch"] == f1["batch"] == [4, 256] and f0["earlier"] == [], seen
+    assert f0["planned"] and f0["planned"] == f1["planned"] == f0["configs"][0], seen  # step one ran its choice
+    assert f0["planned_mb"] <= lengths_budget, seen
+    step_one = f0["predicted_mb"][0]  # step one as measured, the highest of both ranks' (`_confirmed`)
+    assert step_one <= lengths_budget and abs(step_one - f0["planned_mb"]) <= 0.01 * f0["planned_mb"], seen
+    assert all(check["measured_peak_mb"] <= lengths_budget for check in f0["verified"]), seen
+    whose = "(of rank 1's batch of 4 x 256 tokens, the longest first batch of the 2 processes)"
+    assert said["first"].count(whose) == 1 and "planning again" not in said["first"], said["first"][-3000:]
+
+    # a plan file made for 4 x 256 (the roomy DDP run's) and rank 1's first batch of 4 x 512: refused before any step
+    # on both ranks alike, rank 0 naming rank 1's batch
+    p0, p1 = reports(tight / "planfile", 2)
+    assert p0["steps"] == p1["steps"] == 0, (p0, p1)
+    assert "planned batches of 4 x 256 tokens, and rank 1's first batch is 4 x 512" in p0["refused"], p0
+    assert "planned batches of 4 x 256 tokens, and this run's first is 4 x 512" in p1["refused"], p1
 
 
 @pytest.mark.torch_backend

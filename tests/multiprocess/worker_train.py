@@ -4,7 +4,8 @@ each MODE trained one after the other in this one launch (a fresh model and Trai
 MODE: ddp | zero1 | zero2 | fsdp (`--fsdp full_shard`, which trains as DDP on the CPU) | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
 auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend; step one runs a dry run's choice) | auto-measure:MIB (the
 same, step one measuring with every layer recomputed whole) | auto-zero2:MIB (under ZeRO-2) | auto-lengths:MIB (DDP,
-batches of two lengths, the longer first on rank 1) | decoder:PLANS
+batches of two lengths, the longer first on rank 1) | auto-first:MIB (DDP, rank 1's first batch the only longer one) | auto-planfile:PATH (from a plan file,
+rank 1's first batch longer than it planned) | decoder:PLANS
 (the tiny decoder under DDP with `--memory_opt_config PLANS`, or without the plugin's backend for `none`). BACKEND:
 ort | torch.
 Each rank writes NAME/rank<N>.json with its losses, a parameter checksum and what the plugin did on it.
@@ -54,25 +55,53 @@ class Lengths(Tokens):
     first batch of each step and rank 1 the second, so that rank 1's second step is the first batch longer than step
     one's, and in the third rank 0's is shorter than rank 1's (each rank's check decides as every rank does)."""
 
+    lengths = (128, 256)  # short, long
+
     def __getitem__(self, i):
-        long = 12 <= i < 16 or i >= 20
-        ids = torch.randint(0, self.vocab, (256 if long else 128,), generator=torch.Generator().manual_seed(i))
+        seq = self.lengths[self.long(i)]
+        ids = torch.randint(0, self.vocab, (seq,), generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids}
+
+    def long(self, i: int) -> bool:
+        return 12 <= i < 16 or i >= 20
+
+
+class FirstLonger(Lengths):
+    """Sequences of 128 tokens but rank 1's first batch (samples 4 to 7), of 256: step one's longest is another
+    rank's than rank 0, whose dry run chooses for both."""
+
+    def long(self, i: int) -> bool:
+        return 4 <= i < 8
+
+
+class FirstBeyondPlan(FirstLonger):
+    """`FirstLonger` of 256 tokens, rank 1's first batch of 512: beyond a plan file made for `Tokens`' 256."""
+
+    lengths = (256, 512)
 
 
 def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
     """Rank 0 chooses from both ranks' step one (or its dry run of it); both train its choice (under DDP, or DeepSpeed
-    with `how` a ZeRO stage: `zero2`; `measure`: no dry run; `lengths`: DDP on batches of two lengths, `Lengths`)."""
+    with `how` a ZeRO stage: `zero2`; `measure`: no dry run; `lengths`: DDP on batches of two lengths, `Lengths`;
+    `first`: rank 1's first batch longer, `FirstLonger`; `planfile`: `budget_mb` the path of a plan file made for
+    `Tokens`, and rank 1's first batch longer than it planned, `FirstBeyondPlan`: the refusal is reported)."""
     zero = how if how.startswith("zero") else ""
     deepspeed = ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{zero}.json")] if zero else []
     deepspeed += ["--memory_auto_dry_run", "false" if how == "measure" else "true"]
+    budget = ["--memory_plan_file", budget_mb] if how == "planfile" else ["--memory_budget_mb", budget_mb]
     args = make_args(
         out, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--ddp_backend", "gloo",
-        "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb",
-        budget_mb, *deepspeed,
+        "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", *budget, *deepspeed,
     )  # fmt: skip
-    data = Lengths(n=32) if how == "lengths" else Tokens(n=32)
+    data = {"lengths": Lengths, "first": FirstLonger, "planfile": FirstBeyondPlan}.get(how, Tokens)(n=32)
     trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=data)
+    if how == "planfile":
+        try:
+            trainer.train()
+        except RuntimeError as e:  # refused before step one, on every rank alike (no collective left waiting)
+            with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+                json.dump({"rank": rank, "refused": str(e), "steps": trainer.state.global_step}, f)
+            return
     trainer.train()
     state = trainer.memopt_handle
     planner = state.planner
@@ -84,6 +113,8 @@ def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
         "losses": trainer.losses,
         "param_sum": float(params.sum()),
         "planned": planner.planned.config() if planner.planned is not None else None,
+        # the choice step one ran, as predicted before it (a dry run's or a plan file's figure)
+        "planned_mb": planner.planned.predicted.peak_mb if planner.planned is not None else None,
         "ddp": planner.start.ddp,  # the processes the dry run of step one held DDP's gradient buckets for
         "configs": [f.config() for f in planner.fits],
         "predicted_mb": [f.predicted.peak_mb for f in planner.fits],

@@ -63,11 +63,20 @@ def measures_whole(why: str) -> str:
 
 
 def dry_run_chose(
-    seconds: Optional[float], config: str, budget_mb: float, predicted, held: int, libraries: int, kept: str
+    seconds: Optional[float],
+    config: str,
+    budget_mb: float,
+    predicted,
+    held: int,
+    libraries: int,
+    kept: str,
+    whose: str = "",
 ) -> str:
     """The dry run's choice, which step one runs: `config` its plans ("" none), `held` what the process holds outside
-    the step (`libraries` of it the workspaces made before the dry run), `kept` where the choice went (or "")."""
+    the step (`libraries` of it the workspaces made before the dry run), `kept` where the choice went (or ""),
+    `whose` the batch it planned where another rank's (`first_of_rank`)."""
     took = f" in {seconds:,.1f} s" if seconds is not None else ""
+    took += whose
     chose = f"`--memory_opt_config {config}`" if config else "to recompute nothing"
     outside = f", with {held / MIB:,.1f} MiB the process held outside the step" if held >= MIB / 10 else ""
     if outside and libraries:
@@ -77,6 +86,12 @@ def dry_run_chose(
         f"MiB: predicted peak {predicted.peak_mb:,.1f} MiB ({predicted.where}{outside}); step one runs it and is "
         f"measured to check it{kept}"
     )
+
+
+def first_of_rank(shape: tuple, rank: int, size: int) -> str:
+    """Where step one's dry run planned for another rank's first batch, longer than this one's."""
+    batch = f"{shape[0]} x {shape[1]:,}"
+    return f" (of rank {rank}'s batch of {batch} tokens, the longest first batch of the {size} processes)"
 
 
 NOT_KEPT_NO_SHAPE = "memory_opt_config auto: the dry run's choice is not kept: the batch's shape was not read"
@@ -91,9 +106,11 @@ def kept_in(path: str) -> str:
 
 
 # -- a plan file's choice -------------------------------------------------------------------------------------------
-def plan_file_other_batch(flag: str, planned, shape: tuple) -> str:
+def plan_file_other_batch(flag: str, planned, shape: tuple, rank: Optional[int] = None) -> str:
+    """A plan file's batch is not the run's first (`rank`: the process whose first batch, longest of all, it is)."""
+    whose = f"rank {rank}'s first batch" if rank is not None else "this run's first"
     return (
-        f"{flag} planned batches of {planned.batch} x {planned.seq:,} tokens, and this run's first is "
+        f"{flag} planned batches of {planned.batch} x {planned.seq:,} tokens, and {whose} is "
         f"{shape[0]} x {shape[1]:,}; no step was trained. Plan this batch (`memopt-plan ... "
         f"--per_device_train_batch_size {shape[0]} --block_size {shape[1]}`), or drop `--memory_plan_file`"
     )

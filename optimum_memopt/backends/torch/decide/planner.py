@@ -522,8 +522,12 @@ class BudgetPlanner:
         optimizer, self.start.optimizer = self.start.optimizer, None  # not kept past the dry run
         batch, self.start.batch = self.start.batch, None
         self._step_shapes = (None, batch_shape(args, kwargs))  # step one's first micro-batch (`batch_arrives`)
+        ranks = Ranks(alone=self._alone())
+        longest = None  # (its shape, its rank) where another process's first batch has more tokens than this one's
+        if batch is None and ranks.size > 1 and not ranks.mirrored:
+            batch, longest = self._longest_first(ranks, args, kwargs)
         if self.start.plan_file is not None:
-            self._from_plan_file(step, model, args, kwargs, optimizer)
+            self._from_plan_file(step, model, args, kwargs, optimizer, longest)
             if twin is not None and optimizer is not None and self.search is None:  # no dry run trained it: kept
                 self._again = (twin, weakref.ref(optimizer))  # to plan for a batch longer than the file's
             return Orders(policy=self._chosen())
@@ -538,7 +542,6 @@ class BudgetPlanner:
         if why is None and optimizer is None:
             why = "the run's optimizer is not known here (a loop of one's own)"
         fit, dry, held, libraries, running = None, None, 0, 0, None
-        ranks = Ranks(alone=self._alone())
         spare = None  # the twin before the dry run trains it: to plan again for a longer batch (`batch_arrives`)
         if why is None and self.search is None and self.budget_bytes is not None:
             spare = copy.deepcopy(twin)
@@ -592,8 +595,24 @@ class BudgetPlanner:
         if ranks.rank == 0 and self.start.keep_plan is not None:
             kept = self._keep(fit, held, libraries, self.planned_shape)
         seconds = dry.seconds if dry is not None else None
-        self.say(said.dry_run_chose(seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept))
+        whose = said.first_of_rank(*longest, ranks.size) if longest is not None else ""
+        chose = said.dry_run_chose(seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept, whose)
+        self.say(chose)
         return Orders(policy=self._chosen(), running=running, measured=measured)
+
+    def _longest_first(self, ranks: Ranks, args, kwargs) -> tuple:
+        """Under several processes, before step one: every rank runs the one choice, so rank 0's dry run plans for
+        the longest of every rank's first batch (the first rank's of the most tokens), and a plan file is held to it.
+        Returned: that batch as the dry run reads it (its tensors on the meta device, whether its mask attends to
+        every token), None where rank 0's is the longest; and (its shape, its rank) where it is longer than this
+        rank's own, else None."""
+        shapes = ranks.gather(batch_shape(args, kwargs))
+        tokens = [math.prod(s) if s is not None else 0 for s in shapes]
+        src = tokens.index(max(tokens))
+        longest = (shapes[src], src) if tokens[src] > tokens[ranks.rank] else None
+        if src == 0:
+            return None, longest
+        return ranks.from_rank(_meta_batch(args, kwargs) if ranks.rank == src else None, src), longest
 
     def _keep(self, fit: Fit, held: int, libraries: int, shape: Optional[tuple]) -> str:
         """The dry run's choice handed to `Start.keep_plan`, as `memopt-plan --json` writes it: its step's peak for a
@@ -627,22 +646,23 @@ class BudgetPlanner:
         trained = bool(self.earlier)  # planning again for a longer batch: the run's steps ran here before
         return device, held_outside(model, (args, kwargs), device, optimizer, self.start.ddp, trained), libraries
 
-    def _from_plan_file(self, step: StepStart, model, args, kwargs, optimizer) -> None:
+    def _from_plan_file(self, step: StepStart, model, args, kwargs, optimizer, longest: Optional[tuple]) -> None:
         """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
-        before step one, where the batch is not the file's (a longer sequence holds more than the file planned). The
-        figure said is the file's with what this process holds outside the step in place of the workspaces the file
-        counted (`live.held_outside`, as a run's own dry run counts it): the file planned a process that holds
-        nothing else."""
+        before step one, where the batch is not the file's (a longer sequence holds more than the file planned; under
+        several processes the longest of every rank's first batch, `longest`: (its shape, its rank), is held to
+        it). The figure said is the file's with what this process holds outside the step in place of the
+        workspaces the file counted (`live.held_outside`, as a run's own dry run counts it): the file planned a
+        process that holds nothing else."""
         plan = self.start.plan_file
         flag = f"`--memory_plan_file {plan.path}`"
-        shape = batch_shape(args, kwargs)
+        shape = batch_shape(args, kwargs) if longest is None else longest[0]  # the longest of every rank's first
         planned = plan.step
         self.planned_shape = (planned.batch, planned.seq)
         shorter = ""
         if shape is None:
             shorter = said.PLAN_FILE_NO_SHAPE
         elif shape[0] != planned.batch or shape[1] > planned.seq:
-            raise RuntimeError(said.plan_file_other_batch(flag, planned, shape))
+            raise RuntimeError(said.plan_file_other_batch(flag, planned, shape, longest[1] if longest else None))
         elif shape[1] < planned.seq:
             shorter = said.plan_file_shorter(shape[1], planned.seq)
         _, held, _ = self._outside(model, args, kwargs, optimizer)
