@@ -160,11 +160,17 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     the losses are those of the run that recomputes nothing. Nothing fitting stops both ranks with one message. Two
     launches: the roomy runs (DDP, ZeRO-2, DDP on batches of two lengths), then the tight ones at budgets set from
     them and the refusal; each `auto` run of a process chooses as a fresh process's would (issue 53). A batch longer
-    than the choice's on one rank is planned for again by both (its shapes sent to rank 0, whose dry run chooses), and
+    than the choice's on one rank is planned for again by both (its shapes sent to rank 0, whose dry run chooses; under
+    ZeRO-2, where no dry run can be made, its step measured again), and
     a first batch longer on rank 1 than rank 0's is the one step one's dry run plans for (and a plan file is held to:
     refused on both ranks where it planned shorter)."""
     roomy = tmp_path / "roomy"
-    roomy_modes = {"ddp": "auto:1000000", "zero2": "auto-zero2:1000000", "lengths": "auto-lengths:1000000"}
+    roomy_modes = {
+        "ddp": "auto:1000000",
+        "zero2": "auto-zero2:1000000",
+        "lengths": "auto-lengths:1000000",
+        "zlengths": "auto-zero2-lengths:1000000",
+    }
     res = launch_modes(WORKER, roomy, roomy_modes, timeout=900)
     assert res.returncode == 0, f"stdout:\n{res.stdout[-3000:]}\nstderr:\n{res.stderr[-6000:]}"
     r0, r1 = reports(roomy / "ddp", 2)
@@ -189,6 +195,11 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     short_mb, long_mb = l0["earlier"][0]["predicted_peak_mb"], l0["verified"][0]["measured_peak_mb"]
     assert max(short_mb, l0["floor_mb"]) < long_mb, l0
     lengths_budget = round((max(short_mb, l0["floor_mb"]) + long_mb) / 2, 1)
+    # the same batches under ZeRO-2 (no dry run: rank 1's longer batch is measured again, before step one's choice)
+    zl0, zl1 = reports(roomy / "zlengths", 2)
+    assert zl0["batch"] == [4, 256] and [e["batch"] for e in zl0["earlier"]] == [[4, 128]], zl0
+    assert zl0["configs"] == [""] and zl0["floor_mb"] < zl0["predicted_mb"][0], zl0
+    zl_budget = round((zl0["floor_mb"] + zl0["predicted_mb"][0]) / 2, 1)
 
     # DDP with step one measured with every layer recomputed, as without a dry run; ZeRO-2 (no dry run of its step);
     # then a budget nothing fits, which stops both ranks (the launch's last mode: it fails the launch)
@@ -197,6 +208,7 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
         "ddp": f"auto-measure:{budget}",
         "zero2": f"auto-zero2:{zero_budget}",
         "lengths": f"auto-lengths:{lengths_budget}",
+        "zlengths": f"auto-zero2-lengths:{zl_budget}",
         "first": f"auto-first:{lengths_budget}",
         "planfile": f"auto-planfile:{roomy / 'ddp' / 'memory_auto' / 'plan.json'}",
         "none": "auto:1",
@@ -207,7 +219,7 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     assert res.returncode != 0 and out.count(refused) >= 2, out[-6000:]  # raised on each rank (torchrun prints each)
     stdout, stderr = said_in_modes(res.stdout), said_in_modes(res.stderr)
     said = {name: stdout.get(name, "") + stderr.get(name, "") for name in modes}
-    assert not any(refused in said[name] for name in ("ddp", "zero2", "lengths", "first")), said
+    assert not any(refused in said[name] for name in ("ddp", "zero2", "lengths", "zlengths", "first")), said
     t0, t1 = reports(tight / "ddp", 2)
     seen = (budget, t0["configs"], t0["verified"])  # said with any failure below
     assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen
@@ -248,6 +260,26 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
     said_long = "a batch of 4 x 256 tokens (1,024) runs next on rank 1, more than the 4 x 128 (512)"
     assert said["lengths"].count(said_long) == 1, said["lengths"][-3000:]
     for mine, plain in ((t0, l0), (t1, l1)):
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mine["losses"], plain["losses"])), (seen, mine, plain)
+
+    # under ZeRO-2, where no dry run can be made: rank 1's longer batch measured again by both ranks, the choice made
+    # from it recomputes and keeps the budget, at or below its prediction (less the logits the Trainer drops). Under
+    # ZeRO-2 a choice from a measured step is predicted above what its step holds, at a run's start as here (28.1
+    # MiB read where 30.3 was predicted; 29.0 for 30.4 here), where DDP's is exact (30.4 for 30.4); why is not known
+    # yet (the gap here, 1.4 MiB, is about one rank's ZeRO-2 gradient partition of this model, 1.47 MiB)
+    t0, t1 = reports(tight / "zlengths", 2)
+    seen = (zl_budget, t0["configs"], t0["verified"], t0["earlier"])
+    assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen
+    assert t0["batch"] == [4, 256] and [e["batch"] for e in t0["earlier"]] == [[4, 128]] and t0["verified"], seen
+    for check in t0["verified"]:
+        dropped = check["predicted_peak_mb"] - check.get("returned_mb", 0.0)
+        assert check["measured_peak_mb"] <= zl_budget, seen
+        assert check["measured_peak_mb"] <= dropped * 1.01, seen
+    said_long = "a batch of 4 x 256 tokens (1,024) runs next on rank 1, more than the 4 x 128 (512)"
+    out = said["zlengths"]
+    assert out.count(said_long) == 1 and out.count("measuring again for 4 x 256, as step one was") == 1, out[-3000:]
+    assert "DeepSpeed partitions the model" in out and "nothing plans again for it" not in out, out[-3000:]
+    for mine, plain in ((t0, zl0), (t1, zl1)):
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mine["losses"], plain["losses"])), (seen, mine, plain)
 
     # rank 1's first batch the longer: step one's dry run (rank 0's) plans for it, not for rank 0's own, so step one

@@ -3,7 +3,7 @@ each MODE trained one after the other in this one launch (a fresh model and Trai
 
 MODE: ddp | zero1 | zero2 | fsdp (`--fsdp full_shard`, which trains as DDP on the CPU) | single (world of 1, same global batch) | fail_rank1 | auto:MIB (`--memory_opt_config
 auto --memory_budget_mb MIB` on the tiny decoder, DDP, torch backend; step one runs a dry run's choice) | auto-measure:MIB (the
-same, step one measuring with every layer recomputed whole) | auto-zero2:MIB (under ZeRO-2) | auto-lengths:MIB (DDP,
+same, step one measuring with every layer recomputed whole) | auto-zero2:MIB (under ZeRO-2) | auto-zero2-lengths:MIB (ZeRO-2, `Lengths`) | auto-lengths:MIB (DDP,
 batches of two lengths, the longer first on rank 1) | auto-first:MIB (DDP, rank 1's first batch the only longer one) | auto-planfile:PATH (from a plan file,
 rank 1's first batch longer than it planned) | decoder:PLANS
 (the tiny decoder under DDP with `--memory_opt_config PLANS`, or without the plugin's backend for `none`). BACKEND:
@@ -81,21 +81,24 @@ class FirstBeyondPlan(FirstLonger):
 
 
 def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
-    """Rank 0 chooses from both ranks' step one (or its dry run of it); both train its choice (under DDP, or DeepSpeed
-    with `how` a ZeRO stage: `zero2`; `measure`: no dry run; `lengths`: DDP on batches of two lengths, `Lengths`;
-    `first`: rank 1's first batch longer, `FirstLonger`; `planfile`: `budget_mb` the path of a plan file made for
-    `Tokens`, and rank 1's first batch longer than it planned, `FirstBeyondPlan`: the refusal is reported)."""
-    zero = how if how.startswith("zero") else ""
+    """Rank 0 chooses from both ranks' step one (or its dry run of it); both train its choice. `how`: words joined by
+    `-`, each optional: a ZeRO stage (`zero2`: under DeepSpeed, else DDP); `measure` (no dry run); the batches:
+    `lengths` (two lengths, `Lengths`), `first` (rank 1's first batch longer, `FirstLonger`) or `planfile`
+    (`budget_mb` the path of a plan file made for `Tokens`, and rank 1's first batch longer than it planned,
+    `FirstBeyondPlan`: the refusal is reported); else `Tokens`."""
+    words = set(how.split("-")) - {""}
+    zero = next((w for w in words if w.startswith("zero")), "")
+    batches = next((w for w in words if w in ("lengths", "first", "planfile")), "")
     deepspeed = ["--deepspeed", os.path.join(ROOT, "examples", "configs", f"ds_{zero}.json")] if zero else []
-    deepspeed += ["--memory_auto_dry_run", "false" if how == "measure" else "true"]
-    budget = ["--memory_plan_file", budget_mb] if how == "planfile" else ["--memory_budget_mb", budget_mb]
+    deepspeed += ["--memory_auto_dry_run", "false" if "measure" in words else "true"]
+    budget = ["--memory_plan_file", budget_mb] if batches == "planfile" else ["--memory_budget_mb", budget_mb]
     args = make_args(
         out, "--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "4", "--ddp_backend", "gloo",
         "--memory_opt_backend", "torch", "--optim", "adamw_torch", "--memory_opt_config", "auto", *budget, *deepspeed,
     )  # fmt: skip
-    data = {"lengths": Lengths, "first": FirstLonger, "planfile": FirstBeyondPlan}.get(how, Tokens)(n=32)
+    data = {"lengths": Lengths, "first": FirstLonger, "planfile": FirstBeyondPlan}.get(batches, Tokens)(n=32)
     trainer = SequentialTrainer(model=tiny_decoder(), args=args, train_dataset=data)
-    if how == "planfile":
+    if batches == "planfile":
         try:
             trainer.train()
         except RuntimeError as e:  # refused before step one, on every rank alike (no collective left waiting)

@@ -1,4 +1,4 @@
-"""The processes that choose one recompute policy together (`planner`): rank 0 decides, the others follow."""
+"""The processes that choose one recompute policy together (`planner`): one rank decides, the others follow."""
 
 import torch.distributed as dist
 

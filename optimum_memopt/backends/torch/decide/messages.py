@@ -128,13 +128,14 @@ def batch_beyond_planned(
     predicted_mb: Optional[float],
     why_once: str,
 ) -> str:
-    """A batch of more tokens than step one's reached the layers, where `auto` cannot plan again (`why_once`)."""
+    """A batch of more tokens than the choice's (`shape` and `planned`: batch, tokens) runs, where `auto` cannot plan
+    again for it (`why_once`)."""
     figure = f" (predicted {predicted_mb:,.1f} MiB)" if predicted_mb is not None else ""
-    now, then = " x ".join(map(str, shape[:-1])), " x ".join(map(str, planned[:-1]))
+    now, then = " x ".join(map(str, shape)), " x ".join(map(str, planned))
     return (
-        f"memory_opt_config auto: a batch of {now} tokens ({tokens:,}) reached the layers, more than step one's "
-        f"{then} ({planned_tokens:,}), the batch the choice under {asked} was made and checked for{figure}, and no "
-        f"dry run plans again for it here ({why_once}): a step of more tokens holds more than any figure said, and "
+        f"memory_opt_config auto: a batch of {now} tokens ({tokens:,}) runs, more than the {then} "
+        f"({planned_tokens:,}) the choice under {asked} was made and checked for{figure}, and nothing plans again "
+        f"for it here ({why_once}): a step of more tokens holds more than any figure said, and "
         f"may go over the budget. Give every batch the same length (pad to the longest, or pack), or let the longest "
         f"come first; said once"
     )
@@ -157,10 +158,13 @@ def stopped_for_longer(shape: tuple, earlier: List[dict]) -> str:
     )
 
 
-def planning_again(shape: tuple, planned: tuple, asked: str, inside: bool, rank: Optional[int] = None) -> str:
+def planning_again(
+    shape: tuple, planned: tuple, asked: str, inside: bool, rank: Optional[int] = None, measured: Optional[str] = None
+) -> str:
     """`auto` plans again for a batch of more tokens than the one its choice was made and checked for; `inside`: the
     batch was a later micro-batch of the last step, which ran under the choice it found; `rank`: the process whose
-    batch it is, where several train (each on its own: the longest of all is planned for)."""
+    batch it is, where several train (each on its own: the longest of all is planned for); `measured`: why no dry run
+    plans for it, where the step is measured again instead (with every layer recomputed whole)."""
     now, then = " x ".join(map(str, shape)), " x ".join(map(str, planned))
     tokens, planned_tokens = math.prod(shape), math.prod(planned)
     on = f" on rank {rank}" if rank is not None else ""
@@ -169,6 +173,13 @@ def planning_again(shape: tuple, planned: tuple, asked: str, inside: bool, rank:
     else:
         which = f"a batch of {now} tokens ({tokens:,}) runs next{on}, more than the {then}"
     ran = ", and ran under it" if inside else ""
+    if measured is not None:
+        return (
+            f"memory_opt_config auto: {which} ({planned_tokens:,}) the choice under {asked} was made for: measuring "
+            f"again for {now}, as step one was (no dry run here: {measured}): the step about to run recomputes every "
+            f"layer whole and is measured, the next runs the choice made from it and is checked; later batches up to "
+            f"{tokens:,} tokens run it"
+        )
     return (
         f"memory_opt_config auto: {which} ({planned_tokens:,}) the choice under {asked} was made "
         f"for{ran}: planning again for {now}, as for step one (a dry run of that batch chooses; the step about to "
@@ -205,8 +216,9 @@ def plan_file_chose(flag: str, plan, budget_mb: float, held: int, predicted, bud
 
 
 # -- a choice -------------------------------------------------------------------------------------------------------
-def rank0_failed(problem) -> str:
-    return f"{AUTO}: rank 0 could not choose: {problem}"
+def chooser_failed(problem, rank: int) -> str:
+    """The rank choosing for all (`StepOne.chooser`) failed: what every other rank raises."""
+    return f"{AUTO}: rank {rank}, which chooses for all processes, could not choose: {problem}"
 
 
 def nothing_fits(asked: str, result, out_dir: Optional[str], unweighed: Sequence[str]) -> str:

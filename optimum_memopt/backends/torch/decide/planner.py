@@ -16,12 +16,14 @@ Nothing fits (the floor of recompute, or a peak outside the layers, over the bud
 
 Every choice is made and checked for one batch's shape (`planned_shape`). A later batch of more tokens (batches
 padded each to their longest) is planned for again at a step's start, as step one was, by a planner handed what this
-one started from (`batch_arrives`; the engine makes the step about to run its step one); where no dry run of it can
-be made, it is said once (`batch_reached`).
+one started from (`batch_arrives`; the engine makes the step about to run its step one): by a dry run of it, or
+where none can be made by measuring that step as step one was; a longer micro-batch inside a step, where no dry run
+can plan for it, is said once (`batch_reached`).
 
-Under a multi-process launch (DDP, DeepSpeed) every process measures its own step one; rank 0 chooses from all of
-them (the budget is per device: a peak predicted on any rank counts) and the others run its choice (`Ranks`), so every
-process trains under one policy and stops with the same message when nothing fits.
+Under a multi-process launch (DDP, DeepSpeed) every process measures its own step one; one rank chooses from all of
+them (the one whose step one ran the most tokens, rank 0 where all ran alike: `StepOne.chooser`; the budget is per
+device: a peak predicted on any rank counts) and the others run its choice (`Ranks`), so every process trains under
+one policy and stops with the same message when nothing fits. A dry run, before step one, is rank 0's.
 """
 
 import copy
@@ -165,6 +167,9 @@ class StepOne:
     # bytes, which stands above what the others measured under the policy they ran (`_confirmed` reads these)
     own: List[Prediction] = field(default_factory=list)
     ran: Optional[tuple] = None  # the longest batch (batch, tokens) step one ran, of every rank's; None: not read
+    # the rank that ran it (the first of the most tokens), which chooses for all: `solved` moves every rank by its
+    # freed bytes, exact for the rank whose step holds the most and above the others' (the safe side)
+    chooser: int = 0
 
 
 @dataclass
@@ -234,6 +239,7 @@ class BudgetPlanner:
         self.step_one: Optional[StepOne] = None  # from step two's start
         self._weighed: Optional[tuple] = None  # (step one, what every fit of it shares: `budget.weigh`)
         self._beyond_said = False  # a batch of more tokens than step one's said (`batch_reached`)
+        self._measured_why: Optional[str] = None  # why step one was measured where a dry run of it was made
         # what plans again for a batch of more tokens than the choice's (`batch_arrives`): (the twin as this planner's
         # dry run found it, the run's optimizer, held weakly: a finished run's is not kept alive by it)
         self._again: Optional[tuple] = None
@@ -281,11 +287,13 @@ class BudgetPlanner:
         again for the longest, as for step one, at a step's start: returned is a planner that does (handed the twin
         as step one's dry run found it, the run's optimizer and the longest batch), whose step one is the step
         about to run: a dry run of the longest batch chooses, the step runs it and is measured and checked. A
-        micro-batch of more tokens inside a step runs under the choice it finds (said with the new plan). Under
-        several processes every step's start gathers each one's longest, and all plan for the longest of them (its
-        tensors, on the meta device, sent to rank 0, whose dry run chooses for all). None where nothing is planned
-        again: no batch longer, not at a step's start, or no dry run can be made (`plans_again`: step one measured
-        without one, a budget as a share; `batch_reached` then says so at the layers)."""
+        micro-batch of more tokens inside a step runs under the choice it finds (said with the new plan). Where no
+        dry run can be made (`plans_again` false: FSDP, DeepSpeed, `--memory_auto_dry_run false`, a loop of one's
+        own), a step whose first batch has more tokens is measured again as such a run's step one was, with every
+        layer recomputed whole (`measures_again`); a longer micro-batch inside a step is then said once
+        (`batch_reached`). Under several processes every step's start gathers each one's longest, and all plan for
+        the longest of them (its tensors, on the meta device, sent to rank 0, whose dry run chooses for all). None
+        where nothing is planned again: no batch longer, not at a step's start, or a budget given as a share."""
         shape = batch_shape(args, kwargs)
         if shape is not None:  # each step's longest micro-batch, the last step's kept for its check (`_verify`)
             last, now = self._step_shapes
@@ -293,12 +301,21 @@ class BudgetPlanner:
                 self._step_shapes = (now, shape)
             elif now is None or math.prod(shape) > math.prod(now):
                 self._step_shapes = (last, shape)
-        if self._again is None or self.stage is Stage.START or self.planned_shape is None:
+        if self.stage is Stage.START or self.planned_shape is None:
             return None
-        longest = self._longest
-        if shape is not None and math.prod(shape) > math.prod(longest[0] if longest else self.planned_shape):
-            longest = (shape, _meta_batch(args, kwargs), not step_starts)
-            self._longest = longest
+        measures = not self.plans_again
+        beyond = shape is not None and math.prod(shape) > math.prod(self.planned_shape)
+        if measures and beyond and not (step_starts and self.measures_again):  # runs under a choice made for less
+            self._say_beyond(shape, self.planned_shape)
+        if not (self.plans_again or self.measures_again):
+            return None
+        if measures:  # only the step about to run can be measured: its own first batch, where longer
+            longest = (shape, None, False) if step_starts and beyond else None
+        else:
+            longest = self._longest
+            if shape is not None and math.prod(shape) > math.prod(longest[0] if longest else self.planned_shape):
+                longest = (shape, _meta_batch(args, kwargs), not step_starts)
+                self._longest = longest
         if not step_starts:
             return None
         ranks, src = self.reading.ranks, None
@@ -309,23 +326,43 @@ class BudgetPlanner:
                 longest = ranks.from_rank(longest, src)  # its tensors on the meta device, as a dry run reads them
         if longest is None:
             return None
-        twin, optimizer = self._again[0], self._again[1]()
-        if optimizer is None:  # the run's optimizer let go of: not this run's forward (on every rank alike)
-            return None
         longer, batch, inside = longest
-        if not inside and (src is None or src == ranks.rank):  # this very batch: its own tensors, its mask read
-            batch = (args, kwargs, None)
+        if measures:
+            why = self._why_measured()
+            start = replace(self.start, twin=None, optimizer=None, batch=None, plan_file=None, no_dry_run=why)
+        else:
+            twin, optimizer = self._again[0], self._again[1]()
+            if optimizer is None:  # the run's optimizer let go of: not this run's forward (on every rank alike)
+                return None
+            if not inside and (src is None or src == ranks.rank):  # this very batch: its own tensors, its mask read
+                batch = (args, kwargs, None)
+            start = replace(self.start, twin=twin, optimizer=optimizer, batch=batch, plan_file=None, no_dry_run=None)
         fresh = BudgetPlanner(
             self.budget_bytes, say=self.say, out_dir=self.out_dir, grad_bytes=self.grad_bytes,
-            resets=self.reading.resets, given_mb=self.ask.given_mb, detail=self.detail,
-            start=replace(self.start, twin=twin, optimizer=optimizer, batch=batch, plan_file=None, no_dry_run=None),
+            resets=self.reading.resets, given_mb=self.ask.given_mb, detail=self.detail, start=start,
         )  # fmt: skip
         fresh.earlier = self.earlier + [self._as_earlier()]
         if self.reading.meter is not None:
             self.reading.meter.close()
         self.stage = Stage.DONE
-        self.say(said.planning_again(longer, self.planned_shape, self.asked, inside, src))
+        measured = start.no_dry_run if measures else None
+        self.say(said.planning_again(longer, self.planned_shape, self.asked, inside, src, measured))
         return fresh
+
+    @property
+    def measures_again(self) -> bool:
+        """Whether, with no dry run to plan again (`plans_again`), a step whose first batch has more tokens than the
+        choice's is measured again as step one was, with every layer recomputed whole (`batch_arrives`): a budget in
+        bytes (a share of the activations is solved from step one alone)."""
+        return self.budget_bytes is not None
+
+    def _why_measured(self) -> str:
+        """Why a longer batch is measured again rather than dry-run (`batch_arrives`), as step one was."""
+        if self.start.no_dry_run is not None:
+            return self.start.no_dry_run
+        if self._measured_why is not None:  # a dry run was made, and chose nothing
+            return self._measured_why
+        return "step one was measured without a dry run of it"
 
     @property
     def _after_shorter(self) -> str:
@@ -343,30 +380,37 @@ class BudgetPlanner:
         return dict(batch=list(self.planned_shape), **(last or {}))
 
     def batch_reached(self, shape: tuple, planned: tuple) -> None:
-        """A training forward after step one reached the layers with input of `shape`; step one's was `planned`, the
-        batch every choice is made and checked for. Where no dry run plans again for a batch of more tokens
-        (`batch_arrives`), it holds more than any figure said: said once, with why and what to do (the run goes on:
-        its steps are the user's)."""
-        if self._beyond_said or self._again is not None or len(shape) < 2 or len(planned) < 2:
+        """A training forward after step one reached the layers with input of `shape`; step one's was `planned`. Where
+        the batch's own shape is not read (`batch_shape`: no `input_ids`, `inputs_embeds` or tensor of two
+        dimensions), a layer input of more tokens than step one's is said once here, as `batch_arrives` says a batch
+        no dry run or measured step plans for (`_say_beyond`)."""
+        if self.planned_shape is not None or self._again is not None or len(shape) < 2 or len(planned) < 2:
             return
-        tokens, planned_tokens = math.prod(shape[:-1]), math.prod(planned[:-1])
-        if tokens <= planned_tokens:
+        if math.prod(shape[:-1]) > math.prod(planned[:-1]):
+            self._say_beyond(shape[:-1], planned[:-1])
+
+    def _say_beyond(self, shape: tuple, planned: tuple) -> None:
+        """A batch of `shape` (batch, tokens) runs under a choice made and checked for `planned`, of fewer tokens, and
+        nothing plans for it (a later micro-batch of a step where no dry run can be made; a budget as a share): it
+        holds more than any figure said. Said once, with why and what to do (the run goes on: its steps are the
+        user's)."""
+        if self._beyond_said:
             return
         self._beyond_said = True
         fit = self.choices.fits[-1] if self.choices.fits else self.choices.planned
         predicted = fit.predicted.peak_mb if fit is not None and fit.predicted is not None else None
+        tokens, planned_tokens = math.prod(shape), math.prod(planned)
         why = self._why_once()
         self.say(said.batch_beyond_planned(shape, tokens, planned, planned_tokens, self.asked, predicted, why))
 
     def _why_once(self) -> str:
-        """Why `auto` plans for step one's batch only in this run (`batch_arrives` cannot plan again)."""
-        if self.start.plan_file is not None:
-            return "the run started from a plan file, whose choice is for the batch it names, and no twin was made"
+        """Why a longer batch than the choice's is not planned for here (`batch_arrives` cannot plan again for it)."""
         if self.budget_bytes is None:
             return "a budget given as a share of the activations is solved from step one alone"
-        if self.earlier:
-            return "the dry run of the last longer batch chose nothing, and its step was measured instead"
-        return "step one was measured without a dry run of it, which planning again needs"
+        return (
+            f"{self._why_measured()}; a step whose first batch is longer is measured again, and this one is a later "
+            f"micro-batch of its step, which runs under the choice it finds"
+        )
 
     @property
     def asked(self) -> str:
@@ -585,6 +629,7 @@ class BudgetPlanner:
         if isinstance(why, Refusal):  # every rank stops, before step one
             raise RuntimeError(why.text + self._after_shorter)
         if fit is None:
+            self._measured_why = why
             self.detail(said.measures_whole(why))
             return Orders(running=running)  # step one is measured over the layers the step runs
         if spare is not None:  # a dry run of this step ran: one of a longer batch can (the optimizer held weakly)
@@ -681,7 +726,8 @@ class BudgetPlanner:
         if self.step_one is None:
             self._gather(step)
         result = None
-        if self.reading.ranks.rank == 0:
+        chooser = self.step_one.chooser  # the rank whose step one ran the most tokens (rank 0 where all ran alike)
+        if self.reading.ranks.rank == chooser:
             try:
                 result = self._confirmed(step, budget_bytes)
                 if result is None:
@@ -689,11 +735,11 @@ class BudgetPlanner:
                     result = self._probed(step, self._fit(step, budget_bytes))
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
-        result = self.reading.ranks.from_rank0(result)
+        result = self.reading.ranks.from_rank(result, chooser)
         if isinstance(result, Exception):
-            if self.reading.ranks.rank == 0:
+            if self.reading.ranks.rank == chooser:
                 raise result
-            raise RuntimeError(said.rank0_failed(result))
+            raise RuntimeError(said.chooser_failed(result, chooser))
         self.choices.fits.append(result)
         self._write()
         if result.choice is None:
@@ -847,6 +893,7 @@ class BudgetPlanner:
                 for rank, (_, _, p, _) in enumerate(everyone)
             ],
             ran=max((r for _, _, _, r in everyone if r is not None), key=math.prod, default=None),
+            chooser=max(range(len(everyone)), key=lambda r: (math.prod(everyone[r][3] or (0,)), -r)),
         )
 
     def _fit(self, step: StepStart, budget_bytes: Optional[int], corrections: Optional[Corrections] = None) -> Fit:
