@@ -71,10 +71,13 @@ def dry_run_chose(
     libraries: int,
     kept: str,
     whose: str = "",
+    again: Optional[tuple] = None,
 ) -> str:
     """The dry run's choice, which step one runs: `config` its plans ("" none), `held` what the process holds outside
     the step (`libraries` of it the workspaces made before the dry run), `kept` where the choice went (or ""),
-    `whose` the batch it planned where another rank's (`first_of_rank`)."""
+    `whose` the batch it planned where another rank's (`first_of_rank`), `again` the batch (batch, tokens) where it
+    plans again for a longer one than the run's first (the step about to run, not the run's step one)."""
+    step = f"the step of {again[0]} x {again[1]:,} tokens" if again is not None else "step one"
     took = f" in {seconds:,.1f} s" if seconds is not None else ""
     took += whose
     chose = f"`--memory_opt_config {config}`" if config else "to recompute nothing"
@@ -82,9 +85,9 @@ def dry_run_chose(
     if outside and libraries:
         outside += f" ({libraries / MIB:,.1f} MiB of it cuBLAS's workspaces, made before the dry run)"
     return (
-        f"memory_opt_config auto: a dry run of step one{took} chose {chose}, under the budget of {budget_mb:,.1f} "
-        f"MiB: predicted peak {predicted.peak_mb:,.1f} MiB ({predicted.where}{outside}); step one runs it and is "
-        f"measured to check it{kept}"
+        f"memory_opt_config auto: a dry run of {step}{took} chose {chose}, under the budget of {budget_mb:,.1f} "
+        f"MiB: predicted peak {predicted.peak_mb:,.1f} MiB ({predicted.where}{outside}); "
+        f"{'that step' if again is not None else 'step one'} runs it and is measured to check it{kept}"
     )
 
 

@@ -641,7 +641,10 @@ class BudgetPlanner:
             kept = self._keep(fit, held, libraries, self.planned_shape)
         seconds = dry.seconds if dry is not None else None
         whose = said.first_of_rank(*longest, ranks.size) if longest is not None else ""
-        chose = said.dry_run_chose(seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept, whose)
+        again = self.planned_shape if self.earlier else None  # planning again for a longer batch
+        chose = said.dry_run_chose(
+            seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept, whose, again
+        )
         self.say(chose)
         return Orders(policy=self._chosen(), running=running, measured=measured)
 
