@@ -178,28 +178,41 @@ def test_cuda_auto_meets_its_budget_and_draws_its_picture(tmp_path):
 
 
 @needs_cuda
-def test_cuda_auto_plans_again_for_a_longer_batch_within_its_budget(tmp_path):
+@pytest.mark.parametrize("dry_run", [True, False], ids=["dry-run", "measured"])
+def test_cuda_auto_plans_again_for_a_longer_batch_within_its_budget(tmp_path, dry_run):
     """On CUDA, as on the CPU (tests/test_torch_budget.py): batches of 8 x 16 tokens, then 8 x 32; under a budget the
     short ones fit with nothing recomputed and the long ones do not, the long batch is planned for again before its
     step (what the process holds outside it read from CUDA's counter mid-run, the optimizer's state left out), which
-    recomputes and stays within the budget, checked."""
+    recomputes and stays within the budget, checked. `measured`: with no dry run (`--memory_auto_dry_run false`, as
+    under FSDP or DeepSpeed) the long batch's step is measured again, every layer recomputed whole."""
+    longer_batch_within_budget(tmp_path, dry_run, use_cpu=False)
+
+
+def longer_batch_within_budget(tmp_path, dry_run: bool, use_cpu: bool) -> None:
+    """The body of the test above, on `use_cpu`'s device: two micro-batches a step, two steps of short batches (one
+    with a dry run: its step one's choice is checked by the long step's dry run), then long ones."""
     import gc
 
     from test_torch_budget import _train_lengths
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    short, steps = (16, 5) if dry_run else (32, 6)  # measured: the short batches' choice made at step two
 
     def run(name, budget_mb):
-        trainer, losses = _train_lengths(tmp_path, name, budget_mb, short=16, accumulate=2, steps=5, use_cpu=False)
+        trainer, losses = _train_lengths(
+            tmp_path, name, budget_mb, short=short, accumulate=2, steps=steps, use_cpu=use_cpu, dry_run=dry_run
+        )
         planner = trainer.memopt_handle.planner
         found = (planner.device, planner.earlier, planner.planned_shape, planner.fits[-1], planner.verified, losses)
         del trainer, planner
         gc.collect()
-        torch.cuda.empty_cache()
+        if not use_cpu:
+            torch.cuda.empty_cache()
         return found
 
     device, earlier, shape, last, verified, roomy_losses = run("roomy", 10**6)
-    assert device == "cuda" and shape == (8, 32) and [e["batch"] for e in earlier] == [[8, 16]], earlier
+    assert device == ("cpu" if use_cpu else "cuda") and shape == (8, 32), (device, shape)
+    assert [e["batch"] for e in earlier] == [[8, 16]], earlier
     short_mb, long_mb, floor_mb = earlier[0]["predicted_peak_mb"], verified[0]["measured_peak_mb"], last.floor.peak_mb
     assert max(short_mb, floor_mb) < long_mb, (short_mb, floor_mb, long_mb)
     budget = round((max(short_mb, floor_mb) + long_mb) / 2, 1)
