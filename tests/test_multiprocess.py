@@ -263,10 +263,11 @@ def test_auto_rank0_chooses_for_both_processes(tmp_path):
         assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(mine["losses"], plain["losses"])), (seen, mine, plain)
 
     # under ZeRO-2, where no dry run can be made: rank 1's longer batch measured again by both ranks, the choice made
-    # from it recomputes and keeps the budget, at or below its prediction (less the logits the Trainer drops). Under
-    # ZeRO-2 a choice from a measured step is predicted above what its step holds, at a run's start as here (28.1
-    # MiB read where 30.3 was predicted; 29.0 for 30.4 here), where DDP's is exact (30.4 for 30.4); why is not known
-    # yet (the gap here, 1.4 MiB, is about one rank's ZeRO-2 gradient partition of this model, 1.47 MiB)
+    # from it recomputes and keeps the budget, at or below its prediction (less the logits the Trainer drops). A
+    # choice from a measured step can be predicted above what its step holds: here 29.0 read for 30.4; at a run's
+    # start 28.1 for 30.3 under ZeRO-2 (the head's segment, predicted there, read 2.3 MiB lower in a step given the
+    # same choice by hand) and 35.4 for 37.7 under DDP; DDP's step measured again mid-run, as in `lengths`, read 30.4
+    # for 30.4. Why is not known yet
     t0, t1 = reports(tight / "zlengths", 2)
     seen = (zl_budget, t0["configs"], t0["verified"], t0["earlier"])
     assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen
