@@ -1101,7 +1101,7 @@ def test_a_longer_batch_where_no_dry_run_can_be_made_is_measured_again_and_keeps
     said = "memory_opt_config auto: a batch of 8 x 32 tokens (256) runs, more than the 8 x 16 (128) the choice under"
     assert out.count(said) == 1 and "pad to the longest, or pack" in out, out
     why = (
-        "(step one was measured without a dry run of it; a step whose first batch is longer is measured again, and "
+        "(`--memory_auto_dry_run false`; a step whose first batch is longer is measured again, and "
         "this one is a later micro-batch of its step, which runs under the choice it finds)"
     )
     assert why in out, out

@@ -154,7 +154,9 @@ class TorchBackend(Backend):
             logger.warning("%s", note)
         twin, no_twin = None, None
         budget = settings.budget
-        if budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
+        if budget is not None and budget.budget_mb is not None and not budget.dry_run:
+            no_twin = "`--memory_auto_dry_run false`"  # said where a longer batch's step is measured again
+        elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.no_dry_run:
             no_twin = budget.no_dry_run  # FSDP, DeepSpeed: the model copied here is not the one that trains
         elif budget is not None and budget.budget_mb is not None and budget.dry_run and budget.instruments is None:
             no_twin = "no dry run's instruments were handed to the backend (`Budget.instruments`)"
