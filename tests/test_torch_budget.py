@@ -844,6 +844,27 @@ def test_the_live_count_holds_no_meta_tensor():
     del meta, copied, real
 
 
+def test_a_longer_batch_whose_shape_is_not_read_is_said_once_with_why():
+    """Where a batch's own shape is not read (no `input_ids`, `inputs_embeds` or tensor of two dimensions: no batch is
+    planned for again), a layer input of more tokens than step one's is said once at the layers, naming that; one of
+    no more tokens says nothing; where the shape is read, `batch_arrives` judges it and the layers say nothing."""
+    said = []
+    planner = BudgetPlanner(30 * MIB, say=said.append)
+    planner.batch_reached((8, 16, 64), (8, 16, 64))  # as many tokens as step one's
+    assert said == []
+    planner.batch_reached((8, 32, 64), (8, 16, 64))
+    planner.batch_reached((8, 64, 64), (8, 16, 64))  # once
+    assert len(said) == 1, said
+    assert "a batch of 8 x 32 tokens (256) runs, more than the 8 x 16 (128) the choice under" in said[0], said
+    assert (
+        "(the batch's shape is not read (no `input_ids`" in said[0] and "so no batch is planned for again)" in said[0]
+    )
+    read = BudgetPlanner(30 * MIB, say=said.append)
+    read.planned_shape = (8, 16)
+    read.batch_reached((8, 32, 64), (8, 16, 64))
+    assert len(said) == 1, said
+
+
 @pytest.mark.slow
 def test_a_dry_run_counts_what_the_process_holds_outside_the_step(tmp_path):
     """Tensors the process holds on the device besides the step's own (another model, a notebook's) are in every
@@ -1083,7 +1104,7 @@ def test_a_longer_batch_where_no_dry_run_can_be_made_is_measured_again_and_keeps
     earlier, shape, final, verified, _ = run("tight", budget, short=16, steps=5)
     out = capsys.readouterr().out
     said = "a batch of 8 x 32 tokens (256) runs next, more than the 8 x 16 (128) the choice under"
-    assert out.count(said) == 1 and out.count("measuring again for 8 x 32, as step one was (no dry run here") == 1, out
+    assert out.count(said) == 1 and out.count("measuring again for 8 x 32 (no dry run here") == 1, out
     assert "planning again" not in out and "nothing plans again for it" not in out, out
     assert [e["batch"] for e in earlier] == [[8, 16]] and earlier[0]["config"] == "" and shape == (8, 32)
     assert final.choice is not None and final.config(), final  # the long batch recomputes

@@ -81,7 +81,7 @@ class FirstBeyondPlan(FirstLonger):
 
 
 def auto(budget_mb: str, out: str, rank: int, how: str = "") -> None:
-    """Rank 0 chooses from both ranks' step one (or its dry run of it); both train its choice. `how`: words joined by
+    """One rank chooses from both ranks' step one (or rank 0's dry run of it); both train its choice. `how`: words joined by
     `-`, each optional: a ZeRO stage (`zero2`: under DeepSpeed, else DDP); `measure` (no dry run); the batches:
     `lengths` (two lengths, `Lengths`), `first` (rank 1's first batch longer, `FirstLonger`) or `planfile`
     (`budget_mb` the path of a plan file made for `Tokens`, and rank 1's first batch longer than it planned,

@@ -1,5 +1,6 @@
 """The processes that choose one recompute policy together (`planner`): one rank decides, the others follow."""
 
+import torch
 import torch.distributed as dist
 
 
@@ -25,6 +26,26 @@ class Ranks:
         out = [None] * self.size
         self._dist.all_gather_object(out, obj)
         return out
+
+    def most(self, value: int) -> tuple:
+        """(the highest of every rank's `value`, the first rank that has it), on every rank: one all-reduce of one
+        integer on the group's device (no object pickled: it runs at every step's start), where that device is known
+        (Gloo's, the CPU; NCCL's, the current GPU), else through `gather`."""
+        if self.size == 1 or self.mirrored:
+            return value, self.rank
+        backend = str(self._dist.get_backend())
+        if "gloo" in backend:  # "gloo", or "cpu:gloo,cuda:nccl"
+            device = torch.device("cpu")
+        elif backend == "nccl" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            offers = self.gather(value)
+            return max(offers), offers.index(max(offers))
+        # the value and the rank in one integer: the most of the first, then the lowest rank among equals
+        packed = torch.tensor([value * self.size + self.size - 1 - self.rank], dtype=torch.int64, device=device)
+        self._dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        top = int(packed.item())
+        return top // self.size, self.size - 1 - top % self.size
 
     def from_rank0(self, obj):
         """Rank 0's `obj` on every rank."""

@@ -149,25 +149,35 @@ def stopped_for_longer(shape: tuple, earlier: List[dict]) -> str:
     batch, and its choice's figures where one was made)."""
     now, last = " x ".join(map(str, shape)), earlier[-1]
     fitted = " x ".join(map(str, last["batch"]))
-    figures = ""
+    figures, made = " (measured, no choice made for it yet)", ""
     if last.get("predicted_peak_mb") is not None:
         measured = last.get("measured_peak_mb")
         read = f", measured {measured:,.1f}" if measured is not None else ", not yet checked"
-        figures = f" (its choice predicted {last['predicted_peak_mb']:,.1f} MiB{read})"
+        figures, made = (
+            f" (its choice predicted {last['predicted_peak_mb']:,.1f} MiB{read})",
+            "which its choice was made for, ",
+        )
     return (
         f". This is the step of a batch of {now} tokens ({math.prod(shape):,}), planned again after {fitted} "
-        f"({math.prod(last['batch']):,}) ran{figures}: batches of at most that many tokens, which its choice was made "
-        f"for, may keep the run within the budget (TRL's `max_length`, where it pads each batch to its longest)"
+        f"({math.prod(last['batch']):,}) ran{figures}: batches of at most that many tokens, {made}may keep the run "
+        f"within the budget (TRL's `max_length`, where it pads each batch to its longest)"
     )
 
 
 def planning_again(
-    shape: tuple, planned: tuple, asked: str, inside: bool, rank: Optional[int] = None, measured: Optional[str] = None
+    shape: tuple,
+    planned: tuple,
+    asked: str,
+    inside: bool,
+    rank: Optional[int] = None,
+    measured: Optional[str] = None,
+    chosen: bool = True,
 ) -> str:
     """`auto` plans again for a batch of more tokens than the one its choice was made and checked for; `inside`: the
     batch was a later micro-batch of the last step, which ran under the choice it found; `rank`: the process whose
     batch it is, where several train (each on its own: the longest of all is planned for); `measured`: why no dry run
-    plans for it, where the step is measured again instead (with every layer recomputed whole)."""
+    plans for it, where the step is measured again instead (with every layer recomputed whole); `chosen`: whether a
+    choice was made for the shorter batch (else its step was measured, and the longer one came first)."""
     now, then = " x ".join(map(str, shape)), " x ".join(map(str, planned))
     tokens, planned_tokens = math.prod(shape), math.prod(planned)
     on = f" on rank {rank}" if rank is not None else ""
@@ -176,19 +186,26 @@ def planning_again(
     else:
         which = f"a batch of {now} tokens ({tokens:,}) runs next{on}, more than the {then}"
     ran = ", and ran under it" if inside else ""
+    made = (
+        f"the choice under {asked} was made for" if chosen else f"the step measured under {asked} ran, no choice made"
+    )
     if measured is not None:
         return (
-            f"memory_opt_config auto: {which} ({planned_tokens:,}) the choice under {asked} was made for: measuring "
-            f"again for {now}, as step one was (no dry run here: {measured}): the step about to run recomputes every "
-            f"layer whole and is measured, the next runs the choice made from it and is checked; later batches up to "
-            f"{tokens:,} tokens run it"
+            f"memory_opt_config auto: {which} ({planned_tokens:,}) {made}: measuring again for {now} (no dry run "
+            f"here: {measured}): the step about to run recomputes every layer whole and is measured, the next runs "
+            f"the choice made from it and is checked; later batches up to {tokens:,} tokens run it"
         )
     return (
-        f"memory_opt_config auto: {which} ({planned_tokens:,}) the choice under {asked} was made "
-        f"for{ran}: planning again for {now}, as for step one (a dry run of that batch chooses; the step about to "
-        f"run runs its choice and is measured and checked); later batches up to "
-        f"{tokens:,} tokens run it"
+        f"memory_opt_config auto: {which} ({planned_tokens:,}) {made}{ran}: planning again for {now}, as for step "
+        f"one (a dry run of that batch chooses; the step about to run runs its choice and is measured and checked); "
+        f"later batches up to {tokens:,} tokens run it"
     )
+
+
+NO_BATCH_SHAPE = (
+    "the batch's shape is not read (no `input_ids`, `inputs_embeds` or tensor of two dimensions among its inputs), "
+    "so no batch is planned for again"
+)
 
 
 def plan_file_shorter(tokens: int, planned_tokens: int) -> str:

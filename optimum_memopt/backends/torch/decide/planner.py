@@ -18,7 +18,7 @@ Every choice is made and checked for one batch's shape (`planned_shape`). A late
 padded each to their longest) is planned for again at a step's start, as step one was, by a planner handed what this
 one started from (`batch_arrives`; the engine makes the step about to run its step one): by a dry run of it, or
 where none can be made by measuring that step as step one was; a longer micro-batch inside a step, where no dry run
-can plan for it, is said once (`batch_reached`).
+can plan for it, is said once (`_say_beyond`).
 
 Under a multi-process launch (DDP, DeepSpeed) every process measures its own step one; one rank chooses from all of
 them (the one whose step one ran the most tokens, rank 0 where all ran alike: `StepOne.chooser`; the budget is per
@@ -164,11 +164,16 @@ class StepOne:
     levers_ran: str  # the levers step one ran, as plans (said with the choice)
     # each rank's own step one with what its later steps hold more, as it measured it (rank order): where ranks ran
     # batches of other shapes (a longer one on one of them), `solved` moves every rank by the choosing one's freed
-    # bytes, which stands above what the others measured under the policy they ran (`_confirmed` reads these)
+    # bytes, which may stand above or below what the others measure under the policy they run (`_confirmed` reads
+    # these)
     own: List[Prediction] = field(default_factory=list)
     ran: Optional[tuple] = None  # the longest batch (batch, tokens) step one ran, of every rank's; None: not read
     # the rank that ran it (the first of the most tokens), which chooses for all: `solved` moves every rank by its
-    # freed bytes, exact for the rank whose step holds the most and above the others' (the safe side)
+    # freed bytes, exact for the rank whose step holds the most. A shorter rank is predicted above what it will hold
+    # where the choice recomputes less than its step one ran (the kept tensors added are the chooser's, larger), below
+    # where it recomputes more; under one policy its step holds less than the longest's wherever none of its tensors
+    # is larger (one model, fewer tokens), so the highest of all stays the longest rank's
+    chooser: int = 0
     chooser: int = 0
 
 
@@ -238,7 +243,7 @@ class BudgetPlanner:
         self.reading = Reading(resets)
         self.step_one: Optional[StepOne] = None  # from step two's start
         self._weighed: Optional[tuple] = None  # (step one, what every fit of it shares: `budget.weigh`)
-        self._beyond_said = False  # a batch of more tokens than step one's said (`batch_reached`)
+        self._beyond_said = False  # a batch of more tokens than the choice's said (`_say_beyond`)
         self._measured_why: Optional[str] = None  # why step one was measured where a dry run of it was made
         # what plans again for a batch of more tokens than the choice's (`batch_arrives`): (the twin as this planner's
         # dry run found it, the run's optimizer, held weakly: a finished run's is not kept alive by it)
@@ -291,7 +296,7 @@ class BudgetPlanner:
         dry run can be made (`plans_again` false: FSDP, DeepSpeed, `--memory_auto_dry_run false`, a loop of one's
         own), a step whose first batch has more tokens is measured again as such a run's step one was, with every
         layer recomputed whole (`measures_again`); a longer micro-batch inside a step is then said once
-        (`batch_reached`). Under several processes every step's start gathers each one's longest, and all plan for
+        (`_say_beyond`). Under several processes every step's start gathers each one's longest, and all plan for
         the longest of them (its tensors, on the meta device, sent to rank 0, whose dry run chooses for all). None
         where nothing is planned again: no batch longer, not at a step's start, or a budget given as a share."""
         shape = batch_shape(args, kwargs)
@@ -305,8 +310,8 @@ class BudgetPlanner:
             return None
         measures = not self.plans_again
         beyond = shape is not None and math.prod(shape) > math.prod(self.planned_shape)
-        if measures and beyond and not (step_starts and self.measures_again):  # runs under a choice made for less
-            self._say_beyond(shape, self.planned_shape)
+        if measures and beyond and not (step_starts and self.measures_again) and self.stage is not Stage.MEASURE:
+            self._say_beyond(shape, self.planned_shape)  # runs under a choice made for less (a measured step: counted)
         if not (self.plans_again or self.measures_again):
             return None
         if measures:  # only the step about to run can be measured: its own first batch, where longer
@@ -320,10 +325,11 @@ class BudgetPlanner:
             return None
         ranks, src = self.reading.ranks, None
         if ranks is not None and ranks.size > 1:  # every process's longest: the longest of all planned for, by all
-            offers = ranks.gather(math.prod(longest[0]) if longest is not None else 0)
-            if max(offers) > 0:
-                src = offers.index(max(offers))
+            most, src = ranks.most(math.prod(longest[0]) if longest is not None else 0)
+            if most > 0:
                 longest = ranks.from_rank(longest, src)  # its tensors on the meta device, as a dry run reads them
+            else:
+                src = None
         if longest is None:
             return None
         longer, batch, inside = longest
@@ -346,7 +352,8 @@ class BudgetPlanner:
             self.reading.meter.close()
         self.stage = Stage.DONE
         measured = start.no_dry_run if measures else None
-        self.say(said.planning_again(longer, self.planned_shape, self.asked, inside, src, measured))
+        chosen = bool(self.choices.fits) or self.choices.planned is not None  # else replaced before step two chose
+        self.say(said.planning_again(longer, self.planned_shape, self.asked, inside, src, measured, chosen))
         return fresh
 
     @property
@@ -362,6 +369,8 @@ class BudgetPlanner:
             return self.start.no_dry_run
         if self._measured_why is not None:  # a dry run was made, and chose nothing
             return self._measured_why
+        if self.start.plan_file is not None:
+            return "the run started from `--memory_plan_file` and keeps no twin of the model for a dry run"
         return "step one was measured without a dry run of it"
 
     @property
@@ -387,9 +396,9 @@ class BudgetPlanner:
         if self.planned_shape is not None or self._again is not None or len(shape) < 2 or len(planned) < 2:
             return
         if math.prod(shape[:-1]) > math.prod(planned[:-1]):
-            self._say_beyond(shape[:-1], planned[:-1])
+            self._say_beyond(shape[:-1], planned[:-1], said.NO_BATCH_SHAPE)
 
-    def _say_beyond(self, shape: tuple, planned: tuple) -> None:
+    def _say_beyond(self, shape: tuple, planned: tuple, why: Optional[str] = None) -> None:
         """A batch of `shape` (batch, tokens) runs under a choice made and checked for `planned`, of fewer tokens, and
         nothing plans for it (a later micro-batch of a step where no dry run can be made; a budget as a share): it
         holds more than any figure said. Said once, with why and what to do (the run goes on: its steps are the
@@ -400,7 +409,7 @@ class BudgetPlanner:
         fit = self.choices.fits[-1] if self.choices.fits else self.choices.planned
         predicted = fit.predicted.peak_mb if fit is not None and fit.predicted is not None else None
         tokens, planned_tokens = math.prod(shape), math.prod(planned)
-        why = self._why_once()
+        why = why or self._why_once()
         self.say(said.batch_beyond_planned(shape, tokens, planned, planned_tokens, self.asked, predicted, why))
 
     def _why_once(self) -> str:
@@ -567,17 +576,18 @@ class BudgetPlanner:
         batch, self.start.batch = self.start.batch, None
         self._step_shapes = (None, batch_shape(args, kwargs))  # step one's first micro-batch (`batch_arrives`)
         ranks = Ranks(alone=self._alone())
-        longest = None  # (its shape, its rank) where another process's first batch has more tokens than this one's
+        first = None  # under several processes: (the longest of every rank's first batch's shape, its rank)
         if batch is None and ranks.size > 1 and not ranks.mirrored:
-            batch, longest = self._longest_first(ranks, args, kwargs)
+            dry = self.start.plan_file is None and self.start.no_dry_run is None and twin is not None
+            batch, first = self._longest_first(ranks, args, kwargs, dry and self.budget_bytes is not None)
         if self.start.plan_file is not None:
-            self._from_plan_file(step, model, args, kwargs, optimizer, longest)
+            self._from_plan_file(step, model, args, kwargs, optimizer, first, ranks.rank)
             if twin is not None and optimizer is not None and self.search is None:  # no dry run trained it: kept
                 self._again = (twin, weakref.ref(optimizer))  # to plan for a batch longer than the file's
             return Orders(policy=self._chosen())
         # the batch the dry run plans for: this step's, or a longer one an earlier step ran (`batch_arrives`)
         dry_args, dry_kwargs, attends_all = batch if batch is not None else (args, kwargs, None)
-        self.planned_shape = batch_shape(dry_args, dry_kwargs)
+        self.planned_shape = first[0] if first is not None else batch_shape(dry_args, dry_kwargs)
         why = self.start.no_dry_run
         if why is None and self.budget_bytes is None:
             return None
@@ -640,7 +650,7 @@ class BudgetPlanner:
         if ranks.rank == 0 and self.start.keep_plan is not None:
             kept = self._keep(fit, held, libraries, self.planned_shape)
         seconds = dry.seconds if dry is not None else None
-        whose = said.first_of_rank(*longest, ranks.size) if longest is not None else ""
+        whose = said.first_of_rank(*first, ranks.size) if first is not None and first[1] != ranks.rank else ""
         again = self.planned_shape if self.earlier else None  # planning again for a longer batch
         chose = said.dry_run_chose(
             seconds, fit.config(), self.budget_mb, fit.predicted, held, libraries, kept, whose, again
@@ -648,19 +658,20 @@ class BudgetPlanner:
         self.say(chose)
         return Orders(policy=self._chosen(), running=running, measured=measured)
 
-    def _longest_first(self, ranks: Ranks, args, kwargs) -> tuple:
-        """Under several processes, before step one: every rank runs the one choice, so rank 0's dry run plans for
-        the longest of every rank's first batch (the first rank's of the most tokens), and a plan file is held to it.
-        Returned: that batch as the dry run reads it (its tensors on the meta device, whether its mask attends to
-        every token), None where rank 0's is the longest; and (its shape, its rank) where it is longer than this
-        rank's own, else None."""
+    def _longest_first(self, ranks: Ranks, args, kwargs, dry: bool) -> tuple:
+        """Under several processes, before step one: every rank runs the one choice, so it is made for the longest of
+        every rank's first batch (the first rank's of the most tokens): rank 0's dry run plans for it (`dry`: one
+        will be made), a plan file is held to it on every rank alike, and it is the batch planned for. Returned: that
+        batch as the dry run reads it (its tensors on the meta device, whether its mask attends to every token) where
+        `dry` and it is another rank's than rank 0, else None; and (its shape, its rank), or None where no rank's
+        shape is read."""
         shapes = ranks.gather(batch_shape(args, kwargs))
         tokens = [math.prod(s) if s is not None else 0 for s in shapes]
         src = tokens.index(max(tokens))
-        longest = (shapes[src], src) if tokens[src] > tokens[ranks.rank] else None
-        if src == 0:
-            return None, longest
-        return ranks.from_rank(_meta_batch(args, kwargs) if ranks.rank == src else None, src), longest
+        first = (shapes[src], src) if shapes[src] is not None else None
+        if src == 0 or not dry:
+            return None, first
+        return ranks.from_rank(_meta_batch(args, kwargs) if ranks.rank == src else None, src), first
 
     def _keep(self, fit: Fit, held: int, libraries: int, shape: Optional[tuple]) -> str:
         """The dry run's choice handed to `Start.keep_plan`, as `memopt-plan --json` writes it: its step's peak for a
@@ -694,23 +705,26 @@ class BudgetPlanner:
         trained = bool(self.earlier)  # planning again for a longer batch: the run's steps ran here before
         return device, held_outside(model, (args, kwargs), device, optimizer, self.start.ddp, trained), libraries
 
-    def _from_plan_file(self, step: StepStart, model, args, kwargs, optimizer, longest: Optional[tuple]) -> None:
+    def _from_plan_file(
+        self, step: StepStart, model, args, kwargs, optimizer, first: Optional[tuple], rank: int = 0
+    ) -> None:
         """`--memory_plan_file`: step one runs the file's choice, checked after it as a dry run's is; refused here,
         before step one, where the batch is not the file's (a longer sequence holds more than the file planned; under
-        several processes the longest of every rank's first batch, `longest`: (its shape, its rank), is held to
-        it). The figure said is the file's with what this process holds outside the step in place of the
+        several processes the longest of every rank's first batch, `first`: (its shape, its rank), is held to it on
+        every rank alike). The figure said is the file's with what this process holds outside the step in place of the
         workspaces the file counted (`live.held_outside`, as a run's own dry run counts it): the file planned a
         process that holds nothing else."""
         plan = self.start.plan_file
         flag = f"`--memory_plan_file {plan.path}`"
-        shape = batch_shape(args, kwargs) if longest is None else longest[0]  # the longest of every rank's first
+        shape = batch_shape(args, kwargs) if first is None else first[0]  # the longest of every rank's first
         planned = plan.step
         self.planned_shape = (planned.batch, planned.seq)
         shorter = ""
         if shape is None:
             shorter = said.PLAN_FILE_NO_SHAPE
         elif shape[0] != planned.batch or shape[1] > planned.seq:
-            raise RuntimeError(said.plan_file_other_batch(flag, planned, shape, longest[1] if longest else None))
+            whose = first[1] if first is not None and first[1] != rank else None
+            raise RuntimeError(said.plan_file_other_batch(flag, planned, shape, whose))
         elif shape[1] < planned.seq:
             shorter = said.plan_file_shorter(shape[1], planned.seq)
         _, held, _ = self._outside(model, args, kwargs, optimizer)
@@ -738,7 +752,9 @@ class BudgetPlanner:
                     result = self._probed(step, self._fit(step, budget_bytes))
             except Exception as e:  # said to every rank before it is raised, so that none waits for a choice
                 result = e
-        result = self.reading.ranks.from_rank(result, chooser)
+        # with why step one's own choice was not kept, where it was not (said by rank 0, which may not be the chooser)
+        result, why = self.reading.ranks.from_rank((result, self.choices.why_replanned), chooser)
+        self.choices.why_replanned = why
         if isinstance(result, Exception):
             if self.reading.ranks.rank == chooser:
                 raise result
@@ -1106,8 +1122,10 @@ class BudgetPlanner:
         return {
             "budget_mb": self.budget_mb,
             "activation_memory_budget": self.ask.share,
-            # rank 0 chose for all of them
             "processes": self.reading.ranks.size if self.reading.ranks is not None else 1,
+            # the rank that chose for all of them (`StepOne.chooser`): the fits are its solves; the step one, its
+            # freed bytes and the candidates below are this process's own (rank 0's), as it measured them
+            "chosen_on_rank": one.chooser if one is not None else 0,
             "memory": None
             if self.memory is None
             else {
