@@ -155,7 +155,7 @@ def said_on_both_ranks(report, budget, out):
 
 @pytest.mark.skipif(BACKEND != "torch", reason="auto chooses in the training process on the torch backend")
 def test_auto_one_rank_chooses_for_both_processes(tmp_path):
-    """`--memory_opt_config auto --memory_budget_mb` under DDP and ZeRO-2: rank 0 chooses from both ranks' step one,
+    """`--memory_opt_config auto --memory_budget_mb` under DDP and ZeRO-2: one rank chooses from both ranks' step one,
     both train its choice, both ranks' next peaks are checked against the budget (re-planned once on a miss), and
     the losses are those of the run that recomputes nothing. Nothing fitting stops both ranks with one message. Two
     launches: the roomy runs (DDP, ZeRO-2, DDP on batches of two lengths), then the tight ones at budgets set from
