@@ -94,3 +94,41 @@ def test_the_runs_draw_masks_that_change_the_losses(tmp_path, plain):
     lora, plain_losses, _ = plain
     losses, _, _ = run(tmp_path, "other", lora, "--memory_opt_backend", "none", "--data_seed", "42", "--seed", "7")
     assert max(abs(a - b) for a, b in zip(losses, plain_losses)) > 1e-4
+
+
+class TwoLengths(torch.utils.data.IterableDataset):
+    """Causal sequences of 16 tokens for three steps (8 a step), then of 32, in order (no sampler shuffles an
+    iterable dataset): `auto` plans again for the longer batch at step four."""
+
+    def __iter__(self):
+        for i in range(8 * STEPS):
+            seq = 16 if i < 24 else 32
+            ids = torch.randint(3, 128, (seq,), generator=torch.Generator().manual_seed(3000 + i))
+            yield {"input_ids": ids, "attention_mask": torch.ones(seq, dtype=torch.long), "labels": ids}
+
+
+@pytest.mark.slow
+def test_auto_planning_again_for_a_longer_batch_with_dropout_trains_as_the_run_without_the_plugin(tmp_path):
+    """`auto` planning again mid-run for a longer batch, by a dry run of it (fake tensors) or by measuring its step
+    again (every layer recomputed whole, dropout replayed), draws every mask the run without the plugin draws: the
+    same losses and parameters, to the chunked loss's roundings (step one and a measured step run the head's loss in
+    chunks)."""
+
+    def lengths_run(name, *flags):
+        args = make_args(tmp_path / name, "--max_steps", str(STEPS), "--logging_steps", "5", *flags)
+        model = model_with_dropout(lora=False)
+        trainer = LossRecordingTrainer(model=model, args=args, train_dataset=TwoLengths())
+        trainer.train()
+        return trainer.losses, {n: p.detach().clone() for n, p in model.named_parameters()}, trainer
+
+    plain_losses, plain_params, _ = lengths_run("plain", "--memory_opt_backend", "none")
+    auto = ("--memory_opt_backend", "torch", "--memory_opt_config", "auto", "--memory_budget_mb", "100000")
+    for name, flags in [("dry run", ()), ("measured", ("--memory_auto_dry_run", "false"))]:
+        losses, params, trainer = lengths_run(name.replace(" ", "-"), *auto, *flags)
+        planner = trainer.memopt_handle.planner
+        assert [e["batch"] for e in planner.earlier] == [[8, 16]] and planner.planned_shape == (8, 32), name
+        assert len(losses) == len(plain_losses) == STEPS
+        for a, b in zip(losses, plain_losses):
+            assert abs(a - b) <= 1e-6 * abs(b), (name, losses, plain_losses)
+        for n in params:
+            torch.testing.assert_close(params[n], plain_params[n], rtol=0, atol=1e-6, msg=f"{name}: {n}")
