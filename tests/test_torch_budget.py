@@ -1084,18 +1084,24 @@ def test_a_longer_batch_where_no_dry_run_can_be_made_is_measured_again_and_keeps
     step whose first batch has more tokens than the choice's is measured again as step one was, with every layer
     recomputed whole, and the next step runs the choice made from it and is checked: under a budget the short
     batches fit with nothing recomputed and the long ones do not, the long steps recompute and keep the budget,
-    measured as predicted. A longer micro-batch inside a step runs under the choice it finds: said once, with why."""
+    measured as predicted; the step measured again runs as step one did, the head's loss in chunks too (the least
+    any choice holds: a choice of the model's own head before it once left the step measured again running it). A
+    longer micro-batch inside a step runs under the choice it finds: said once, with why."""
 
     def run(name, budget_mb, **kw):
         trainer, losses = _train_lengths(tmp_path, name, budget_mb, dry_run=False, **kw)
-        planner = trainer.memopt_handle.planner
+        handle = trainer.memopt_handle
+        planner = handle.planner
         found = (planner.earlier, planner.planned_shape, planner.fits[-1], planner.verified, losses)
-        del trainer, planner
+        measured_head = handle.profile.levers["loss"].ran  # the head as the last measured step ran it
+        del trainer, handle, planner
         gc.collect()
-        return found
+        return found if name != "roomy" else (*found[:-1], measured_head)
 
-    # two steps of 8 x 16, then of 8 x 32: step three measured again, step four chooses, step five checks
-    earlier, shape, last, _, _ = run("roomy", 10**6, short=16, steps=5)
+    # two steps of 8 x 16, then of 8 x 32: step three measured again, step four chooses, step five checks; the
+    # roomy run's step two ran the model's own head (its choice), its step three the head in chunks again
+    earlier, shape, last, _, measured_head = run("roomy", 10**6, short=16, steps=5)
+    assert measured_head == "Loss+:1:-1" and last.lever("loss").option is None, (measured_head, last.config())
     assert [e["batch"] for e in earlier] == [[8, 16]] and earlier[0]["config"] == "" and shape == (8, 32)
     eager_short, eager_long, floor_long = earlier[0]["predicted_peak_mb"], last.predicted.peak_mb, last.floor.peak_mb
     assert max(eager_short, floor_long) < eager_long, (eager_short, floor_long, eager_long)
@@ -1110,10 +1116,12 @@ def test_a_longer_batch_where_no_dry_run_can_be_made_is_measured_again_and_keeps
     assert final.choice is not None and final.config(), final  # the long batch recomputes
     assert verified, out
     for check in verified:  # the model's own head's logits counted as held through the step, which the Trainer's
-        # loop drops before backward (said with the check): it peaks lower by them
+        # loop drops before backward (said with the check): it peaks lower by them. Where the choice runs the model's
+        # own head, weighed by what it holds alone beside the chunks the measured step ran, it is predicted high (the
+        # safe side; docs/torch-backend.md): 16.69 MiB read for 16.92 here, within 5% and never above
         dropped = check["predicted_peak_mb"] - check.get("returned_mb", 0.0)
         assert check["measured_peak_mb"] <= budget, verified
-        assert check["measured_peak_mb"] == pytest.approx(dropped, rel=0.01), verified
+        assert 0.95 * dropped <= check["measured_peak_mb"] <= 1.01 * dropped, verified
 
     # 2 micro-batches a step, a longer second one in step two: it runs under the choice, said once, with why
     capsys.readouterr()

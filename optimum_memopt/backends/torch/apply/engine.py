@@ -137,7 +137,10 @@ class RecomputeState:
         reset_peaks: bool = True,
     ):
         self.runner = LayerRunner(layers, policy, model, levers, lever_problems)
-        self._first_policy = policy  # what step one runs where no dry run chose for it (`auto`: every layer whole)
+        # what step one runs where no dry run chose for it (`auto`: every layer whole), with each lever as it was built
+        # to run it (`auto`'s head in chunks: `Lever.build`): a step one again (`_step_one_again`) runs the same
+        first = {name: lever.option for name, lever in (levers or {}).items() if lever.option is not None}
+        self._first_policy = dataclasses.replace(policy, levers={**first, **policy.levers})
         owner = type(model).__name__ if model is not None else "the model"
         self.clock = StepClock([type(layer).__name__ for layer in layers], owner, steps_reported)
         self.recorder = StepRecorder(len(layers), model, reset_peaks)
