@@ -123,3 +123,4 @@ def test_the_decoders_first_step_can_be_shorter_and_auto_plans_again_for_the_res
     assert "a batch of 2 x 128 tokens (256) runs next, more than the 2 x 64 (128)" in said, said[-3000:]
     assert said.count("a dry run of step one in") == 1, said[-3000:]
     assert said.count("a dry run of the step of 2 x 128 tokens in") == 1, said[-3000:]
+    assert said.count("the step of 2 x 128 tokens ran the dry run's choice and keeps it") == 1, said[-3000:]

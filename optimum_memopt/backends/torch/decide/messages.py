@@ -311,10 +311,12 @@ def chose(planner, result) -> str:
     everyone = f" for all {ranks} processes" if ranks > 1 else ""
     against = _against(result, planner.budget_mb, planner.budget_bytes, choices.why_lower)
     if result.source:  # the dry run's choice, which step one ran: its own figure with what later steps hold
+        shape = planner.planned_shape
+        step = f"the step of {shape[0]} x {shape[1]:,} tokens" if planner.earlier and shape else "step one"
         return (
-            f"memory_opt_config auto: step one ran {choices.planned_choice}{everyone} and keeps it, {against}: "
-            f"predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}) from step one's own "
-            f"memory and what later steps hold more"
+            f"memory_opt_config auto: {step} ran {choices.planned_choice}{everyone} and keeps it, {against}: "
+            f"predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}) from "
+            f"{'that step' if planner.earlier and shape else 'step one'}'s own memory and what later steps hold more"
         )
     why = f" ({choices.why_replanned})" if choices.why_replanned and len(choices.fits) == 1 else ""
     return (
