@@ -1113,6 +1113,11 @@ def test_a_longer_batch_where_no_dry_run_can_be_made_is_measured_again_and_keeps
     assert out.count(said) == 1 and out.count("measuring again for 8 x 32 (no dry run here") == 1, out
     assert "planning again" not in out and "nothing plans again for it" not in out, out
     assert [e["batch"] for e in earlier] == [[8, 16]] and earlier[0]["config"] == "" and shape == (8, 32)
+    # the short batches' choice ran a step before the long batch came: its check read then, before it was replaced
+    short = earlier[0]
+    assert short["measured_peak_mb"] is not None and short["measured_peak_mb"] <= budget, earlier
+    assert short["measured_peak_mb"] <= short["predicted_peak_mb"] * 1.01, earlier
+    assert out.index("the step after the choice peaked at") < out.index("measuring again for 8 x 32"), out
     assert final.choice is not None and final.config(), final  # the long batch recomputes
     assert verified, out
     for check in verified:  # the model's own head's logits counted as held through the step, which the Trainer's

@@ -343,6 +343,9 @@ class BudgetPlanner:
             if not inside and (src is None or src == ranks.rank):  # this very batch: its own tensors, its mask read
                 batch = (args, kwargs, None)
             start = replace(self.start, twin=twin, optimizer=optimizer, batch=batch, plan_file=None, no_dry_run=None)
+        if self.stage is Stage.VERIFY and self.search is None:  # the choice's steps ran, its check not read yet:
+            self._checked_ran = self._last_ran()  # read now, for the shorter batches it was made for
+            self._read_check()
         fresh = BudgetPlanner(
             self.budget_bytes, say=self.say, out_dir=self.out_dir, grad_bytes=self.grad_bytes,
             resets=self.reading.resets, given_mb=self.ask.given_mb, detail=self.detail, start=start,
@@ -535,10 +538,7 @@ class BudgetPlanner:
         the one the choice was made for (batches padded each to their longest), whose step holds less than the
         prediction, and `CHECK_WAITS` such steps have not passed yet. The meter's peak is not reset meanwhile: the
         check reads the highest of every step since it started, the first of the planned length among them."""
-        ran, planned = self._step_shapes[0], self.planned_shape
-        ranks = self.reading.ranks
-        if ranks is not None and ranks.size > 1:  # every rank decides alike (a check is a collective): the longest
-            ran = max((r for r in ranks.gather(ran) if r is not None), key=math.prod, default=None)
+        ran, planned = self._last_ran(), self.planned_shape
         self._checked_ran = ran  # said with the check
         if self.search is not None or ran is None or planned is None or math.prod(ran) >= math.prod(planned):
             return False
@@ -546,6 +546,14 @@ class BudgetPlanner:
             return False
         self._check_waited += 1
         return True
+
+    def _last_ran(self) -> Optional[tuple]:
+        """The longest micro-batch (batch, tokens) the last step ran, of every rank's: every rank decides on it alike
+        (a check is a collective)."""
+        ran, ranks = self._step_shapes[0], self.reading.ranks
+        if ranks is not None and ranks.size > 1:
+            ran = max((r for r in ranks.gather(ran) if r is not None), key=math.prod, default=None)
+        return ran
 
     def _check_watch(self, step: StepStart) -> Optional[StepWatch]:
         """A dry run's check about to run is watched segment by segment, as step one was, on the same meter: what it
@@ -926,7 +934,10 @@ class BudgetPlanner:
         weighed = self._weighed[1]
         return fit(step.profile, one.solved, budget, one.policy, 0, one.per_layer, levers, corrections, weighed)
 
-    def _verify(self, step: StepStart, at_end: bool = False) -> None:
+    def _read_check(self) -> tuple:
+        """The check of the last choice: the most its steps held since the check began (the meter's peak, or a dry
+        run's watch's highest reading), on every rank, recorded in `verified` and said. Returns (the highest, where,
+        the choice)."""
         watch = self.search.watch if self.search is not None else None
         if watch is not None and watch.resets:  # the meter's peak reset at each mark: the watch's highest reading
             read = max(watch.most, int(round((self.reading.meter.read().peak_mb or 0.0) * MIB)))
@@ -936,9 +947,8 @@ class BudgetPlanner:
         peaks = self.reading.ranks.gather(mine)
         peak = max(peaks)
         result = self.choices.fits[-1]
-        predicted = result.predicted.peak_bytes
         self.choices.verified.append(
-            {"measured_peak_mb": peak / MIB, "predicted_peak_mb": predicted / MIB}
+            {"measured_peak_mb": peak / MIB, "predicted_peak_mb": result.predicted.peak_bytes / MIB}
             | ({"returned_mb": result.returned / MIB} if result.returned else {})
             | ({"measured_peak_mb_by_rank": [p / MIB for p in peaks]} if len(peaks) > 1 else {})
         )
@@ -948,6 +958,11 @@ class BudgetPlanner:
         shorter = ran if ran is not None and planned is not None and math.prod(ran) < math.prod(planned) else None
         waited, self._check_waited = self._check_waited, 0
         self.say(said.checked(self.reading.watch.resets, peak, where, result, verdict, shorter, planned, waited))
+        return peak, where, result
+
+    def _verify(self, step: StepStart, at_end: bool = False) -> None:
+        peak, where, result = self._read_check()
+        predicted = result.predicted.peak_bytes
         if self.search is not None and self.budget_bytes is not None:
             self._search(step, result, peak, at_end)
             return
