@@ -62,6 +62,12 @@ def measures_whole(why: str) -> str:
     return f"memory_opt_config auto: step one measures with every layer recomputed whole: {why}"
 
 
+def step_of(again: Optional[tuple]) -> str:
+    """The step a choice is made for: the run's step one, or the step of a longer batch planned for again (`again`:
+    its batch, tokens)."""
+    return f"the step of {again[0]} x {again[1]:,} tokens" if again is not None else "step one"
+
+
 def dry_run_chose(
     seconds: Optional[float],
     config: str,
@@ -77,7 +83,7 @@ def dry_run_chose(
     the step (`libraries` of it the workspaces made before the dry run), `kept` where the choice went (or ""),
     `whose` the batch it planned where another rank's (`first_of_rank`), `again` the batch (batch, tokens) where it
     plans again for a longer one than the run's first (the step about to run, not the run's step one)."""
-    step = f"the step of {again[0]} x {again[1]:,} tokens" if again is not None else "step one"
+    step = step_of(again)
     took = f" in {seconds:,.1f} s" if seconds is not None else ""
     took += whose
     chose = f"`--memory_opt_config {config}`" if config else "to recompute nothing"
@@ -87,7 +93,7 @@ def dry_run_chose(
     return (
         f"memory_opt_config auto: a dry run of {step}{took} chose {chose}, under the budget of {budget_mb:,.1f} "
         f"MiB: predicted peak {predicted.peak_mb:,.1f} MiB ({predicted.where}{outside}); "
-        f"{'that step' if again is not None else 'step one'} runs it and is measured to check it{kept}"
+        f"{'that step' if again is not None else step} runs it and is measured to check it{kept}"
     )
 
 
@@ -311,12 +317,12 @@ def chose(planner, result) -> str:
     everyone = f" for all {ranks} processes" if ranks > 1 else ""
     against = _against(result, planner.budget_mb, planner.budget_bytes, choices.why_lower)
     if result.source:  # the dry run's choice, which step one ran: its own figure with what later steps hold
-        shape = planner.planned_shape
-        step = f"the step of {shape[0]} x {shape[1]:,} tokens" if planner.earlier and shape else "step one"
+        again = planner.planned_shape if planner.earlier else None  # a longer batch's step, planned for again
+        step = step_of(again)
         return (
             f"memory_opt_config auto: {step} ran {choices.planned_choice}{everyone} and keeps it, {against}: "
             f"predicted peak {result.predicted.peak_mb:,.1f} MiB ({result.predicted.where}) from "
-            f"{'that step' if planner.earlier and shape else 'step one'}'s own memory and what later steps hold more"
+            f"{'that step' if again is not None else step}'s own memory and what later steps hold more"
         )
     why = f" ({choices.why_replanned})" if choices.why_replanned and len(choices.fits) == 1 else ""
     return (
