@@ -2,7 +2,10 @@
 (`reshard_after_forward=True`: each layer's parameters are freed after its forward and gathered again for its
 backward), trained in a plain loop. The torch backend wraps the model first, as in the Trainer (accelerate shards
 after `_wrap_model`). Usage: worker_fsdp2.py OUT NAME=MODE [NAME=MODE ...], each MODE one of `none` (no backend),
-`level1`, or `plan:CONFIG`, trained one after the other in this one launch (a fresh model, its own checks each).
+`level1`, `plan:CONFIG`, or `auto:BUDGET` (`optimize_memory(model, "auto", budget_mb=BUDGET)`, a vocabulary of
+`AUTO_VOCAB`: the root module's gathered weights, the embeddings and the head, 512 KiB each; BUDGET `below:K`: the
+peak the last `auto` mode's first choice predicted, less K MiB), trained one after the other in this one launch (a
+fresh model, its own checks each).
 
 While training, every recomputation is checked to see unsharded parameters: a recipe's inputs are plain tensors
 with their storage present when it replays, and a layer recomputed whole finds its projections' weights gathered.
@@ -22,6 +25,7 @@ from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+import optimum_memopt  # noqa: E402
 from optimum_memopt.backends.base import WrapSettings  # noqa: E402
 from optimum_memopt.backends.torch.apply import recipe  # noqa: E402
 from optimum_memopt.backends.torch.backend import TorchBackend  # noqa: E402
@@ -29,6 +33,7 @@ from optimum_memopt.backends.torch.nested import tensors_in  # noqa: E402
 from optimum_memopt.plans import parse_plans  # noqa: E402
 
 STEPS, ROWS, SEQ, VOCAB = 6, 4, 32, 128
+AUTO_VOCAB = 2048
 checks = {}  # the current mode's counts (`train` starts them at 0)
 replayed = set()  # the ops recipes replayed in the current mode
 
@@ -50,17 +55,28 @@ def checked_outputs(real):
     return outputs
 
 
+last_auto = {}  # the last `auto` mode's solver figures (`auto:below:K`)
+
+
 def train(mode, out, mesh):
     rank = dist.get_rank()
     checks.update(recipe_replays=0, recipe_inputs=0, parameter_inputs=0, layer_recomputes=0, sharded_seen=0)
     replayed.clear()
     torch.manual_seed(0)  # the same initial weights on every rank: fully_shard keeps this rank's slice of them
+    auto = mode.startswith("auto:")
+    vocab = AUTO_VOCAB if auto else VOCAB
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="sdpa",
     )  # fmt: skip
     model = LlamaForCausalLM(config)
-    if mode != "none":
+    handle = None
+    if auto:
+        budget = mode[len("auto:") :]
+        if budget.startswith("below:"):
+            budget = last_auto["fits"][0]["predicted_peak_mb"] - float(budget[len("below:") :])
+        handle = optimum_memopt.optimize_memory(model, "auto", budget_mb=float(budget), say=lambda text: None)
+    elif mode != "none":
         entries = parse_plans(mode[len("plan:") :]) if mode.startswith("plan:") else []
         model = TorchBackend().wrap(model, WrapSettings(entries=entries, level=1 if mode == "level1" else 0))
     for layer in model.model.layers:
@@ -80,7 +96,7 @@ def train(mode, out, mesh):
     losses = []
     model.train()
     for _ in range(STEPS):
-        ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=g)
+        ids = torch.randint(0, vocab, (ROWS, SEQ), generator=g)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
@@ -96,6 +112,10 @@ def train(mode, out, mesh):
         "policy": state.policy.describe() if state is not None else None,
         "layer_class": type(model.model.layers[0]).__name__,
     }
+    if handle is not None:
+        figures = handle.solver_figures()
+        last_auto.update(figures)
+        result["auto"] = {"budget_mb": figures["budget_mb"], "fits": figures["fits"], "verified": figures["verified"]}
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -15,10 +15,12 @@ first-used inputs (a tensor made where the count was not on is counted at its fi
 forward, in its backward (`watch.StepReadings`: the whole backward where it is started through
 `torch.autograd.backward`, as `Tensor.backward` starts it, the gradients autograd's engine sums between nodes
 included; otherwise every node of it), in the optimizer's step (torch's optimizer step hooks) and in the work the
-levers measure aside. Every storage counted is given back the moment it is freed, counted or not. Not seen: what runs
-outside those (a loss computed outside the model, a tensor made and freed between steps), what one op holds inside
-itself (as on CUDA) and the storages only C++ holds until an op uses them (DDP's gradient buckets, counted at their
-first use in backward, where CUDA counts them from DDP's start).
+levers measure aside. Every storage counted is given back the moment it is freed, counted or not; one resized in place
+(FSDP2 empties and gathers weights so) is counted at its new size as the resize is made while ops are counted, else
+as they are counted again or the count is read (`LiveCount.resync`). Not seen: what runs outside those (a loss
+computed outside the model, a tensor made and freed between steps), what one op holds inside itself (as on CUDA) and
+the storages only C++ holds until an op uses them (DDP's gradient buckets, counted at their first use in backward,
+where CUDA counts them from DDP's start).
 
 One count a process (`live_count`), as CUDA has one counter; each reader (the step watch, the budget planner) reads it
 through a meter of its own (`LiveMeter`), with a peak of its own that another's reset does not cut short.
@@ -59,6 +61,9 @@ class CountOps(_torch_api.TorchDispatchMode):
     def __enter__(self):
         out = super().__enter__()
         watch_resizes()
+        resync = getattr(self.count, "resync", None)
+        if resync is not None:  # a live count: its storages resized while no op of it was counted
+            resync()
         return out
 
     def __exit__(self, *exc):
@@ -82,6 +87,7 @@ class LiveCount(StorageCount):
     def __init__(self, device: str = "cpu"):
         super().__init__(device)
         self.meters: "weakref.WeakSet[LiveMeter]" = weakref.WeakSet()
+        self._resized_before: set = set()  # storages seen resized in place (`resync`)
 
     def __enter__(self):
         raise TypeError("a live count is not entered: its ops are counted under `ops()`")
@@ -96,6 +102,38 @@ class LiveCount(StorageCount):
 
     def ops(self) -> CountOps:
         return CountOps(self)
+
+    def count(self, storage) -> int:
+        key = _torch_api.storage_identity(storage)
+        known = key in self._live
+        grown = super().count(storage)
+        if known and grown:  # counted before at another size: resized in place since
+            self._resized_before.add(key)
+        return grown
+
+    def resized(self, storage) -> None:
+        super().resized(storage)
+        self._resized_before.add(_torch_api.storage_identity(storage))
+
+    def resync(self) -> int:
+        """Count again, at their sizes now, the storages counted before that were resized in place since (FSDP2's
+        gathered weights): the bytes the count grew by. Called as the count's ops start being counted (`CountOps`),
+        for what was resized while none was: FSDP2 gathers the root module's weights (the embeddings, the head)
+        again, into storages it emptied after the last backward, in the root's forward pre-hook, before the first
+        layer's forward counts any op, and empties them after the backward has ended. A step that saw the head's
+        again only at its first use, and missed its emptying, read one head's weight over its prediction from
+        there on (2 MiB at a vocabulary of 4,096 and hidden size 128; tests/test_multiprocess.py,
+        `test_fsdp2_auto_...`). Only storages seen resized before are looked at (none where nothing resizes one in
+        place)."""
+        grown = 0
+        for key in list(self._resized_before):
+            storage = self._refs[key]() if key in self._refs else None
+            if storage is None:
+                self._resized_before.discard(key)
+                continue
+            grown += self.count(storage)
+        self.peak = max(self.peak, self.current)
+        return grown
 
     def seed(self, tensors) -> int:
         """Count the storages of `tensors` on this device not counted yet (a model's parameters and buffers, and each
@@ -140,6 +178,7 @@ class LiveMeter:
 
     def read(self) -> MemoryReading:
         count = self.count
+        count.resync()  # what was resized since the count's ops were last counted (`LiveCount.resync`)
         return MemoryReading(self.device, count.current / MIB, max(self.folded, count.peak, count.current) / MIB)
 
     def see(self, t: torch.Tensor) -> None:
