@@ -228,6 +228,7 @@ def optimize_memory(
             share=activation_budget,
             say=(say or (lambda text: show(_as_keywords(text)))) if rank0 else (lambda text: None),
             detail=(lambda text: logger.debug("%s", _as_keywords(text))) if rank0 else (lambda text: None),
+            words=_as_keywords,
             report_dir=output_dir if rank0 else None,
             host_mb=None if host_memory_mb is None else float(host_memory_mb),
         )
@@ -270,4 +271,12 @@ def _as_keywords(message: str) -> str:
     # the way out that is no backend: for a call, not calling it
     message = message.replace("train it with `--memory_opt_backend none`", "train it without `optimize_memory`")
     message = message.replace("pass `--memory_opt_backend none`", "leave `optimize_memory` out")
+    # what a call changes instead of the Trainer's flags: the loop's own batch; and no dry run of a loop's step is
+    # made (the Trainer's alone)
+    message = message.replace("lower `--per_device_train_batch_size`", "lower the loop's batch size")
+    message = message.replace(
+        ". A dry run of step one weighs every way (`--memory_auto_dry_run true`, the default, where one can run); or "
+        "give plans by hand",
+        ". Or give plans by hand",
+    )
     return re.sub(r"`([^`]*)`", span, message)

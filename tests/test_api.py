@@ -129,6 +129,19 @@ def test_auto_chooses_from_a_loops_own_steps_and_meets_the_budget(tmp_path, plai
     assert [b.get_height() for b in figure.axes[0].patches] == [s["peak_mb"] for s in data["memory"]["segments"]]
 
 
+def test_auto_stops_a_loop_in_the_calls_own_words():
+    """Where no choice fits, `auto` stops the loop before step two with what the least recompute reaches, naming
+    the call's keywords (`budget_mb=1`), not the Trainer's flags (`--memory_budget_mb 1`)."""
+    memopt = optimum_memopt.optimize_memory(decoder(), "auto", budget_mb=1, say=lambda text: None)
+    with pytest.raises(RuntimeError) as e:
+        loop(memopt.model, steps=2)
+    text = str(e.value)
+    assert "found nothing that fits `budget_mb=1`" in text and "The least any recompute reaches is" in text, text
+    assert "--memory" not in text and "--per_device" not in text, text
+    # the levers this loop could not measure (it does not report its steps), said with how to have them measured
+    assert "the loop does not say where its steps end: `optimize_memory(..., reports_steps=True)`" in text, text
+
+
 def test_autos_step_one_recomputes_every_layer_whole_as_the_trainers_does():
     """Through `optimize_memory` as through the Trainer: step one runs the least memory any choice needs (it ran the
     layers as they were before: a loop that only fitted with recompute ran out of memory at step one)."""

@@ -65,6 +65,9 @@ class Budget:
     )
     say: Callable[[str], None] = print  # the choice and its check, a line each (rank 0; a no-op elsewhere)
     detail: Callable[[str], None] = lambda text: None  # the figures behind a choice in words (`PlanLog.detail`)
+    # a stop's message (the RuntimeError `auto` raises) in the caller's words: `optimize_memory`'s keywords where the
+    # text names the Trainer's flags (`api._as_keywords`); as written where None
+    words: Optional[Callable[[str], str]] = None
     report_dir: Optional[str] = None  # where the solver's figures go (rank 0)
     grad_bytes: int = 0  # gradients held across micro-batches (gradient accumulation), 0 without
     grad_accum: int = 1  # micro-batches a step (`--gradient_accumulation_steps`), for a dry run of the step

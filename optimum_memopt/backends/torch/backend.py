@@ -195,6 +195,7 @@ class TorchBackend(Backend):
                 share=b.share,
                 say=b.say,
                 detail=b.detail,
+                words=b.words,
                 out_dir=b.report_dir,
                 grad_bytes=b.grad_bytes,
                 resets=settings.reset_peaks,
@@ -301,13 +302,6 @@ class TorchBackend(Backend):
             report.notes.append("the layers come from several lists (numbered in this order): " + "; ".join(lists))
         for what, problem in state.lever_problems.values():
             report.notes.append(f"{what} were not measured each way they can run: {problem}")
-        for name, lever in state.levers.items():
-            if name not in state.profile.levers and not state.steps_reported:
-                report.notes.append(
-                    f"{lever.syntax.what} were not measured each way they can run: they are measured between steps, "
-                    f"and the loop does not say where its steps end (`optimize_memory(..., reports_steps=True)` and "
-                    f"`handle.step_done()` after each optimizer step)"
-                )
         planner = state.planner
         if planner is not None and planner.stage in (Stage.START, Stage.MEASURE) and planner.planned is not None:
             report.auto = planner.asked

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import _torch_api
-from ..measure.profile import LayerProfile, ModelProfile
+from ..measure.profile import NOT_BETWEEN_STEPS, LayerProfile, ModelProfile
 from ..measure.replay import RUN_ALWAYS
 from ..measure.watch import first_grad_tensor
 from ..nested import tensors_in
@@ -345,6 +345,10 @@ class RecomputeState:
         recorder, planner = self.recorder, self.planner
         if recorder.watch is not None and recorder.watch.backward_ended and not self.steps_reported:
             recorder.close_watch(keep_meter=planner is not None)  # step two of a loop that does not report steps
+            if self.profile is not None and not self._levers_measured:  # no place between steps: said, not measured
+                for name in self.levers:
+                    if name not in self.profile.levers:
+                        self.profile.lever_problems.setdefault(name, NOT_BETWEEN_STEPS)
         if planner is not None and not planner.settled and (ended or planner.waits_for_step_one):
             self._carry_out(planner.at_step_start(self._step_start(device)))
             if not self.measuring():  # its last check read: this step is not

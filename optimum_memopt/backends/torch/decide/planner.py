@@ -230,12 +230,14 @@ class BudgetPlanner:
         given_mb: Optional[float] = None,
         detail: Callable[[str], None] = logger.debug,
         start: Optional[Start] = None,
+        words: Optional[Callable[[str], str]] = None,
     ):
         if (budget_bytes is None) == (share is None):
             raise ValueError("a budget planner takes a peak in bytes or a share of the activations, one of them")
         self.ask = Ask(None if budget_bytes is None else int(budget_bytes), share, given_mb)
         self.say = say  # the choice and its check, a line each
         self.detail = detail  # the figures behind a choice, in words (a file and the verbose log: `PlanLog`)
+        self.words = words  # a stop's message in the caller's words (`Budget.words`); None: as written
         self.out_dir = out_dir  # where solver.json goes
         self.grad_bytes = grad_bytes  # held across micro-batches under gradient accumulation (0 without)
         self.start = start or Start()  # how step one starts (its twin let go once its dry run ran)
@@ -348,7 +350,7 @@ class BudgetPlanner:
             self._read_check()
         fresh = BudgetPlanner(
             self.budget_bytes, say=self.say, out_dir=self.out_dir, grad_bytes=self.grad_bytes,
-            resets=self.reading.resets, given_mb=self.ask.given_mb, detail=self.detail, start=start,
+            resets=self.reading.resets, given_mb=self.ask.given_mb, detail=self.detail, start=start, words=self.words,
         )  # fmt: skip
         fresh.earlier = self.earlier + [self._as_earlier()]
         if self.reading.meter is not None:
@@ -424,6 +426,10 @@ class BudgetPlanner:
             f"micro-batch of its step, which runs under the choice it finds"
         )
 
+    def _stop(self, text: str) -> RuntimeError:
+        """The error that stops the run, its message in the caller's words (`words`)."""
+        return RuntimeError(self.words(text) if self.words is not None else text)
+
     @property
     def asked(self) -> str:
         """The budget as the user gave it."""
@@ -495,7 +501,7 @@ class BudgetPlanner:
         """The watch for the step about to start (step one) on `step.device` ('cuda' or 'cpu')."""
         device = step.device
         if device not in READABLE_DEVICES:
-            raise RuntimeError(said.not_readable(device))
+            raise self._stop(said.not_readable(device))
         self.reading.ranks = Ranks(alone=self._alone())
         self.reading.meter = meter_for(device)  # CUDA's counter, or the CPU's tensor storages counted (`live`)
         self.reading.device = device
@@ -645,7 +651,7 @@ class BudgetPlanner:
             (fit if why is None else None, why, running, measured, self.planned_shape)
         )  # the batch rank 0's dry run planned for, every rank's (each process's own may be another)
         if isinstance(why, Refusal):  # every rank stops, before step one
-            raise RuntimeError(why.text + self._after_shorter)
+            raise self._stop(why.text + self._after_shorter)
         if fit is None:
             self._measured_why = why
             self.detail(said.measures_whole(why))
@@ -732,7 +738,7 @@ class BudgetPlanner:
             shorter = said.PLAN_FILE_NO_SHAPE
         elif shape[0] != planned.batch or shape[1] > planned.seq:
             whose = first[1] if first is not None and first[1] != rank else None
-            raise RuntimeError(said.plan_file_other_batch(flag, planned, shape, whose))
+            raise self._stop(said.plan_file_other_batch(flag, planned, shape, whose))
         elif shape[1] < planned.seq:
             shorter = said.plan_file_shorter(shape[1], planned.seq)
         _, held, _ = self._outside(model, args, kwargs, optimizer)
@@ -766,12 +772,12 @@ class BudgetPlanner:
         if isinstance(result, Exception):
             if self.reading.ranks.rank == chooser:
                 raise result
-            raise RuntimeError(said.chooser_failed(result, chooser))
+            raise self._stop(said.chooser_failed(result, chooser))
         self.choices.fits.append(result)
         self._write()
         if result.choice is None:
             unweighed = [why for lever in step.levers.values() if (why := lever.unweighed(step.profile))]
-            raise RuntimeError(said.nothing_fits(self.asked, result, self.out_dir, unweighed) + self._after_shorter)
+            raise self._stop(said.nothing_fits(self.asked, result, self.out_dir, unweighed) + self._after_shorter)
         self._run(result)
         self.say(said.chose(self, result))
         self.detail(said.described(self, result, step.profile.shape))
@@ -903,7 +909,7 @@ class BudgetPlanner:
         everyone = self.reading.ranks.gather((mine, why, own, self._step_shapes[0]))
         missing = [(rank, why) for rank, (kept, why, _, _) in enumerate(everyone) if kept is None]
         if missing:
-            raise RuntimeError(said.step_one_not_located(missing, self.reading.ranks.size > 1))
+            raise self._stop(said.step_one_not_located(missing, self.reading.ranks.size > 1))
         ran = [lever.plan() for lever in step.levers.values() if lever.plan()]
         self.step_one = StepOne(
             memory=memory,
@@ -984,7 +990,7 @@ class BudgetPlanner:
             self.stage = Stage.DONE
             self.reading.meter.close()
             stop = said.cannot_keep(self.asked, result, peak, where, self.budget_bytes, self.out_dir)
-            raise RuntimeError(stop + self._after_shorter)
+            raise self._stop(stop + self._after_shorter)
         self._finish()
 
     def check_ended(self) -> bool:

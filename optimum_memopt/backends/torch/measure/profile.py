@@ -145,6 +145,13 @@ class StepMemory:
         return max(self.segments, key=lambda s: s.peak_bytes)
 
 
+# why a lever measured nothing in a loop of one's own that does not report its steps (its `lever_problems`)
+NOT_BETWEEN_STEPS = (
+    "each way is measured between steps, and the loop does not say where its steps end: "
+    "`optimize_memory(..., reports_steps=True)` and `handle.step_done()` after each optimizer step"
+)
+
+
 @dataclass
 class ModelProfile:
     layers: List[LayerProfile]
