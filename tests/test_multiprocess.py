@@ -264,9 +264,9 @@ def test_auto_one_rank_chooses_for_both_processes(tmp_path):
 
     # under ZeRO-2, where no dry run can be made: rank 1's longer batch measured again by both ranks, the choice made
     # from it recomputes and keeps the budget, at or below its prediction (less the logits the Trainer drops). A
-    # choice from a measured step can be predicted above what its step holds: here 29.0 read for 30.4; at a run's
-    # start 28.1 for 30.3 under ZeRO-2 and 35.4 for 37.7 under DDP: the model's own head weighed by what it holds run
-    # alone beside the chunks step one ran, which hold more in a step than alone (docs/torch-backend.md)
+    # choice from a measured step can be predicted above what its step holds: here 29.0 read for 30.4 (rank 0's
+    # shorter batch and rank 1's longer one); at a run's start 26.6 for 26.6 under ZeRO-2 and 35.9 for 36.7 under
+    # DDP (2026-11-29; before the head's ways were weighed as they held, 28.1 for 30.3 and 35.4 for 37.7)
     t0, t1 = reports(tight / "zlengths", 2)
     seen = (zl_budget, t0["configs"], t0["verified"], t0["earlier"])
     assert t0["configs"] == t1["configs"] and t0["policy"] == t1["policy"] and t0["configs"][-1], seen

@@ -283,6 +283,8 @@ class RecomputeState:
         self.recorder.close_watch(keep_meter=self.planner is not None)
         if self.profile is not None and not self._levers_measured:
             self._levers_measured = True  # after step one, between steps: each lever measures what it would do
+            if self.planner is not None:  # `auto`'s promise: its ways may hold up to it (`ModelProfile.room`)
+                self.profile.budget_bytes = self.planner.budget_bytes
             dry, self._dry_measured = self._dry_measured, {}
             for lever in self.levers.values():
                 found = dry.get(lever.name)

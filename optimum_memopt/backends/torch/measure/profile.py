@@ -165,6 +165,19 @@ class ModelProfile:
     # none in a dry run, whose measurements are of fake tensors)
     lever_seconds: Dict[str, float] = field(default_factory=dict)
     autocast: Optional[str] = None  # the dtype autocast ran step one's layers in ("bfloat16"), None: off
+    # the peak `auto` promised to train under (`--memory_budget_mb`, in the meter's bytes), where one was given: a
+    # lever's ways may hold up to it while they are measured (`room`); None: step one's peak alone
+    budget_bytes: Optional[int] = None
+
+    def room(self) -> Tuple[int, str]:
+        """The most the process may hold while a lever's ways are measured after step one (`measure.ways`), and what
+        that figure is, in words: the budget `auto` trains under where it is above step one's peak (the run promises
+        no more, and holds up to it from the next step on), else step one's peak (a measurement never holds more than
+        the step did). Needs step one's memory."""
+        peak = self.memory.peak.peak_bytes
+        if self.budget_bytes is not None and self.budget_bytes > peak:
+            return self.budget_bytes, "the budget"
+        return peak, "step one's peak"
 
     @property
     def shape(self) -> Tuple[int, ...]:

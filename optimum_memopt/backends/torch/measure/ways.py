@@ -1,5 +1,6 @@
 """Each way a lever can run its piece of the step, run alone between steps and read aside: what each held above its
-start, and its median seconds, never with more memory than step one's peak left free.
+start, and its median seconds, never with more memory than step one's peak (or the budget `auto` trains under, where
+higher) left free.
 
 The rules every lever's measurement follows (the loss lever's and the tiled MLP's: tests/test_torch_loss.py,
 tests/test_mlp.py):
@@ -7,8 +8,9 @@ tests/test_mlp.py):
 - The ways run from the fewest rows up (a way's rows: the tokens it works on at once, a chunk's or a tile's), ties in
   the order given.
 - Before a way first runs, its bound (the lever's `bound(rows, last)`: the most it could hold, from the shapes and
-  from what the way run before it held) is checked against the room: step one's peak less what the device holds now,
-  read again before each way (a first run may keep buffers). A way whose bound does not fit is not run, nor is any
+  from what the way run before it held) is checked against the room: step one's peak (or `auto`'s budget, where
+  higher: `ModelProfile.room`) less what the device holds now, read again before each way (a first run may keep
+  buffers). A way whose bound does not fit is not run, nor is any
   way after it (more rows: a bound at least as high); each is said in `why_not` with its own bound. A dry run's
   tensors hold no memory: every way runs.
 - Each way runs once untimed (the kernels' one-time set-up; `also` then runs beside it, its result kept), then every
@@ -50,7 +52,7 @@ def run_ways(
     bound: Callable[[int, Optional[Tuple[int, int]]], int],
     run: Callable[[Way], None],
     device: str,
-    peak_bytes: int,
+    ceiling: Tuple[int, str],
     fake: bool,
     repeats: int,
     resets: bool = True,
@@ -58,18 +60,19 @@ def run_ways(
 ) -> Measured[Way]:
     """Run each of `ways` by `run(way)` under the module's rules: `rows(way)` orders them; `bound(rows, last)` is the
     most a way of `rows` rows could hold, `last` the (rows, bytes held) of the way run before it (None for the
-    first); `peak_bytes` is step one's peak on `device`; `fake`: a dry run's. `resets` as `aside.held_aside` takes
-    it."""
+    first); `ceiling` the most the device may hold meanwhile, with its name (`ModelProfile.room`: step one's peak, or
+    the budget); `fake`: a dry run's. `resets` as `aside.held_aside` takes it."""
     out: Measured[Way] = Measured()
+    most, what = ceiling
     order = sorted(ways, key=rows)
     last: Optional[Tuple[int, int]] = None
     for i, way in enumerate(order):
         limit = bound(rows(way), last)
-        room = peak_bytes - current_bytes(device)
+        room = most - current_bytes(device)
         if limit > room and not fake:
             for rest in order[i:]:
                 out.why_not[rest] = (
-                    f"it could hold up to {bound(rows(rest), last) / MIB:,.1f} MiB, and step one's peak left "
+                    f"it could hold up to {bound(rows(rest), last) / MIB:,.1f} MiB, and {what} left "
                     f"{max(room, 0) / MIB:,.1f} MiB free"
                 )
             break

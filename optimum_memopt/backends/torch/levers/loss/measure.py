@@ -176,17 +176,7 @@ def measure(lever, profile, resets: bool = True):
 
     # on the head's GPU as the current one: read there, and its generator given back (`held_aside`)
     with torch.cuda.device(weight.device) if device == "cuda" else contextlib.nullcontext():
-        got = run_ways(
-            ways,
-            rows_of,
-            bound,
-            run,
-            device,
-            profile.memory.peak.peak_bytes,
-            _torch_api.is_fake(weight),
-            REPEATS,
-            resets,
-        )
+        got = run_ways(ways, rows_of, bound, run, device, profile.room(), _torch_api.is_fake(weight), REPEATS, resets)
     why_not = {plan_of(way): why for way, why in got.why_not.items()}
     if not got.ran(read_as):
         how = plan_of(ran) or "the model's own head"
@@ -242,29 +232,27 @@ def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None, marked:
     predicted the chunks' change on top of that peak (2.05 MiB over a check's reading at a 4-layer decoder's size,
     129 MiB at 8B and 8,192 tokens; exact to 4 KiB so).
 
-    The rule (tests/test_torch_budget.py, `test_the_heads_ways_are_weighed_...`): a way that holds more than the
-    step's way, or makes more rows of logits at once, is weighed by its bound where that is higher than what it held
-    (what a way holds alone is not what it adds in a step, by up to a few hundred KiB either side: docs/STACK.md,
-    "The head's ways alone and in a step"); a way that holds less and makes no more rows is weighed as measured (the
-    table's PEAK DROP, within 2% of what runs measure). In a dry run (`HeadMeasure.fake`) every way is weighed as it
-    held, and the model's own head as returning no logits to a loop that keeps them: the choice is checked by a fake
-    step of the run's own loop, which counts what the card would to the byte and costs only time where it goes over,
-    so neither need keep the search from the whole head (at a tiny decoder's level-1 budget the bound ruled out level
-    1 itself, and `auto` chose the loss in chunks, 3% slower by the card's roofline)."""
+    The rule (tests/test_torch_budget.py, `test_the_heads_ways_are_weighed_...`): each way is weighed as it held run
+    alone, and the model's own head (outside a dry run) as returning its logits to a loop that keeps them (a loop
+    that keeps `outputs` over the backward holds them through it and the next forward: `returned`; the checks say
+    what a loop that drops them holds less). What a way holds alone is what it adds in a step to a few KiB since the
+    ways read hidden states made inside them and move only the head's stretches: on the CPU (torch 2.13) the checks
+    of choices made from a measured step read 1 to 10 KiB under their predictions for the own head and coarser
+    chunks (fp32 and LoRA, vocabulary / hidden 4 to 32), 0.4 MiB under with the own head in bf16. Before, a way
+    that held more than the step's, or made more rows at once, was weighed by its bound (what the shapes let it hold,
+    25% over: `measure`), which put a choice of the own head 2.3 MiB over its check on the tests' decoder and 15 MiB
+    at vocabulary / hidden 32 (4,096 / 128), and kept a measured run chunking where the whole head fitted
+    (docs/STACK.md, "The head's ways alone and in a step"). In a dry run (`HeadMeasure.fake`) no logits are
+    returned: the choice is checked by a fake step of the run's own loop, which counts what the card would to the
+    byte."""
     if head is None:
         return [_choice(ran)]
     ran_option = head.option(head.ran)
     fastest = min(head.seconds(o) for o in head.options)
-
-    def held(o) -> int:
-        if not head.fake and (o.held_bytes > ran_option.held_bytes or o.rows > ran_option.rows):
-            return max(o.held_bytes, o.bound_bytes)
-        return o.held_bytes
-
     return [
         _choice(
             o.chunking,
-            ran_option.held_bytes - held(o),
+            ran_option.held_bytes - o.held_bytes,
             head.seconds(o) - fastest,
             head.logits_bytes if o.chunking is None and not head.fake else 0,
             marked,

@@ -154,7 +154,7 @@ def measure(lever, profile, resets: bool = True):
     training = mlp.training
     mlp.train()
     try:  # the most tiles first (the fewest rows a tile)
-        got = run_ways(counts, rows, bound, run, device, profile.memory.peak.peak_bytes, fake, REPEATS, resets, also)
+        got = run_ways(counts, rows, bound, run, device, profile.room(), fake, REPEATS, resets, also)
     finally:
         mlp.train(training)
     if not got.held:
