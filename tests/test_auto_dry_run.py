@@ -101,11 +101,13 @@ def _params():
         return [p for p in AutoModelForCausalLM.from_config(CONFIG).parameters() if p.requires_grad]
 
 
-def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path):
+def test_step_one_measured_weighs_the_levers_up_to_the_budget_or_says_what_it_could_not_weigh(tmp_path):
     """Issue 53's case: a Llama of 4 layers (hidden 256, MLP 896, vocabulary 8,192) on 4,096 tokens under 218 MiB.
-    A dry run of step one weighs the MLPs in tiles and fits the budget; step one measured instead (no dry run) cannot
-    run one MLP alone whole beside its peak, so the tiles cannot be priced from it: the refusal says so, and what
-    weighs them (the size is the issue's: at 1,024 tokens the MLP alone fits beside step one's peak)."""
+    A dry run of step one weighs the MLPs in tiles and fits the budget. Step one measured instead (no dry run) peaks
+    at 181.6 MiB, beside which one MLP cannot run alone whole: its ways are measured up to the budget, and the choice
+    tiles the MLPs too, fits, and is read as predicted (before, the tiles went unpriced and `auto` refused: "the least
+    any recompute reaches is 242.6 MiB"). Under 170 MiB, below step one's peak, they are not run, and the refusal says
+    so and what weighs them."""
     from helpers import LossRecordingTrainer, Tokens, make_args
     from transformers import LlamaForCausalLM
 
@@ -114,13 +116,13 @@ def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path)
         num_key_value_heads=4, max_position_embeddings=4096, attn_implementation="sdpa",
     )  # fmt: skip
 
-    def train(*flags):
+    def train(budget, steps, *flags):
         args = make_args(
-            tmp_path, "--max_steps", "2", "--per_device_train_batch_size", "1", "--memory_opt_backend", "torch",
-            "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb", "218", *flags,
+            tmp_path, "--max_steps", str(steps), "--per_device_train_batch_size", "1", "--memory_opt_backend", "torch",
+            "--optim", "adamw_torch", "--memory_opt_config", "auto", "--memory_budget_mb", budget, *flags,
         )  # fmt: skip
         trainer = LossRecordingTrainer(
-            model=LlamaForCausalLM(config), args=args, train_dataset=Tokens(n=4, seq=4096, vocab=8192)
+            model=LlamaForCausalLM(config), args=args, train_dataset=Tokens(n=6, seq=4096, vocab=8192)
         )
         trainer.train()
         return trainer.memopt_handle.planner
@@ -129,15 +131,21 @@ def test_a_refusal_from_step_one_measured_says_what_it_could_not_weigh(tmp_path)
     # tests above) weighs the MLPs in tiles and fits
     dry = dry_run(StepSpec(config, batch=1, seq=4096, optimizer="adamw_torch"), plans="auto", budget_mb=218)
     assert "MLP+" in dry.fit.config() and dry.fit.predicted.peak_mb <= 218, (dry.fit.config(), dry.fit.predicted)
+    planner = train("218", 3, "--memory_auto_dry_run", "false")  # step two runs the choice, step three checks it
+    assert planner.step_one.memory.peak.peak_bytes / MIB < 218 and "MLP+" in planner.fits[-1].config(), planner.fits
+    assert planner.verified and all(check["measured_peak_mb"] <= 218 for check in planner.verified), planner.verified
+    first = planner.verified[0]
+    assert abs(first["measured_peak_mb"] - first["predicted_peak_mb"]) <= 0.01 * first["predicted_peak_mb"], first
     with pytest.raises(RuntimeError) as refused:
-        train("--memory_auto_dry_run", "false")  # refused at step two's start
+        train("170", 2, "--memory_auto_dry_run", "false")  # refused at step two's start
     said = str(refused.value)
-    assert said.startswith("`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 218`")
+    assert said.startswith("`--memory_opt_config auto` found nothing that fits `--memory_budget_mb 170`")
     assert (
         "Not weighed, so these figures are not the least the levers reach: the MLPs in tiles (`MLP+`): one MLP "
         in said
     )
     assert "run alone after step one was not run whole, as the step ran it (it could hold up to " in said
+    assert "and step one's peak left " in said
     assert "`--memory_opt_config Layer+:1:-1,Loss+:1:-1,MLP+:1:-1@tiles8`" in said
 
 

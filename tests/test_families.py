@@ -58,9 +58,7 @@ def test_each_mode_trains_as_plain_or_is_refused_with_its_reason(kind):
         # as plain with every check within the budget, or `auto`'s own refusal (BART's: its head cannot be chunked)
         tight = row["auto tight"]
         chose = tight.startswith(("equal", "within 1e-5")) and "chose `" in tight and "chose `nothing`" not in tight
-        assert chose or tight.startswith("error: RuntimeError: `--memory_opt_config auto` found nothing that fits"), (
-            row
-        )
+        assert chose or tight.startswith("error: RuntimeError: `plans='auto'` found nothing that fits"), row
         assert "OVER" not in tight, row
 
 
