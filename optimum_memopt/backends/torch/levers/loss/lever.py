@@ -240,7 +240,7 @@ class ChunkedLoss(Lever):
             lever.smoothing = settings.label_smoothing or None
             # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
             # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
-            # starts (each way measured after step one, where it fits what step one's peak left free)
+            # starts (each way measured after step one, where it fits what step one's peak or the budget left free)
             lever.run_as(LeverOption())
             return lever, None
         lever = cls(causal_lm(model), Chunking.of(option))

@@ -39,7 +39,7 @@ class HeadOption:
     chunking: Optional[Chunking]
     held_bytes: int
     seconds: float
-    bound_bytes: int = 0  # the most it was let hold before it ran (what step one's peak left free bounded it by)
+    bound_bytes: int = 0  # the most it was let hold before it ran (the room it was admitted by: `ModelProfile.room`)
     rows: int = 0  # the rows of logits it makes at once (every token for the model's own head); 0: not known
 
     @property
@@ -85,13 +85,13 @@ class HeadMeasure:
 
 def measure(lever, profile, resets: bool = True):
     """The head and loss of `lever` (a `ChunkedLoss`) run each way worth offering on step one's shapes, on the shared
-    harness (`measure.ways`: from the fewest rows up, each only where its bound fits what step one's peak left free,
-    read aside, interleaved repeats): the model's own head, each chunk count of `candidate_chunks`, and the chunking
-    the step ran (read from a count that makes as many rows a chunk, where one does: the same work). A way's bound
-    is what the way before it held (at first what every way holds besides its rows) and the most each further row
-    can add, `BOUND_MARGIN` higher (tests/test_torch_loss.py holds every way under its bound). The hidden states and
-    labels come from a generator of the measurement's own (its figures depend on the shapes alone; the process's
-    streams stay the user's). A `HeadMeasure`, or the reason there is none."""
+    harness (`measure.ways`: from the fewest rows up, each only where its bound fits what step one's peak, or `auto`'s
+    budget where higher, left free, read aside, interleaved repeats): the model's own head, each chunk count of
+    `candidate_chunks`, and the chunking the step ran (read from a count that makes as many rows a chunk, where one
+    does: the same work). A way's bound is what the way before it held (at first what every way holds besides its rows)
+    and the most each further row can add, `BOUND_MARGIN` higher (tests/test_torch_loss.py holds every way under its
+    bound). The hidden states and labels come from a generator of the measurement's own (its figures depend on the
+    shapes alone; the process's streams stay the user's). A `HeadMeasure`, or the reason there is none."""
     from ... import _torch_api
     from ...measure.storages import block_bytes
     from ...measure.ways import run_ways

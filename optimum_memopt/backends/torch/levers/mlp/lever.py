@@ -193,7 +193,8 @@ class TiledMLP(Lever):
         forward, its forward under a checkpoint (as a layer recomputed whole runs it); in its layer's backward, its
         forward and backward with autograd's saves (the layer's recompute and backward). Where the MLP was not
         measured, or step one's segments were not marked inside, the way it runs now alone (with the reason in the
-        table's notes); a count not run alone (its bound did not fit what step one's peak left free) is
+        table's notes); a count not run alone (its bound did not fit what step one's peak, or `auto`'s budget
+        where higher, left free) is
         not offered, and where the count a layer ran was not run alone, nothing else is (no change from it can be
         priced)."""
         running = [LeverChoice(self.name, self.option, self.plan(), recomputed=tuple(sorted(self.tiles)))]

@@ -73,12 +73,12 @@ def _signature(mlp: nn.Module) -> tuple:
 def measure(lever, profile, resets: bool = True):
     """One MLP of `lever` (a `TiledMLP`) run alone on the first tiled-able layer's input shape, under step one's
     autocast, whole and in each tile count of `tile_counts` and the ones running, on the shared harness
-    (`measure.ways`: from the most tiles down, each only where its bound fits what step one's peak left free, read
-    aside, interleaved repeats); it stands for every layer whose MLP has the same class and shapes. The first count's
-    bound is by the shapes (`BOUND_MARGIN` higher); each after it, what the count before held scaled by the tokens a
-    tile holds (a part of what a count holds is its own, a part grows with a tile's tokens: scaled whole, both are
-    over-counted, never under; tests/test_mlp.py). The input comes from a generator of the measurement's own (the
-    process's streams stay the user's). An `MLPMeasure`, or the reason there is none."""
+    (`measure.ways`: from the most tiles down, each only where its bound fits what step one's peak, or `auto`'s budget
+    where higher, left free, read aside, interleaved repeats); it stands for every layer whose MLP has the same class
+    and shapes. The first count's bound is by the shapes (`BOUND_MARGIN` higher); each after it, what the count
+    before held scaled by the tokens a tile holds (a part of what a count holds is its own, a part grows with a tile's
+    tokens: scaled whole, both are over-counted, never under; tests/test_mlp.py). The input comes from a generator of
+    the measurement's own (the process's streams stay the user's). An `MLPMeasure`, or the reason there is none."""
     from ...measure.aside import current_bytes, held_aside
     from ...measure.ways import run_ways
 
