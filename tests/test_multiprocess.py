@@ -379,11 +379,12 @@ def test_fsdp2_fully_shard_recomputes_with_gathered_parameters(tmp_path):
 def test_fsdp2_auto_reads_its_choice_as_predicted_and_keeps_its_budget(tmp_path):
     """`auto` in a loop of one's own under FSDP2 on 2 CPU processes (no dry run: step one measured, every layer
     recomputed whole): the step after its choice reads the peak it predicted, with a budget nothing needs and with
-    one 0.5 MiB under that choice's peak, and no check goes over the budget. FSDP2 gathers the root module's weights
+    one 0.5 MiB under that choice's peak, and no check goes over the budget; where the loop reports its steps, the
+    levers' ways are measured with their weights gathered, and the whole head is chosen where it fits. FSDP2 gathers the root module's weights
     (the embeddings and the head, 512 KiB each here) into storages it emptied, in the root's forward pre-hook before
     any op is counted; the CPU's count saw the head's again only at its first use and missed its emptying after the
     backward, and every check from step two on read 512 KiB over its prediction (`live.LiveCount.resized`)."""
-    modes = {"roomy": "auto:1e6", "tight": "auto:below:0.5"}
+    modes = {"roomy": "auto:1e6", "tight": "auto:below:0.5", "steps": "auto-steps:1e6"}
     res = launch_modes(FSDP2_WORKER, tmp_path, modes, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     for name in modes:
@@ -393,9 +394,19 @@ def test_fsdp2_auto_reads_its_choice_as_predicted_and_keeps_its_budget(tmp_path)
             if rank:  # rank 0 alone keeps the figures
                 continue
             first, check = auto["fits"][0], auto["verified"][0]
-            assert check["measured_peak_mb"] == pytest.approx(first["predicted_peak_mb"], abs=16 / 1024), (name, auto)
+            dropped = check.get("returned_mb", 0.0)  # the whole head's logits, which this loop lets go of
+            assert check["measured_peak_mb"] == pytest.approx(first["predicted_peak_mb"] - dropped, abs=16 / 1024), (
+                name,
+                auto,
+            )
             assert all(v["measured_peak_mb"] <= auto["budget_mb"] for v in auto["verified"]), (name, auto)
             assert len(auto["verified"]) == 1, (name, auto)  # the first choice kept: nothing read over its budget
+    # a loop that reports its steps: the head's ways and the MLP's tiles measured between steps one and two with
+    # their weights gathered (`levers.protocol.gathered`, on both ranks), and under a budget nothing needs, the whole
+    # head chosen, nothing recomputed (without it the head stayed in chunks, its ways unweighed)
+    steps = reports(tmp_path / "steps", 2)[0]["auto"]
+    assert steps["measured"] == ["loss", "mlp"] and "loss off" in steps["lever_candidates"]["loss"], steps
+    assert steps["fits"][0]["config"] == "" and steps["fits"][0]["per_layer"] == ["keep", "keep"], steps
 
 
 ZERO3_WORKER = os.path.join(HERE, "multiprocess", "worker_zero3.py")

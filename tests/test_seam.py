@@ -59,7 +59,7 @@ JOBS = {
     },
     "decide": {"solver", "budget", "planner", "report", "from_plan", "messages"},
 }
-SHARED = {"names", "rule", "policy", "nested", "steps"}
+SHARED = {"names", "rule", "policy", "nested", "steps", "sharding"}
 # the fake step drives the whole backend (wrapped, stepped, planned) on fake tensors: glue, as the backend is
 GLUE = {"backend", "__init__", "needs", "_torch_api", "ranks", "fake_step"}
 # Levers beyond a layer's recompute, above the three jobs: the protocol, and a package each (its option, its

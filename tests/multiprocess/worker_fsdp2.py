@@ -2,10 +2,12 @@
 (`reshard_after_forward=True`: each layer's parameters are freed after its forward and gathered again for its
 backward), trained in a plain loop. The torch backend wraps the model first, as in the Trainer (accelerate shards
 after `_wrap_model`). Usage: worker_fsdp2.py OUT NAME=MODE [NAME=MODE ...], each MODE one of `none` (no backend),
-`level1`, `plan:CONFIG`, or `auto:BUDGET` (`optimize_memory(model, "auto", budget_mb=BUDGET)`, a vocabulary of
+`level1`, `plan:CONFIG`, `auto:BUDGET` (`optimize_memory(model, "auto", budget_mb=BUDGET)`, a vocabulary of
 `AUTO_VOCAB`: the root module's gathered weights, the embeddings and the head, 512 KiB each; BUDGET `below:K`: the
-peak the last `auto` mode's first choice predicted, less K MiB), trained one after the other in this one launch (a
-fresh model, its own checks each).
+peak the last `auto` mode's first choice predicted, less K MiB) or `auto-steps:BUDGET` (the same, the loop reporting
+its steps: `reports_steps=True`, `step_done()` after each optimizer step, so that the levers measure their ways
+between step one and step two), trained one after the other in this one launch (a fresh model, its own checks
+each).
 
 While training, every recomputation is checked to see unsharded parameters: a recipe's inputs are plain tensors
 with their storage present when it replays, and a layer recomputed whole finds its projections' weights gathered.
@@ -63,7 +65,8 @@ def train(mode, out, mesh):
     checks.update(recipe_replays=0, recipe_inputs=0, parameter_inputs=0, layer_recomputes=0, sharded_seen=0)
     replayed.clear()
     torch.manual_seed(0)  # the same initial weights on every rank: fully_shard keeps this rank's slice of them
-    auto = mode.startswith("auto:")
+    auto = mode.startswith(("auto:", "auto-steps:"))
+    reports = mode.startswith("auto-steps:")
     vocab = AUTO_VOCAB if auto else VOCAB
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -72,10 +75,12 @@ def train(mode, out, mesh):
     model = LlamaForCausalLM(config)
     handle = None
     if auto:
-        budget = mode[len("auto:") :]
+        budget = mode.partition(":")[2]
         if budget.startswith("below:"):
             budget = last_auto["fits"][0]["predicted_peak_mb"] - float(budget[len("below:") :])
-        handle = optimum_memopt.optimize_memory(model, "auto", budget_mb=float(budget), say=lambda text: None)
+        handle = optimum_memopt.optimize_memory(
+            model, "auto", budget_mb=float(budget), reports_steps=reports, say=lambda text: None
+        )
     elif mode != "none":
         entries = parse_plans(mode[len("plan:") :]) if mode.startswith("plan:") else []
         model = TorchBackend().wrap(model, WrapSettings(entries=entries, level=1 if mode == "level1" else 0))
@@ -101,6 +106,8 @@ def train(mode, out, mesh):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        if reports:
+            handle.step_done()
         losses.append(loss.item())
     checksum = sum(float(p.detach().full_tensor().double().sum()) for p in model.parameters())
     state = getattr(model, "_memopt_recompute", None)
@@ -115,7 +122,11 @@ def train(mode, out, mesh):
     if handle is not None:
         figures = handle.solver_figures()
         last_auto.update(figures)
-        result["auto"] = {"budget_mb": figures["budget_mb"], "fits": figures["fits"], "verified": figures["verified"]}
+        result["auto"] = {
+            "budget_mb": figures["budget_mb"], "fits": figures["fits"], "verified": figures["verified"],
+            "lever_candidates": {name: [c["config"] for c in cands] for name, cands in figures["lever_candidates"].items()},
+            "measured": sorted(handle.profile.levers), "problems": dict(handle.profile.lever_problems),
+        }  # fmt: skip
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

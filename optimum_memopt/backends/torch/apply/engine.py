@@ -297,9 +297,11 @@ class RecomputeState:
         """`lever`'s measurement after step one (`Lever.after_step_one`), its seconds kept where they are the run's
         own clock's (a dry run's are not the device's) and it measured something."""
         from ..measure.storages import counting
+        from ..sharding import gathered
 
         began = time.perf_counter()
-        lever.after_step_one(self.profile, self.recorder.reset_peaks)
+        with gathered(lever.measured_modules(), self.runner.model):  # FSDP2's shards whole for it, on every rank
+            lever.after_step_one(self.profile, self.recorder.reset_peaks)
         if counting() is None and lever.name in self.profile.levers:
             self.profile.lever_seconds[lever.name] = time.perf_counter() - began
 

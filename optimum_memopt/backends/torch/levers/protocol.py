@@ -19,7 +19,8 @@ through this class only:
    that measurement taken over (`adopt`), nothing run again, until a choice is made again from step one (the
    measurement then runs: the layers' op times are the run's own clock, and the levers' seconds must be too). A
    lever acting inside the layers names its modules (`marks`): step one's segments then hold the peak of each
-   stretch those modules run in (`profile.Segment.parts`).
+   stretch those modules run in (`profile.Segment.parts`). The modules its measurement runs alone
+   (`measured_modules`) have their weights gathered for it where FSDP2 shards them (`sharding.gathered`).
 4. **Its rows for the table**: `rows(profile, drop)` (one `FoundPlan` per option measured; `drop` gives PEAK DROP for
    an option's `LeverChoice`s) and `notes(profile)`.
 5. **Its options for the solver**: `choices(profile, measured)`, `budget.LeverChoice`s: the bytes each option holds
@@ -133,6 +134,11 @@ class Lever:
         """Between step one and step two: measure each option into `profile.levers[name]` (or say why not in
         `profile.lever_problems[name]`). `resets`: whether the device's peak may be reset to read aside."""
 
+    def measured_modules(self) -> List[object]:
+        """The modules `after_step_one` runs alone (the head; one MLP): where FSDP2 shards their weights, the engine
+        gathers them for it (`sharding.gathered`). By default none."""
+        return []
+
     def adopt(self, measured, profile) -> bool:
         """Between step one and step two, in place of `after_step_one`: take `measured`, this lever's measurement of
         the same step in the run's own dry run before step one (its `profile.levers[name]`: the step's shapes, on fake
@@ -164,14 +170,3 @@ class Lever:
     def notes(self, profile) -> List[str]:
         """What the table's notes say of the lever: how it ran, how it was measured or why not."""
         return []
-
-
-def sharded(module) -> Optional[str]:
-    """How `module`'s weights are sharded across processes (ZeRO-3, FSDP), or None: a lever measuring it alone would
-    gather them, or hand their gradients to the sharding's hooks, on one process's say."""
-    for p in module.parameters():
-        if hasattr(p, "ds_id"):
-            return "DeepSpeed ZeRO-3"
-        if type(p).__name__ == "DTensor" or type(getattr(p, "data", None)).__name__ == "DTensor":
-            return "FSDP"
-    return None

@@ -36,6 +36,13 @@ def _count(device: str) -> Optional[StorageCount]:
 
 def _reader(device: str) -> Callable[[], int]:
     count = _count(device)
+    if isinstance(count, LiveCount):  # storages resized in place since (FSDP2's weights gathered for the work)
+
+        def read() -> int:
+            count.resync()
+            return count.current
+
+        return read
     if count is not None:
         return lambda: count.current
     return torch.cuda.memory_allocated

@@ -284,6 +284,10 @@ class ChunkedLoss(Lever):
         head = self.lm.get_output_embeddings()
         return [(head, HEAD_MARK)] if isinstance(head, nn.Module) and not self.trl else []
 
+    def measured_modules(self):
+        head = self.lm.get_output_embeddings()
+        return [head] if isinstance(head, nn.Module) and not self.trl else []
+
     def after_step_one(self, profile, resets: bool) -> None:
         """Between step one and step two (a step reported ended): measure each way the head can run (`measure`)
         into the profile, for the table and the solver."""

@@ -15,7 +15,7 @@ from .....memory import MIB
 from .....plans import FoundPlan
 from ...decide.budget import LeverChoice
 from ...measure.profile import HEAD_PLACE
-from ..protocol import sharded
+from ...sharding import sharded
 from .chunks import chunk_losses
 from .option import SYNTAX, Chunking, candidate_chunks, plan_of
 

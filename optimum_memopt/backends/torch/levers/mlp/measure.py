@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ... import _torch_api
-from ..protocol import sharded
+from ...sharding import sharded
 from .option import default_tiles, tile_counts
 from .tiles import drawn_by, exact_draws, tiled
 
