@@ -384,12 +384,16 @@ def test_fsdp2_auto_reads_its_choice_as_predicted_and_keeps_its_budget(tmp_path)
     (the embeddings and the head, 512 KiB each here) into storages it emptied, in the root's forward pre-hook before
     any op is counted; the CPU's count saw the head's again only at its first use and missed its emptying after the
     backward, and every check from step two on read 512 KiB over its prediction (`live.LiveCount.resized`)."""
-    modes = {"roomy": "auto:1e6", "tight": "auto:below:0.5", "steps": "auto-steps:1e6"}
+    modes = {"roomy": "auto:1e6", "tight": "auto:below:0.5", "steps": "auto-steps:1e6", "plain": "none-wide"}
     res = launch_modes(FSDP2_WORKER, tmp_path, modes, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    for name in modes:
+    plain = reports(tmp_path / "plain", 2)
+    for name in ("roomy", "tight", "steps"):
         for rank, got in enumerate(reports(tmp_path / name, 2)):
             assert got["layer_class"] == "FSDPLlamaDecoderLayer" and got["checks"]["sharded_seen"] == 0
+            # trained as the run without the plugin (step one's head in chunks sums its loss in another order)
+            assert max(abs(a - b) for a, b in zip(got["losses"], plain[rank]["losses"])) <= 1e-5, (name, rank)
+            assert got["checksum"] == pytest.approx(plain[rank]["checksum"], rel=1e-6), (name, rank)
             auto = got["auto"]
             if rank:  # rank 0 alone keeps the figures
                 continue
@@ -402,8 +406,9 @@ def test_fsdp2_auto_reads_its_choice_as_predicted_and_keeps_its_budget(tmp_path)
             assert all(v["measured_peak_mb"] <= auto["budget_mb"] for v in auto["verified"]), (name, auto)
             assert len(auto["verified"]) == 1, (name, auto)  # the first choice kept: nothing read over its budget
     # a loop that reports its steps: the head's ways and the MLP's tiles measured between steps one and two with
-    # their weights gathered (`levers.protocol.gathered`, on both ranks), and under a budget nothing needs, the whole
-    # head chosen, nothing recomputed (without it the head stayed in chunks, its ways unweighed)
+    # their weights gathered (`sharding.gathered`, on both ranks, the training after it the plain run's above), and
+    # under a budget nothing needs, the whole head chosen, nothing recomputed (without it the head stayed in chunks,
+    # its ways unweighed)
     steps = reports(tmp_path / "steps", 2)[0]["auto"]
     assert steps["measured"] == ["loss", "mlp"] and "loss off" in steps["lever_candidates"]["loss"], steps
     assert steps["fits"][0]["config"] == "" and steps["fits"][0]["per_layer"] == ["keep", "keep"], steps

@@ -3,7 +3,8 @@
 backward), trained in a plain loop. The torch backend wraps the model first, as in the Trainer (accelerate shards
 after `_wrap_model`). Usage: worker_fsdp2.py OUT NAME=MODE [NAME=MODE ...], each MODE one of `none` (no backend),
 `level1`, `plan:CONFIG`, `auto:BUDGET` (`optimize_memory(model, "auto", budget_mb=BUDGET)`, a vocabulary of
-`AUTO_VOCAB`: the root module's gathered weights, the embeddings and the head, 512 KiB each; BUDGET `below:K`: the
+`AUTO_VOCAB` (`none-wide`: no backend at that vocabulary): the root module's gathered weights, the embeddings and
+the head, 512 KiB each; BUDGET `below:K`: the
 peak the last `auto` mode's first choice predicted, less K MiB) or `auto-steps:BUDGET` (the same, the loop reporting
 its steps: `reports_steps=True`, `step_done()` after each optimizer step, so that the levers measure their ways
 between step one and step two), trained one after the other in this one launch (a fresh model, its own checks
@@ -67,7 +68,7 @@ def train(mode, out, mesh):
     torch.manual_seed(0)  # the same initial weights on every rank: fully_shard keeps this rank's slice of them
     auto = mode.startswith(("auto:", "auto-steps:"))
     reports = mode.startswith("auto-steps:")
-    vocab = AUTO_VOCAB if auto else VOCAB
+    vocab = AUTO_VOCAB if auto or mode == "none-wide" else VOCAB
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="sdpa",
@@ -81,7 +82,7 @@ def train(mode, out, mesh):
         handle = optimum_memopt.optimize_memory(
             model, "auto", budget_mb=float(budget), reports_steps=reports, say=lambda text: None
         )
-    elif mode != "none":
+    elif mode not in ("none", "none-wide"):
         entries = parse_plans(mode[len("plan:") :]) if mode.startswith("plan:") else []
         model = TorchBackend().wrap(model, WrapSettings(entries=entries, level=1 if mode == "level1" else 0))
     for layer in model.model.layers:
