@@ -6,9 +6,5 @@
 #   bash scripts/gpu_check.sh --rounds 3       # arguments go to scripts/gpu_check.py
 # About 15 minutes on one H100 with the defaults. PYTHON picks the interpreter (default: python3).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_DISABLED=true
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 exec "$PY" scripts/gpu_check.py "$@"

@@ -17,11 +17,7 @@
 #   6 (60)  the offload tests: bitwise, lower, counted (issue 55)
 # With Liger's wheel carried (`carry: [".whl"]`), begin the call with docs/GPU.md's pip line.
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$ROOT"
-PY="${PYTHON:-python3}"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false WANDB_DISABLED=true
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_env.sh"
 
 from=1
 deadline=560
