@@ -253,7 +253,20 @@ class MemoptTrainerMixin(OrtTrainerParts):
             reset_peaks=bool(a.skip_memory_metrics),
             label_smoothing=float(a.label_smoothing_factor or 0.0),
             loss_reader="the Trainer's `compute_loss_func`" if self.compute_loss_func is not None else None,
+            outputs_dropped=self._memopt_drops_outputs(),
         )
+
+    def _memopt_drops_outputs(self) -> bool:
+        """Whether the training step lets go of the model's outputs before its backward: transformers' own
+        `training_step` and `compute_loss` run it (this mixin's hand on to them), no subclass's (TRL's, a user's),
+        which may hold them longer (`WrapSettings.outputs_dropped`)."""
+        for name in ("training_step", "compute_loss"):
+            owner = next(
+                c for c in type(self).__mro__ if name in vars(c) and not c.__module__.startswith("optimum_memopt")
+            )
+            if owner is not transformers.Trainer:
+                return False
+        return True
 
     def _memopt_budget(self) -> Budget:
         a = self.args

@@ -107,6 +107,9 @@ class WrapSettings:
     # the trainer says where each optimizer step ends (`Backend.step_done`: the Trainer hook, a loop passing
     # `reports_steps=True`); False: a loop of one's own that does not, where each backward ends a step
     steps_reported: bool = True
+    # the loop lets go of the model's outputs before its backward (the Trainer's own `training_step` and
+    # `compute_loss`): a model's own head's logits are not held through the step; False: a loop that may keep them
+    outputs_dropped: bool = False
 
 
 class Backend:

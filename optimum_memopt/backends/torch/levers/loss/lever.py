@@ -174,6 +174,9 @@ class ChunkedLoss(Lever):
         # its tower, whose patches are not the head's tokens)
         self.tokens: Optional[int] = None
         self.calls = 0  # training forwards whose loss was chunked
+        # the loop lets go of the forward's outputs before its backward (`WrapSettings.outputs_dropped`): the model's
+        # own head's logits are not counted as held through the step (`measure`)
+        self.outputs_dropped = False
         self._said = set()
         self.installed = False
         self.signature = inspect.signature(type(lm).forward)
@@ -238,6 +241,7 @@ class ChunkedLoss(Lever):
                 )
             lever = cls(causal_lm(model), None)
             lever.smoothing = settings.label_smoothing or None
+            lever.outputs_dropped = settings.outputs_dropped
             # step one runs with the least memory any choice needs: every layer whole, the head in chunks whose
             # logits hold no more than the hidden states; `auto` may choose another way as step two's first layer
             # starts (each way measured after step one, where it fits what step one's peak or the budget left free)
@@ -245,6 +249,7 @@ class ChunkedLoss(Lever):
             return lever, None
         lever = cls(causal_lm(model), Chunking.of(option))
         lever.smoothing = settings.label_smoothing or None
+        lever.outputs_dropped = settings.outputs_dropped
         if lever.trl:
             logger.warning(
                 "`%s`: the model's head is chunked already by TRL's fused LM head (`SFTTrainer`), which runs its own "

@@ -186,7 +186,8 @@ def measure(lever, profile, resets: bool = True):
     ]
     if same is not None:  # the way the step ran, read from the count with its rows
         options.append(HeadOption(ran, got.held[same], got.seconds[same], got.bounds[same], rows_of(ran)))
-    logits = block_bytes(tokens * vocab * itemsize)
+    # what a loop keeping the forward's outputs holds of the model's own head: none where the loop lets go of them
+    logits = 0 if lever.outputs_dropped else block_bytes(tokens * vocab * itemsize)
     return HeadMeasure(tokens, hidden, vocab, plan_of(ran), options, why_not, logits, _torch_api.is_fake(weight))
 
 
