@@ -236,7 +236,8 @@ def choices(head: Optional[HeadMeasure], ran: Optional[Chunking] = None, marked:
     The rule (tests/test_torch_budget.py, `test_the_heads_ways_are_weighed_...`): each way is weighed as it held run
     alone, and the model's own head (outside a dry run) as returning its logits to a loop that keeps them (a loop
     that keeps `outputs` over the backward holds them through it and the next forward: `returned`; the checks say
-    what a loop that drops them holds less). What a way holds alone is what it adds in a step to a few KiB since the
+    what a loop that drops them holds less; none where the loop is known to let go of them, transformers' own step:
+    `HeadMeasure.logits_bytes`). What a way holds alone is what it adds in a step to a few KiB since the
     ways read hidden states made inside them and move only the head's stretches: on the CPU (torch 2.13) the checks
     of choices made from a measured step read 1 to 10 KiB under their predictions for the own head and coarser
     chunks (fp32 and LoRA, vocabulary / hidden 4 to 32), 0.4 MiB under with the own head in bf16. Before, a way
