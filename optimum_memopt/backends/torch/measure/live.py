@@ -103,13 +103,8 @@ class LiveCount(StorageCount):
     def ops(self) -> CountOps:
         return CountOps(self)
 
-    def count(self, storage) -> int:
-        key = _torch_api.storage_identity(storage)
-        known = key in self._live
-        grown = super().count(storage)
-        if known and grown:  # counted before at another size: resized in place since
-            self._resized_before.add(key)
-        return grown
+    def _resized_in_place(self, key: int) -> None:
+        self._resized_before.add(key)
 
     def resized(self, storage) -> None:
         super().resized(storage)

@@ -161,11 +161,16 @@ class StorageCount(_torch_api.TorchDispatchMode):
                 return 0
         elif known == nbytes:
             return 0
+        else:
+            self._resized_in_place(key)
         self._live[key] = nbytes
         grown = nbytes - (known or 0)
         self.current += grown
         self._grew(key, grown)
         return grown
+
+    def _resized_in_place(self, key: int) -> None:
+        """A storage counted before is counted at another size (resized in place since). By default nothing."""
 
     def _grew(self, key: int, nbytes: int) -> None:
         """A storage's count changed by `nbytes` (a subclass keeps it by part)."""
